@@ -1,0 +1,34 @@
+# The two commands a newcomer runs: `make demo` and `make test`.
+# Both build .venv from Python 3.12 themselves.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Python 3.12: the first of these that really is 3.12 (pyenv shims refuse unless selected).
+PYTHON312 ?= $(shell for p in $${PYTHON312_CANDIDATES:-$$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python 2>/dev/null) $$(command -v python3.12) /usr/bin/python3.12 /usr/local/bin/python3.12}; do \
+	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo "$$p" && break; done)
+
+.PHONY: venv test demo lint clean
+
+$(STAMP): pyproject.toml setup.py
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it (e.g. pyenv install 3.12) or set PYTHON312=/path/to/python3.12"; exit 1; }
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+demo: $(STAMP)
+	$(PY) demo/run_demo.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .demo

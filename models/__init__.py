@@ -1,0 +1,33 @@
+"""Inkling base models: presets, the byte-level tokenizer, and checkpoint directories."""
+
+from inkwell.models.base import (
+    BaseModelError,
+    BaseModelIdentity,
+    base_model_identity,
+    base_model_name,
+    config_identity,
+    init_base_model,
+    load_base_config,
+    load_base_model,
+    load_base_weights,
+)
+from inkwell.models.presets import PRESETS, preset_config
+from inkwell.models.tokenizer import encode_chat, encode_prompt_completion, load_tokenizer, stop_token_ids
+
+__all__ = [
+    "PRESETS",
+    "BaseModelError",
+    "BaseModelIdentity",
+    "base_model_identity",
+    "base_model_name",
+    "config_identity",
+    "encode_chat",
+    "encode_prompt_completion",
+    "init_base_model",
+    "load_base_config",
+    "load_base_model",
+    "load_base_weights",
+    "load_tokenizer",
+    "preset_config",
+    "stop_token_ids",
+]
