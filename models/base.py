@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from inkwell.models.presets import preset_config
+from inkwell.models.tokenizer import build_tokenizer
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import InklingForCausalLM, InklingTextConfig
-
-from inkwell.models.presets import preset_config
-from inkwell.models.tokenizer import build_tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -76,16 +75,20 @@ def load_base_config(model_dir: str | Path) -> InklingTextConfig:
     """The config of a base-model directory, or a BaseModelError saying what is wrong."""
     path = Path(model_dir) / CONFIG_FILE
     if not path.is_file():
-        raise BaseModelError(f"{path}: missing; a base model directory needs {CONFIG_FILE} "
-                             f"(create one with `inkwell models init inkling-tiny DIR`)")
+        raise BaseModelError(
+            f"{path}: missing; a base model directory needs {CONFIG_FILE} "
+            f"(create one with `inkwell models init inkling-tiny DIR`)"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise BaseModelError(f"{path}: not valid JSON ({exc}); restore the file from the checkpoint") from exc
     model_type = data.get("model_type")
     if model_type != INKLING_MODEL_TYPE:
-        raise BaseModelError(f"{path}: model_type is {model_type!r}, not {INKLING_MODEL_TYPE!r}; "
-                             "inkwell serves and trains Inkling text models only")
+        raise BaseModelError(
+            f"{path}: model_type is {model_type!r}, not {INKLING_MODEL_TYPE!r}; "
+            "inkwell serves and trains Inkling text models only"
+        )
     data = {k: v for k, v in data.items() if k not in {"inkwell_name", "transformers_version"}}
     return InklingTextConfig(**data)
 
@@ -114,8 +117,9 @@ def load_base_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
         raise BaseModelError(f"{path}: corrupt safetensors file ({exc}); re-download or re-create it") from exc
 
 
-def load_base_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> InklingForCausalLM:
+def load_base_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> InklingForCausalLM:
     """transformers' InklingForCausalLM for a base-model directory, eager attention, eval mode."""
     config = load_base_config(model_dir)
     config._attn_implementation = "eager"
@@ -125,7 +129,9 @@ def load_base_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     missing = sorted(set(model.state_dict()) - set(weights))
     unexpected = sorted(set(weights) - set(model.state_dict()))
     if missing or unexpected:
-        raise BaseModelError(f"{Path(model_dir) / WEIGHTS_FILE}: does not match config.json "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise BaseModelError(
+            f"{Path(model_dir) / WEIGHTS_FILE}: does not match config.json "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model.load_state_dict(weights, assign=True, strict=True)
     return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,11 @@
+"""The `inkwell` command line: each area mounts its own typer app here."""
+
+import typer
+
+from inkwell.models.cli import app as models_app
+
+app = typer.Typer(help="inkwell: LoRA fine-tuning and multi-adapter serving for Inkling models.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+if __name__ == "__main__":
+    app()

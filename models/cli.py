@@ -1,0 +1,42 @@
+"""`inkwell models ...`: create and inspect Inkling base-model checkpoints."""
+
+from pathlib import Path
+
+import typer
+from inkwell.models.base import BaseModelError, base_model_identity, init_base_model, load_base_config
+from inkwell.models.presets import PRESETS
+from rich.console import Console
+
+app = typer.Typer(help="Create and inspect Inkling base models.", no_args_is_help=True)
+console = Console()
+
+
+@app.command("init")
+def init(
+    preset: str = typer.Argument(..., help=f"one of: {', '.join(PRESETS)}"),
+    out_dir: Path = typer.Argument(..., help="directory to write config.json, weights and tokenizer to"),
+    seed: int = typer.Option(0, help="weights are a deterministic function of the seed"),
+    name: str = typer.Option(None, help="name recorded in config.json (default: the preset)"),
+) -> None:
+    """Write a deterministic HF-format checkpoint of a preset."""
+    if preset not in PRESETS:
+        console.print(f"[red]unknown preset {preset!r}[/]; choose from {', '.join(PRESETS)}")
+        raise typer.Exit(2)
+    path = init_base_model(preset, out_dir, seed=seed, name=name)
+    console.print(f"wrote {preset} (seed {seed}) to {path}")
+
+
+@app.command("show")
+def show(model_dir: Path) -> None:
+    """Print a base model's identity and shape."""
+    try:
+        config = load_base_config(model_dir)
+        identity = base_model_identity(model_dir)
+    except BaseModelError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from exc
+    console.print(f"{identity.name}  config sha256 {identity.config_sha256[:16]}…")
+    console.print(
+        f"hidden {config.hidden_size}, layers {config.num_hidden_layers}, "
+        f"experts {config.n_routed_experts} (top {config.num_experts_per_tok}) + {config.n_shared_experts} shared"
+    )
