@@ -1,0 +1,264 @@
+"""The HTTP API's JSON shapes (pydantic). docs/api.md describes the same contract in prose.
+
+The SDK and the CLI are written against these models, so they change only by adding fields.
+"""
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from inkwell.adapters.spec import LoraSpec
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+TERMINAL_STATES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
+EventType = Literal["state", "progress", "checkpoint", "eval", "log", "published"]
+Layout = Literal["sglang", "peft"]
+LAYOUTS: tuple[str, ...] = ("sglang", "peft")
+DatasetFormat = Literal["chat", "prompt_completion"]
+
+# Adapter, alias and dataset names: a path segment that is safe in S3 keys, URLs and file names.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RULE = "1-64 characters from letters, digits, '.', '_' and '-', starting with a letter or digit, no '..'"
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter or alias, or None when it can."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it contains control characters"
+    if "/" in name or "\\" in name:
+        return "it contains a path separator"
+    if ".." in name:
+        return "it contains '..'"
+    if not NAME_PATTERN.match(name):
+        return f"it must be {NAME_RULE}"
+    return None
+
+
+class Schema(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class ErrorBody(Schema):
+    code: str = Field(description="machine-readable, e.g. 'not_found', 'invalid_dataset', 'storage_unavailable'")
+    message: str = Field(description="what is wrong and how to fix it")
+    details: dict[str, Any] = Field(default_factory=dict, description="always has 'retryable' (bool)")
+
+
+class ErrorResponse(Schema):
+    error: ErrorBody
+
+
+class Page[T](Schema):
+    """One page of a list. Pass `next_cursor` back as `cursor` for the next page; null = last page."""
+
+    data: list[T]
+    next_cursor: str | None = None
+
+
+# ---- models -----------------------------------------------------------------------------------
+
+
+class BaseModelInfo(Schema):
+    """A registered base model, in the OpenAI `/v1/models` shape plus inkwell fields."""
+
+    id: str = Field(description="the base model's name, e.g. 'inkling-tiny'")
+    object: Literal["model"] = "model"
+    created: int = Field(description="unix seconds")
+    owned_by: str = "inkwell"
+    config_sha256: str
+    hidden_size: int
+    num_hidden_layers: int
+    n_routed_experts: int
+    vocab_size: int
+
+
+class ModelList(Schema):
+    object: Literal["list"] = "list"
+    data: list[BaseModelInfo]
+
+
+# ---- datasets ---------------------------------------------------------------------------------
+
+
+class Dataset(Schema):
+    id: str = Field(description="'ds_' + 24 hex")
+    name: str
+    format: DatasetFormat
+    num_examples: int
+    size_bytes: int
+    sha256: str
+    created_at: datetime
+
+
+# ---- jobs -------------------------------------------------------------------------------------
+
+
+class Hyperparameters(Schema):
+    """Training knobs passed to the trainer; defaults suit inkling-tiny on a CPU."""
+
+    model_config = ConfigDict(extra="forbid", from_attributes=True)
+
+    learning_rate: float = Field(1e-3, gt=0, le=1.0)
+    max_steps: int = Field(20, ge=1, le=1_000_000)
+    batch_size: int = Field(4, ge=1, le=4096)
+    seq_len: int = Field(256, ge=8, le=131072)
+    grad_accum: int = Field(1, ge=1, le=1024)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: str = Field("cosine", description="a schedule the trainer knows, e.g. constant, linear, cosine")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    seed: int = 0
+    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints uploaded to S3")
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+
+
+class JobCreate(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str = Field(description="a name from GET /v1/models")
+    dataset_id: str
+    eval_dataset_id: str | None = None
+    adapter_name: str = Field(description=f"registry name of the adapter this job publishes; {NAME_RULE}")
+    method: Literal["sft"] = "sft"
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+
+    @field_validator("adapter_name")
+    @classmethod
+    def _adapter_name(cls, value: str) -> str:
+        problem = name_problem(value)
+        if problem:
+            raise ValueError(f"adapter name {value!r} is not allowed: {problem}")
+        return value
+
+
+class JobErrorInfo(Schema):
+    code: str
+    message: str
+
+
+class JobProgress(Schema):
+    step: int = 0
+    max_steps: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+
+
+class Job(Schema):
+    id: str = Field(description="'job_' + 24 hex")
+    state: JobState
+    base_model: str
+    dataset_id: str
+    eval_dataset_id: str | None
+    adapter_name: str
+    adapter_version: int | None = Field(description="set once the job published its version")
+    method: str
+    lora: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    progress: JobProgress
+    error: JobErrorInfo | None
+    cancel_requested: bool
+    attempts: int = Field(description="how many times a worker claimed the job")
+    last_checkpoint_step: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobEvent(Schema):
+    id: int = Field(description="increasing; pass as `after` (or SSE Last-Event-ID) to resume")
+    job_id: str
+    type: EventType
+    state: JobState | None = None
+    message: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+# ---- adapters ---------------------------------------------------------------------------------
+
+
+class AdapterFile(Schema):
+    layout: Layout
+    path: str = Field(description="file name inside the layout directory, e.g. 'adapter_model.safetensors'")
+    size: int
+    sha256: str
+
+
+class Lineage(Schema):
+    source: Literal["job", "import"]
+    job_id: str | None = None
+    dataset_id: str | None = None
+    base_model: str
+    base_config_sha256: str
+
+
+class AdapterVersion(Schema):
+    name: str
+    version: int
+    base_model: str
+    lora: dict[str, Any]
+    files: list[AdapterFile]
+    size_bytes: int
+    metrics: dict[str, Any]
+    lineage: Lineage
+    aliases: list[str] = Field(description="aliases that point at this version now")
+    created_at: datetime
+    deleted: bool
+    deleted_at: datetime | None
+
+
+class Adapter(Schema):
+    name: str
+    base_model: str
+    latest_version: int | None = Field(description="highest version not deleted")
+    num_versions: int = Field(description="versions not deleted")
+    aliases: dict[str, int]
+    created_at: datetime
+    updated_at: datetime
+
+
+class AliasSet(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=1)
+
+
+class Alias(Schema):
+    name: str
+    alias: str
+    version: int
+    updated_at: datetime
+
+
+class DownloadFile(AdapterFile):
+    url: str = Field(description="presigned S3 GET, valid `expires_in` seconds")
+    download_path: str = Field(description="path on this API that streams the file (sha256 checked)")
+
+
+class Download(Schema):
+    name: str
+    version: int
+    layout: Layout
+    expires_in: int
+    files: list[DownloadFile]
+
+
+class AuditEntry(Schema):
+    id: int
+    action: str
+    target: str
+    actor: str | None
+    data: dict[str, Any]
+    created_at: datetime
+
+
+# ---- health -----------------------------------------------------------------------------------
+
+
+class Health(Schema):
+    status: Literal["ok", "degraded"]
+    database: Literal["ok", "unavailable"]
+    storage: Literal["ok", "unavailable"]
+    version: str
