@@ -3,10 +3,11 @@
 from dataclasses import dataclass, field
 
 import torch
+from transformers import InklingTextConfig
+
 from inkwell.adapters.spec import LoraSpec
 from inkwell.adapters.targets import Target, model_targets
 from inkwell.models.base import BaseModelIdentity
-from transformers import InklingTextConfig
 
 
 @dataclass

@@ -13,8 +13,9 @@ so expert e's delta is B_e @ A (gate/up) or B @ A_e (down), times alpha / r.
 
 from dataclasses import dataclass
 
-from inkwell.adapters.spec import LoraSpec
 from transformers import InklingTextConfig
+
+from inkwell.adapters.spec import LoraSpec
 
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "r_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from inkwell.models.presets import preset_config
-from inkwell.models.tokenizer import build_tokenizer
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import InklingForCausalLM, InklingTextConfig
+
+from inkwell.models.presets import preset_config
+from inkwell.models.tokenizer import build_tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

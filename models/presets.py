@@ -1,7 +1,8 @@
 """Named Inkling configurations: a CPU-sized one with every feature on, and the GPU benchmark one."""
 
-from inkwell.models.tokenizer import VOCAB_SIZE as TOKENIZER_VOCAB
 from transformers import InklingTextConfig
+
+from inkwell.models.tokenizer import VOCAB_SIZE as TOKENIZER_VOCAB
 
 PRESETS: dict[str, dict] = {
     # Under 10M parameters, yet every Inkling feature is exercised: sliding and full layers,

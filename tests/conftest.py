@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from inkwell.models import init_base_model
 
 torch.set_num_threads(2)
