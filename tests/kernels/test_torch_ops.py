@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink
 
 
