@@ -16,16 +16,15 @@ import torch
 from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
+from inkwell.adapters.errors import LayoutError
 from inkwell.adapters.spec import LoraSpec
-from inkwell.adapters.targets import Target, model_targets
+from inkwell.adapters.targets import ATTN_PROJS, MLP_PROJS, Target, model_targets
 
 PREFIX = "base_model.model."
 
 
-class PeftLayoutError(ValueError):
+class PeftLayoutError(LayoutError):
     """A peft adapter that cannot be represented in inkwell's shared-outer form."""
-
-    code = "bad_peft_layout"
 
 
 def _expert_params(parent: str, projs: list[str]) -> list[str]:
@@ -141,6 +140,32 @@ def _shared(factors: torch.Tensor, what: str) -> torch.Tensor:
     return factors[0]
 
 
+def infer_spec(adapter_config: dict) -> LoraSpec:
+    """The LoraSpec of a peft adapter written by another tool: one rank, groups from its names."""
+    names = list(adapter_config.get("target_modules") or []) + list(adapter_config.get("target_parameters") or [])
+    groups = []
+    for name in names:
+        parts = name.split(".")
+        if "shared_experts" in parts:
+            groups.append("shared_experts")
+        elif "experts" in parts:
+            groups.append("experts")
+        elif parts[-1] in ATTN_PROJS:
+            groups.append("attn")
+        elif parts[-1] in MLP_PROJS:
+            groups.append("mlp")
+        elif parts[-1] == "lm_head":
+            groups.append("lm_head")
+        else:
+            raise PeftLayoutError(f"target {name!r} is not an Inkling module (expected transformers Inkling names)")
+    return LoraSpec(
+        rank=int(adapter_config["r"]),
+        alpha=float(adapter_config["lora_alpha"]),
+        dropout=float(adapter_config.get("lora_dropout", 0.0)),
+        targets=tuple(dict.fromkeys(groups)),
+    )
+
+
 def from_peft(
     tensors: dict[str, torch.Tensor], adapter_config: dict, config: InklingTextConfig, spec: LoraSpec
 ) -> dict[str, torch.Tensor]:
@@ -166,12 +191,14 @@ def from_peft(
         for param in params:
             key = _param_key(parent, params, param)
             a, b = _unstack(get(f"{key}.lora_A.weight"), get(f"{key}.lora_B.weight"), count)
-            if param == "gate_up_proj":
-                f = b.shape[1] // 2
-                b = b / (rs / r)
+            b = b / (rs / r)
+            f = b.shape[1] // 2
+            if param == "gate_up_proj" and 2 * r <= rs:  # block form written by to_peft
                 pairs = {"gate_proj": (a[:, :r], b[:, :f, :r]), "up_proj": (a[:, r : 2 * r], b[:, f:, r : 2 * r])}
+            elif param == "gate_up_proj":  # fused form (peft-trained): gate and up share one A
+                pairs = {"gate_proj": (a[:, :r], b[:, :f, :r]), "up_proj": (a[:, :r], b[:, f:, :r])}
             else:
-                pairs = {param: (a[:, :r], b[:, :, :r] / (rs / r))}
+                pairs = {param: (a[:, :r], b[:, :, :r])}
             for proj, (a_e, b_e) in pairs.items():
                 name = f"{parent}.{proj}"
                 if targets[proj].kind == "expert_in":
