@@ -20,7 +20,23 @@ $(STAMP): pyproject.toml setup.py
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# SGLang 0.5.23 is the oracle of the `sglang` adapter layout (tests/adapters/test_sglang_layout.py).
+# Its full dependency tree is GPU-only: install it without deps, plus what its LoRA loader and
+# Inkling LoRA layers import on a CPU host (torchvision must match torch 2.14.1).
+SGLANG_STAMP := $(VENV)/.sglang
+SGLANG_TEST_DEPS := pybase64 triton pillow starlette IPython aiohttp torchvision==0.29.1 dill sentencepiece \
+	apache-tvm-ffi==0.1.11 compressed-tensors gguf orjson psutil pyzmq msgspec pydantic requests einops \
+	partial-json-parser
+
+.PHONY: sglang-test-deps
+sglang-test-deps: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
+	$(PY) -m pip install -q $(SGLANG_TEST_DEPS)
+	touch $(SGLANG_STAMP)
+
+test: $(STAMP) $(SGLANG_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
