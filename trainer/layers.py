@@ -1,0 +1,105 @@
+"""Inkling's own building blocks, written to compute exactly what transformers' modules compute.
+
+RMSNorm, the segment-aware ShortConv and the relative-logits bias. Packing is handled through
+`Packing`: per-token positions that restart in every sample and segment ids; no conv state and
+no attention crosses a segment boundary.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inkwell.trainer.lora import mark
+
+
+@dataclass
+class Packing:
+    """Per-batch layout shared by every layer: positions restart per sample; masks are derived once."""
+
+    positions: torch.Tensor  # [b, s] long
+    segments: torch.Tensor  # [b, s] long
+    distance: torch.Tensor  # [b, s, s] long: positions[q] - positions[k]
+    causal: torch.Tensor  # [b, s, s] bool: same segment and k <= q
+    conv_masks: torch.Tensor  # [K, b, s, 1] float: token t-j is in t's segment
+
+    @classmethod
+    def build(cls, segments: torch.Tensor, conv_kernel: int) -> "Packing":
+        b, s = segments.shape
+        idx = torch.arange(s, device=segments.device)
+        starts = torch.ones_like(segments, dtype=torch.bool)
+        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        start_pos = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)).expand(b, s), dim=1).values
+        positions = idx - start_pos
+        distance = positions[:, :, None] - positions[:, None, :]
+        same = segments[:, :, None] == segments[:, None, :]
+        causal = same & (idx[None, :, None] >= idx[None, None, :])
+        padded = torch.nn.functional.pad(segments, (conv_kernel - 1, 0), value=-1)
+        masks = [(padded[:, conv_kernel - 1 - j : conv_kernel - 1 - j + s] == segments) for j in range(conv_kernel)]
+        conv_masks = torch.stack(masks).unsqueeze(-1).float()
+        return cls(positions, segments, distance, causal, conv_masks)
+
+    @classmethod
+    def single(cls, batch: int, seq: int, conv_kernel: int, device) -> "Packing":
+        return cls.build(torch.zeros(batch, seq, dtype=torch.long, device=device), conv_kernel)
+
+
+class RMSNorm(nn.Module):
+    """transformers' InklingRMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float, hf_name: str, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        mark(self.weight, f"{hf_name}.weight")
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv plus residual in fp32, reset at every segment start.
+
+    With `shard_tp` set the conv runs on a column-parallel stream (K/V) and its channels are split.
+    """
+
+    def __init__(self, channels: int, kernel: int, hf_name: str, shard_tp: int | None = None, device=None):
+        super().__init__()
+        self.kernel = kernel
+        local = channels // (shard_tp or 1)
+        self.weight = nn.Parameter(torch.zeros(local, 1, kernel, device=device), requires_grad=False)
+        mark(self.weight, f"{hf_name}.conv1d.weight", tp_dim=0 if shard_tp else None)
+
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        s = h.shape[1]
+        padded = torch.nn.functional.pad(h, (0, 0, self.kernel - 1, 0))
+        w = self.weight[:, 0, :]  # [C, K]; out[t] = sum_j w[K-1-j] * x[t-j]
+        out = torch.zeros_like(h)
+        for j in range(self.kernel):
+            shifted = padded[:, self.kernel - 1 - j : self.kernel - 1 - j + s]
+            out = out + shifted * packing.conv_masks[j] * w[:, self.kernel - 1 - j]
+        return (out + h).to(dtype)
+
+
+class RelativeLogits(nn.Module):
+    """Per-head bias by causal distance within a sample, zero outside [0, extent)."""
+
+    def __init__(self, d_rel: int, extent: int, hf_name: str, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.extent = extent
+        self.proj = nn.Parameter(torch.zeros(d_rel, extent, dtype=dtype, device=device), requires_grad=False)
+        mark(self.proj, f"{hf_name}.proj")
+
+    def forward(self, relative_states: torch.Tensor, packing: Packing) -> torch.Tensor:
+        # relative_states [b, s, h, d_rel] -> bias [b, h, s, s]
+        rel = (relative_states @ self.proj).transpose(1, 2)
+        b, h, s, _ = rel.shape
+        dist = packing.distance[:, None]
+        index = dist.clamp(0, self.extent - 1).expand(b, h, s, s)
+        bias = rel.gather(-1, index)
+        return bias.masked_fill((dist < 0) | (dist >= self.extent), 0.0)

@@ -1,0 +1,119 @@
+"""LoRA on megatron-core's tensor-parallel linears, and how each parameter maps to HF names.
+
+Every parameter of the model carries `hf_name` (the transformers tensor it mirrors, or the
+canonical LoRA name from inkwell.adapters) plus the dimensions sharded over tensor and expert
+parallelism. The bridge reads only these attributes, so loading any TP/EP layout from an HF
+checkpoint and writing it back needs no per-module code.
+
+Column-parallel base (output sharded): A replicated, B sharded on its output rows; the rank-r
+activation passes `copy_to_tensor_model_parallel_region` so A sees the full gradient.
+Row-parallel base (input sharded): A sharded on its input columns, B replicated; the partial
+rank-r activations are summed with `reduce_from_tensor_model_parallel_region`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer import TransformerConfig
+from torch import nn
+
+from inkwell.trainer.parallel import tp_group
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Rank, alpha/r scaling and input dropout of one adapted weight."""
+
+    rank: int
+    scaling: float
+    dropout: float = 0.0
+
+
+def mark(
+    param: torch.Tensor,
+    hf_name: str,
+    tp_dim: int | None = None,
+    ep_dim: int | None = None,
+    chunk: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Record where `param` lives in the HF/canonical state dict (chunk = (dim, index, count))."""
+    param.hf_name = hf_name
+    param.tp_dim = tp_dim
+    param.ep_dim = ep_dim
+    param.hf_chunk = chunk
+    return param
+
+
+def lora_param(shape: tuple[int, ...], name: str, tp_dim: int | None = None, ep_dim: int | None = None, device=None):
+    """A trainable fp32 LoRA factor (fp32 master weights also under bf16 compute)."""
+    p = nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device))
+    p.is_lora = True
+    return mark(p, name, tp_dim=tp_dim, ep_dim=ep_dim)
+
+
+def lora_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    return F.dropout(x, p=p, training=training) if p > 0 else x
+
+
+def _noinit(_: torch.Tensor) -> None:
+    """Weights come from the HF checkpoint through the bridge; megatron must not initialise them."""
+
+
+class ParallelLinear(nn.Module):
+    """A frozen megatron Column/RowParallelLinear plus optional LoRA factors A, B."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        config: TransformerConfig,
+        parallel: str,
+        hf_name: str,
+        lora: LoraSettings | None = None,
+    ):
+        super().__init__()
+        self.parallel = parallel
+        tp = config.tensor_model_parallel_size
+        if parallel == "column":
+            self.base = tensor_parallel.ColumnParallelLinear(
+                in_features, out_features, config=config, init_method=_noinit, bias=False, gather_output=False
+            )
+            mark(self.base.weight, f"{hf_name}.weight", tp_dim=0)
+        elif parallel == "row":
+            self.base = tensor_parallel.RowParallelLinear(
+                in_features,
+                out_features,
+                config=config,
+                init_method=_noinit,
+                bias=False,
+                input_is_parallel=True,
+                skip_bias_add=True,
+            )
+            mark(self.base.weight, f"{hf_name}.weight", tp_dim=1)
+        else:
+            raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
+        self.base.weight.requires_grad_(False)
+        self.lora = lora
+        if lora is not None:
+            device = self.base.weight.device
+            if parallel == "column":
+                self.lora_A = lora_param((lora.rank, in_features), f"{hf_name}.lora_A", device=device)
+                self.lora_B = lora_param((out_features // tp, lora.rank), f"{hf_name}.lora_B", tp_dim=0, device=device)
+            else:
+                self.lora_A = lora_param((lora.rank, in_features // tp), f"{hf_name}.lora_A", tp_dim=1, device=device)
+                self.lora_B = lora_param((out_features, lora.rank), f"{hf_name}.lora_B", device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.base(x)
+        if self.lora is None:
+            return y
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        u = F.linear(lora_dropout(x, self.lora.dropout, self.training), a)
+        if self.parallel == "column":
+            u = tensor_parallel.copy_to_tensor_model_parallel_region(u, group=tp_group())
+        else:
+            u = tensor_parallel.reduce_from_tensor_model_parallel_region(u, group=tp_group())
+        return y + self.lora.scaling * F.linear(u, b)

@@ -1,0 +1,265 @@
+"""Inkling as a megatron-core model assembled from ModuleSpecs.
+
+`inkling_layer_spec` describes a decoder layer: attention (q/k/v/r column-parallel, o
+row-parallel, ShortConv on the K and V streams before the Q/K RMSNorms, relative-logits bias,
+log scaling on full layers), ShortConv on the attention and MLP outputs, and a dense MLP or the
+MoE. `build_module` instantiates the spec; every leaf is a megatron tensor-parallel linear or
+one of Inkling's own parts in `layers` / `moe`. The forward reproduces transformers'
+`InklingForCausalLM` (eager attention) on unpacked input, and runs packed batches segment-aware.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.transformer import ModuleSpec, TransformerConfig, build_module
+from torch import nn
+from transformers import InklingTextConfig
+
+from inkwell.adapters.spec import LoraSpec
+from inkwell.trainer.layers import Packing, RelativeLogits, RMSNorm, ShortConv
+from inkwell.trainer.lora import LoraSettings, ParallelLinear, mark
+from inkwell.trainer.moe import InklingMoE
+
+
+@dataclass
+class Build:
+    """Everything a submodule needs to construct itself on this rank."""
+
+    hf: InklingTextConfig
+    mc: TransformerConfig
+    lora: LoraSpec | None
+    dtype: torch.dtype
+    device: torch.device
+    tp: int = 1
+    ep: int = 1
+    ep_rank: int = 0
+
+    def lora_for(self, group: str) -> LoraSettings | None:
+        if self.lora is None or group not in self.lora.targets:
+            return None
+        return LoraSettings(self.lora.rank_for(group), self.lora.scaling_for(group), self.lora.dropout)
+
+
+def megatron_config(hf: InklingTextConfig, tp: int, ep: int, dtype: torch.dtype, device: str) -> TransformerConfig:
+    """megatron-core's TransformerConfig for the parallel linears; weights come from the bridge."""
+    return TransformerConfig(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads,
+        ffn_hidden_size=hf.intermediate_size,
+        num_moe_experts=hf.n_routed_experts,
+        moe_ffn_hidden_size=hf.moe_intermediate_size,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=False,
+        sequence_parallel=False,
+    )
+
+
+@dataclass
+class AttentionSubmodules:
+    linear_q: ModuleSpec
+    linear_k: ModuleSpec
+    linear_v: ModuleSpec
+    linear_r: ModuleSpec
+    linear_o: ModuleSpec
+    kv_sconv: type = ShortConv
+    qk_norm: type = RMSNorm
+    rel_logits: type = RelativeLogits
+
+
+class InklingAttention(nn.Module):
+    """Relative-logits attention over this rank's heads (sliding or full, log-scaled when full)."""
+
+    def __init__(self, build: Build, layer: int, submodules: AttentionSubmodules):
+        super().__init__()
+        cfg, tp = build.hf, build.tp
+        prefix = f"model.layers.{layer}.self_attn"
+        self.sliding = cfg.layer_types[layer] == "hybrid_sliding"
+        heads = cfg.swa_num_attention_heads if self.sliding else cfg.num_attention_heads
+        kv = cfg.swa_num_key_value_heads if self.sliding else cfg.num_key_value_heads
+        self.head_dim = cfg.swa_head_dim if self.sliding else cfg.head_dim
+        self.heads, self.kv_heads = heads // tp, kv // tp
+        self.window = cfg.sliding_window_size if self.sliding else None
+        extent = cfg.sliding_window_size if self.sliding else cfg.rel_extent
+        self.log_floor = None if self.sliding else cfg.log_scaling_n_floor
+        self.log_alpha = cfg.log_scaling_alpha
+        h, hd, lora = cfg.hidden_size, self.head_dim, build.lora_for("attn")
+        kw = {"config": build.mc, "lora": lora}
+        self.q_proj = build_module(submodules.linear_q, h, heads * hd, hf_name=f"{prefix}.q_proj", **kw)
+        self.k_proj = build_module(submodules.linear_k, h, kv * hd, hf_name=f"{prefix}.k_proj", **kw)
+        self.v_proj = build_module(submodules.linear_v, h, kv * hd, hf_name=f"{prefix}.v_proj", **kw)
+        self.r_proj = build_module(submodules.linear_r, h, heads * cfg.d_rel, hf_name=f"{prefix}.r_proj", **kw)
+        self.o_proj = build_module(submodules.linear_o, heads * hd, h, hf_name=f"{prefix}.o_proj", **kw)
+        conv = {"kernel": cfg.conv_kernel_size, "shard_tp": tp, "device": build.device}
+        self.k_sconv = build_module(submodules.kv_sconv, kv * hd, hf_name=f"{prefix}.k_sconv", **conv)
+        self.v_sconv = build_module(submodules.kv_sconv, kv * hd, hf_name=f"{prefix}.v_sconv", **conv)
+        norm = {"eps": cfg.rms_norm_eps, "dtype": build.dtype, "device": build.device}
+        self.q_norm = build_module(submodules.qk_norm, hd, hf_name=f"{prefix}.q_norm", **norm)
+        self.k_norm = build_module(submodules.qk_norm, hd, hf_name=f"{prefix}.k_norm", **norm)
+        self.rel_logits = build_module(
+            submodules.rel_logits, cfg.d_rel, extent, f"{prefix}.rel_logits_proj", build.dtype, build.device
+        )
+
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_sconv(self.k_proj(x), packing).view(b, s, self.kv_heads, self.head_dim)
+        k = self.k_norm(k).transpose(1, 2)
+        v = self.v_sconv(self.v_proj(x), packing).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        bias = self.rel_logits(self.r_proj(x).view(b, s, self.heads, -1), packing)
+        if self.log_floor is not None:
+            n = (packing.positions + 1).float()
+            tau = (1.0 + self.log_alpha * torch.log((n / self.log_floor).clamp(min=1.0)))[:, None, :, None]
+            q = (q.float() * tau).to(q.dtype)
+            bias = (bias.float() * tau).to(bias.dtype)
+        allowed = packing.causal
+        if self.window is not None:
+            allowed = allowed & (packing.distance < self.window)
+        out = eager_attention(q, k, v, bias, allowed[:, None], 1.0 / self.head_dim)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def eager_attention(q, k, v, bias, allowed, scaling: float) -> torch.Tensor:
+    """transformers' eager attention: scores*scale + bias, masked, fp32 softmax, GQA by expansion."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling + bias
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU with column-parallel gate/up, row-parallel down, times the learned global scale."""
+
+    def __init__(self, build: Build, layer: int):
+        super().__init__()
+        cfg, prefix = build.hf, f"model.layers.{layer}.mlp"
+        kw = {"config": build.mc, "lora": build.lora_for("mlp")}
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ParallelLinear(h, f, parallel="column", hf_name=f"{prefix}.gate_proj", **kw)
+        self.up_proj = ParallelLinear(h, f, parallel="column", hf_name=f"{prefix}.up_proj", **kw)
+        self.down_proj = ParallelLinear(f, h, parallel="row", hf_name=f"{prefix}.down_proj", **kw)
+        self.global_scale = nn.Parameter(torch.ones(1, dtype=build.dtype, device=build.device), requires_grad=False)
+        mark(self.global_scale, f"{prefix}.global_scale")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) * self.global_scale
+
+
+@dataclass
+class DecoderLayerSubmodules:
+    self_attention: ModuleSpec
+    mlp: type
+    input_layernorm: type = RMSNorm
+    attn_sconv: type = ShortConv
+    pre_mlp_layernorm: type = RMSNorm
+    mlp_sconv: type = ShortConv
+
+
+class InklingDecoderLayer(nn.Module):
+    """norm -> attention -> ShortConv -> +residual; norm -> MLP/MoE -> ShortConv -> +residual."""
+
+    def __init__(self, build: Build, layer: int, submodules: DecoderLayerSubmodules):
+        super().__init__()
+        cfg, prefix = build.hf, f"model.layers.{layer}"
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        norm = {"eps": eps, "dtype": build.dtype, "device": build.device}
+        conv = {"kernel": cfg.conv_kernel_size, "device": build.device}
+        self.input_layernorm = build_module(submodules.input_layernorm, h, hf_name=f"{prefix}.input_layernorm", **norm)
+        self.self_attn = build_module(submodules.self_attention, build, layer)
+        self.attn_sconv = build_module(submodules.attn_sconv, h, hf_name=f"{prefix}.attn_sconv", **conv)
+        self.post_attention_layernorm = build_module(
+            submodules.pre_mlp_layernorm, h, hf_name=f"{prefix}.post_attention_layernorm", **norm
+        )
+        self.mlp = build_module(submodules.mlp, build, layer)
+        self.mlp_sconv = build_module(submodules.mlp_sconv, h, hf_name=f"{prefix}.mlp_sconv", **conv)
+
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        h = self.attn_sconv(self.self_attn(self.input_layernorm(x), packing), packing)
+        x = x + h
+        h = self.mlp_sconv(self.mlp(self.post_attention_layernorm(x)), packing)
+        return x + h
+
+
+def inkling_layer_spec(hf: InklingTextConfig, layer: int) -> ModuleSpec:
+    """The ModuleSpec of decoder layer `layer`: dense MLP or MoE as the config says."""
+    column = ModuleSpec(ParallelLinear, params={"parallel": "column"})
+    row = ModuleSpec(ParallelLinear, params={"parallel": "row"})
+    attention = ModuleSpec(
+        InklingAttention,
+        submodules=AttentionSubmodules(column, column, column, column, row),
+    )
+    mlp = DenseMLP if hf.mlp_layer_types[layer] == "dense" else InklingMoE
+    return ModuleSpec(InklingDecoderLayer, submodules=DecoderLayerSubmodules(self_attention=attention, mlp=mlp))
+
+
+class InklingGPT(nn.Module):
+    """Embedding (vocab-parallel) + embed norm, decoder layers from specs, final norm, muP-scaled LM head."""
+
+    def __init__(self, hf: InklingTextConfig, lora: LoraSpec | None, dtype: torch.dtype, device: str):
+        super().__init__()
+        tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+        _check_divisible(hf, tp, ep)
+        mc = megatron_config(hf, tp, ep, dtype, device)
+        dev = torch.device(device) if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        build = Build(hf, mc, lora, dtype, dev, tp, ep, ps.get_expert_model_parallel_rank())
+        self.config = hf
+        self.embed_tokens = tensor_parallel.VocabParallelEmbedding(
+            hf.vocab_size, hf.hidden_size, init_method=lambda _: None, config=mc
+        )
+        self.embed_tokens.weight.requires_grad_(False)
+        mark(self.embed_tokens.weight, "model.embed_tokens.weight", tp_dim=0)
+        norm = {"eps": hf.rms_norm_eps, "dtype": dtype, "device": dev}
+        self.embed_norm = RMSNorm(hf.hidden_size, hf_name="model.embed_tokens.embed_norm", **norm)
+        self.layers = nn.ModuleList(
+            build_module(inkling_layer_spec(hf, i), build, i) for i in range(hf.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf.hidden_size, hf_name="model.norm", **norm)
+        head_lora = build.lora_for("lm_head")
+        self.lm_head = ParallelLinear(
+            hf.hidden_size, hf.vocab_size, config=mc, parallel="column", hf_name="lm_head", lora=head_lora
+        )
+
+    def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel logits [b, s, V/tp] of (packed) token ids; segments [b, s] mark samples."""
+        if segments is None:
+            packing = Packing.single(*input_ids.shape, self.config.conv_kernel_size, input_ids.device)
+        else:
+            packing = Packing.build(segments, self.config.conv_kernel_size)
+        x = self.embed_norm(self.embed_tokens(input_ids))
+        for layer in self.layers:
+            x = layer(x, packing)
+        x = self.norm(x) / self.config.logits_mup_width_multiplier
+        return self.lm_head(x)
+
+    def routers(self) -> dict[int, nn.Module]:
+        return {i: layer.mlp.router for i, layer in enumerate(self.layers) if isinstance(layer.mlp, InklingMoE)}
+
+
+def _check_divisible(hf: InklingTextConfig, tp: int, ep: int) -> None:
+    checks = {
+        "num_attention_heads": hf.num_attention_heads,
+        "num_key_value_heads": hf.num_key_value_heads,
+        "swa_num_attention_heads": hf.swa_num_attention_heads,
+        "swa_num_key_value_heads": hf.swa_num_key_value_heads,
+        "intermediate_size": hf.intermediate_size,
+        "moe_intermediate_size": hf.moe_intermediate_size,
+        "vocab_size": hf.vocab_size,
+    }
+    for name, value in checks.items():
+        if value % tp:
+            raise ValueError(f"tp={tp} does not divide the model's {name} ({value}); choose a tp that does")
+    if hf.n_routed_experts % ep:
+        raise ValueError(f"ep={ep} does not divide n_routed_experts ({hf.n_routed_experts}); choose an ep that does")
