@@ -1,0 +1,374 @@
+"""The native engine: continuous batching of Inkling generation with a LoRA adapter per request.
+
+Requests join and leave between steps. Each step packs the decode token of every running
+sequence and prefill chunks of new ones (up to `max_batch_tokens`) into one forward, whatever
+their adapters: the per-token slot index selects each token's LoRA. A request is bound to its
+adapter's slot when it is admitted, so an adapter version loaded later never changes a running
+request; copying an adapter into a slot happens between steps and touches only that slot.
+"""
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inkwell.adapters.adapter import Adapter
+from inkwell.adapters.spec import TARGET_GROUPS
+from inkwell.models import base_model_identity, load_base_config, load_base_weights, load_tokenizer, stop_token_ids
+from inkwell.service.engine.lora import LoraSlots
+from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment
+from inkwell.service.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
+from inkwell.service.engine.state import StatePool
+from inkwell.service.engine.text import TextTracker
+
+
+class EngineError(ValueError):
+    """A request the engine refuses; `code` is machine-readable, `param` names the offending field."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_loras_per_batch: int = 4
+    max_lora_rank: int = 64
+    max_loaded_adapters: int = 16
+    lora_groups: tuple[str, ...] = TARGET_GROUPS
+    max_seqs: int = 16
+    max_batch_tokens: int = 256
+    max_context: int | None = None  # default: the model's max_position_embeddings
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None  # key of an adapter added with `add_adapter`; None = base model
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class StepOutput:
+    """What one choice of a request produced in one step (deltas), and how it ended if it did."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    index: int
+    tokens: list[int]
+    generator: torch.Generator
+    text: TextTracker
+    computed: int = 0
+    seq_slot: int = -1
+    lora_slot: int = -1
+    prompt_logprobs: list[float | None] | None = None
+    pending: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_delta: str = ""
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+
+class Engine:
+    """Load a base model directory, add adapters, add requests, call `step()` until idle."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = load_base_config(model_dir)
+        self.identity = base_model_identity(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.stop_ids = tuple(stop_token_ids(self.tokenizer))
+        dtype = getattr(torch, config.dtype)
+        device = torch.device(config.device)
+        self.max_context = min(config.max_context or 1 << 62, self.model_config.max_position_embeddings)
+        self.model = InklingModel(self.model_config, load_base_weights(model_dir), dtype=dtype, device=device)
+        self.state = StatePool(self.model_config, config.max_seqs, self.max_context, dtype, device)
+        self.lora = LoraSlots(
+            self.model_config,
+            self.identity,
+            config.max_loras_per_batch,
+            config.max_lora_rank,
+            config.lora_groups,
+            dtype,
+            device,
+        )
+        self.device = device
+        self.adapters: OrderedDict[str, Adapter] = OrderedDict()
+        self._pinned: set[str] = set()
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.steps = 0
+
+    # ---- adapters ----------------------------------------------------------------------------
+
+    def add_adapter(self, key: str, adapter: Adapter, pinned: bool = False) -> None:
+        """Make `adapter` servable under `key` (a new key per version); pinned adapters keep their slot."""
+        self.lora.check(adapter)
+        if key in self.adapters:
+            raise EngineError("adapter_exists", f"adapter {key!r} is already loaded; unload it or use a new key")
+        self._make_room()
+        self.adapters[key] = adapter
+        if pinned:
+            self.lora.place(key, adapter)
+            self.lora.pin(key)
+            self._pinned.add(key)
+
+    def _in_use(self, key: str) -> bool:
+        return any(s.request.adapter == key for s in itertools.chain(self.waiting, self.running))
+
+    def _make_room(self) -> None:
+        while len(self.adapters) >= self.config.max_loaded_adapters:
+            idle = [k for k in self.adapters if k not in self._pinned and not self._in_use(k)]
+            if not idle:
+                raise EngineError(
+                    "too_many_adapters",
+                    f"{len(self.adapters)} adapters are loaded and all are pinned or in use "
+                    "(raise max_loaded_adapters)",
+                )
+            self.remove_adapter(idle[0])
+
+    def remove_adapter(self, key: str) -> None:
+        if key not in self.adapters:
+            raise EngineError("adapter_not_loaded", f"adapter {key!r} is not loaded")
+        if self._in_use(key):
+            raise EngineError("adapter_busy", f"adapter {key!r} has queued or running requests")
+        if self.lora.slot_of(key) is not None:
+            self.lora.evict(key)
+        self._pinned.discard(key)
+        del self.adapters[key]
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (validated here, so errors surface before any work)."""
+        params = request.params
+        params.validate()
+        if request.adapter is not None and request.adapter not in self.adapters:
+            raise EngineError("adapter_not_loaded", f"adapter {request.adapter!r} is not loaded", "model")
+        if not request.prompt_ids:
+            raise EngineError("empty_prompt", "the prompt has no tokens", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise EngineError("invalid_token", f"prompt token ids must be in [0, {vocab})", "prompt")
+        prompt_len = len(request.prompt_ids)
+        room = self.max_context - prompt_len
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            raise EngineError(
+                "context_length_exceeded",
+                f"the prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}; together they "
+                f"must fit the model's context of {self.max_context} tokens (shorten the prompt or lower max_tokens)",
+                "max_tokens" if room >= 1 else "prompt",
+            )
+        if params.n > self.config.max_seqs:
+            raise EngineError("invalid_n", f"n must be at most {self.config.max_seqs} on this engine", "n")
+        for index in range(params.n):
+            self.waiting.append(
+                _Sequence(
+                    request=request,
+                    index=index,
+                    tokens=list(request.prompt_ids),
+                    generator=make_generator(params.seed, index),
+                    text=TextTracker(self.tokenizer, params.stop),
+                    prompt_logprobs=[None] if params.prompt_logprobs else None,
+                )
+            )
+
+    def abort(self, request_id: str) -> list[StepOutput]:
+        """Drop a request's queued and running choices; returns their final outputs."""
+        outputs = []
+        for seq in [s for s in self.waiting if s.request.request_id == request_id]:
+            self.waiting.remove(seq)
+            outputs.append(self._output(seq, "abort"))
+        for seq in [s for s in self.running if s.request.request_id == request_id]:
+            self._finish(seq)
+            outputs.append(self._output(seq, "abort"))
+        return outputs
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling --------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        blocked: list[_Sequence] = []
+        while self.waiting and self.state.free_slots:
+            seq = self.waiting.popleft()
+            key = seq.request.adapter
+            if key is not None:
+                if not self.lora.can_place(key):
+                    blocked.append(seq)
+                    continue
+                self.lora.place(key, self.adapters[key])
+                seq.lora_slot = self.lora.acquire(key)
+            seq.seq_slot = self.state.acquire()
+            self.running.append(seq)
+        self.waiting.extendleft(reversed(blocked))
+
+    def _finish(self, seq: _Sequence) -> None:
+        self.running.remove(seq)
+        self.state.release(seq.seq_slot)
+        if seq.request.adapter is not None:
+            self.lora.release(seq.request.adapter)
+
+    def step(self) -> list[StepOutput]:
+        """Run one forward over every running sequence; returns each choice's new output."""
+        self._admit()
+        if not self.running:
+            return []
+        plan: list[tuple[_Sequence, int, int]] = []  # (sequence, first row, chunk length)
+        budget = self.config.max_batch_tokens
+        decoding = [s for s in self.running if len(s.tokens) - s.computed == 1]
+        prefilling = [s for s in self.running if len(s.tokens) - s.computed > 1]
+        rows = 0
+        for seq in decoding + prefilling:
+            length = min(len(seq.tokens) - seq.computed, max(budget - rows, 1 if seq in decoding else 0))
+            if length <= 0:
+                continue
+            plan.append((seq, rows, length))
+            rows += length
+        ids, slots, segments, logit_rows = [], [], [], []
+        for seq, first, length in plan:
+            ids += seq.tokens[seq.computed : seq.computed + length]
+            slots += [seq.lora_slot] * length
+            segments.append(Segment(seq.seq_slot, seq.computed, length))
+            if seq.prompt_logprobs is not None and seq.computed < seq.num_prompt:
+                logit_rows += range(first, first + length)
+            elif seq.computed + length == len(seq.tokens):
+                logit_rows.append(first + length - 1)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            lora_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            segments=segments,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+        )
+        logits = self.model.forward(batch, self.state, self.lora).cpu()
+        self.steps += 1
+        row_of = {r: i for i, r in enumerate(logit_rows)}
+        outputs = []
+        for seq, first, length in plan:
+            start = seq.computed
+            seq.computed += length
+            if seq.prompt_logprobs is not None and start < seq.num_prompt:
+                self._record_prompt_logprobs(seq, logits, [row_of[r] for r in range(first, first + length)], start)
+            if seq.computed < len(seq.tokens):
+                continue
+            out = self._advance(seq, logits[row_of[first + length - 1]])
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _record_prompt_logprobs(self, seq: _Sequence, logits: torch.Tensor, rows: list[int], start: int) -> None:
+        log_probs = torch.log_softmax(logits[rows], dim=-1)
+        for i in range(len(rows)):
+            target = start + i + 1
+            if target < seq.num_prompt:
+                seq.prompt_logprobs.append(float(log_probs[i, seq.tokens[target]]))
+
+    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> StepOutput | None:
+        params = seq.request.params
+        token = sample(logits, params, seq.generator)
+        if params.logprobs is not None:
+            chosen, top = token_logprobs(torch.log_softmax(logits, dim=-1), token, params.logprobs)
+            seq.pending_logprobs.append(TokenLogprob(token, chosen, top))
+        seq.tokens.append(token)
+        seq.pending.append(token)
+        is_stop_token = token in self.stop_ids and not params.ignore_eos
+        is_stop_token |= token in params.stop_token_ids
+        generated = seq.generated[:-1] if is_stop_token else seq.generated
+        at_length = params.max_tokens is not None and len(seq.generated) >= params.max_tokens
+        at_length |= len(seq.tokens) >= self.max_context
+        final = is_stop_token or at_length
+        seq.text_delta, hit_stop = seq.text.update(generated, final)
+        reason = "stop" if is_stop_token or hit_stop else "length" if at_length else None
+        if reason is not None:
+            self._finish(seq)
+            return self._output(seq, reason)
+        if not seq.text_delta and params.logprobs is None:
+            return None  # nothing final to show yet (held back); the tokens go out with the next output
+        return self._output(seq, None)
+
+    def _output(self, seq: _Sequence, reason: str | None) -> StepOutput:
+        text, seq.text_delta = seq.text_delta, ""
+        out = StepOutput(
+            request_id=seq.request.request_id,
+            index=seq.index,
+            token_ids=seq.pending,
+            text=text,
+            logprobs=seq.pending_logprobs,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt,
+            completion_tokens=len(seq.generated),
+            prompt_logprobs=seq.prompt_logprobs,
+        )
+        seq.pending, seq.pending_logprobs, seq.prompt_logprobs = [], [], None
+        return out
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def run(self, requests: list[Request]) -> dict[str, list["Choice"]]:
+        """Add `requests`, step until all finish, and gather each request's choices (by index)."""
+        for request in requests:
+            self.add_request(request)
+        choices: dict[str, dict[int, Choice]] = {r.request_id: {} for r in requests}
+        while self.has_work():
+            for out in self.step():
+                if out.request_id in choices:
+                    choices[out.request_id].setdefault(out.index, Choice()).extend(out)
+        return {rid: [c[i] for i in sorted(c)] for rid, c in choices.items()}
+
+
+@dataclass
+class Choice:
+    """A finished choice: all its tokens, text, logprobs and why it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None
+
+    def extend(self, out: StepOutput) -> None:
+        self.token_ids += out.token_ids
+        self.text += out.text
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason or self.finish_reason
+        self.prompt_tokens = out.prompt_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs

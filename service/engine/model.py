@@ -1,0 +1,299 @@
+"""Inkling's forward pass over a flat batch of token chunks, with per-token multi-LoRA.
+
+A step's batch is the concatenation of chunks of many sequences (a prefill chunk or one decode
+token each); projections, the router and the experts run on all tokens at once, and LoRA deltas
+are added through `inkwell.kernels` with a per-token slot index, so one launch serves every
+adapter in the batch. Attention and ShortConv read and update each sequence's state in
+`StatePool`. The arithmetic follows transformers' eager `InklingForCausalLM` step by step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import InklingTextConfig
+
+from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink
+from inkwell.service.engine.lora import LoraSlots
+from inkwell.service.engine.state import StatePool
+
+CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A chunk of one sequence: `length` tokens starting at position `start`, state in `seq_slot`."""
+
+    seq_slot: int
+    start: int
+    length: int
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long
+    lora_slots: torch.Tensor  # [T] long, -1 = base model
+    segments: list[Segment]  # in the order of their tokens in input_ids
+    logit_rows: torch.Tensor  # [N] long: rows whose next-token logits are returned
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class InklingModel:
+    """Base weights of one Inkling model and its forward over a `ForwardBatch`."""
+
+    def __init__(
+        self,
+        config: InklingTextConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.w: dict[str, torch.Tensor] = {}
+        f = config.moe_intermediate_size
+        for name, tensor in weights.items():
+            keep_fp32 = any(f".{conv}." in name for conv in CONV_NAMES)
+            tensor = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else dtype)
+            if name.endswith("mlp.experts.gate_up_proj"):  # gate rows first, then up
+                prefix = name.rsplit(".", 1)[0]
+                self.w[f"{prefix}.gate_proj"] = tensor[:, :f].contiguous()
+                self.w[f"{prefix}.up_proj"] = tensor[:, f:].contiguous()
+            else:
+                self.w[name] = tensor
+        self.eps = config.rms_norm_eps
+
+    # ---- projections with LoRA -------------------------------------------------------------
+
+    def _linear(self, x: torch.Tensor, module: str, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+        y = F.linear(x, self.w[f"{module}.weight"])
+        buf = lora.buffers.get(module) if lora is not None else None
+        if buf is not None:
+            lora_expand(lora_shrink(x, buf.a, slots), buf.b, slots, buf.scalings, y)
+        return y
+
+    # ---- ShortConv and attention, per sequence ----------------------------------------------
+
+    def _sconv(self, x: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
+        """Causal depthwise conv over each sequence's chunk continuing its saved inputs, plus the residual (fp32)."""
+        weight = self.w[f"model.layers.{layer}.{CONV_NAMES[site]}.conv1d.weight"]
+        xf = x.float()
+        out = torch.empty_like(xf)
+        keep = weight.shape[-1] - 1
+        row = 0
+        for seg in batch.segments:
+            saved = state.conv[layer][site][seg.seq_slot]
+            seq = torch.cat([saved, xf[row : row + seg.length].t()], dim=-1)
+            out[row : row + seg.length] = F.conv1d(seq[None], weight, groups=seq.shape[0])[0].t()
+            saved.copy_(seq[:, seq.shape[1] - keep :])
+            row += seg.length
+        return (out + xf).to(x.dtype)
+
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rel: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Eager attention of one chunk: q [L,h,d], keys/values [P,kv,d], rel [L,h,d_rel] -> [L,h,d]."""
+        cfg = self.config
+        sliding = cfg.layer_types[layer] == "hybrid_sliding"
+        heads, head_dim = q.shape[1], q.shape[2]
+        groups = heads // keys.shape[1]
+        qh = q.transpose(0, 1)
+        kh = keys.transpose(0, 1).repeat_interleave(groups, dim=0)
+        vh = values.transpose(0, 1).repeat_interleave(groups, dim=0)
+        proj = self.w[f"model.layers.{layer}.self_attn.rel_logits_proj.proj"]
+        extent = proj.shape[1]
+        rel_logits = (rel @ proj).transpose(0, 1)  # [h, L, extent]
+        distance = q_pos[:, None] - k_pos[None, :]
+        bias = rel_logits.gather(-1, distance.clamp(0, extent - 1).expand(heads, -1, -1))
+        bias = bias.masked_fill((distance < 0) | (distance >= extent), 0.0)
+        if not sliding and cfg.log_scaling_n_floor is not None:
+            n = ((q_pos + 1).float() / cfg.log_scaling_n_floor).clamp(min=1.0)
+            tau = (1.0 + cfg.log_scaling_alpha * torch.log(n)).view(1, -1, 1)
+            qh = (qh.float() * tau).to(qh.dtype)
+            bias = (bias.float() * tau).to(bias.dtype)
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * (1.0 / head_dim) + bias
+        allowed = distance >= 0
+        if sliding:
+            allowed &= distance < cfg.sliding_window_size
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
+        return torch.matmul(probs, vh).transpose(0, 1)
+
+    def _attention(
+        self, h: torch.Tensor, layer: int, batch: ForwardBatch, state: StatePool, lora: LoraSlots | None
+    ) -> torch.Tensor:
+        cfg = self.config
+        p = f"model.layers.{layer}.self_attn"
+        slots = batch.lora_slots
+        sliding = cfg.layer_types[layer] == "hybrid_sliding"
+        head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
+        tokens = h.shape[0]
+        q = self._linear(h, f"{p}.q_proj", slots, lora)
+        k = self._sconv(self._linear(h, f"{p}.k_proj", slots, lora), layer, 0, batch, state)
+        v = self._sconv(self._linear(h, f"{p}.v_proj", slots, lora), layer, 1, batch, state)
+        r = self._linear(h, f"{p}.r_proj", slots, lora)
+        q = rms_norm(q.view(tokens, -1, head_dim), self.w[f"{p}.q_norm.weight"], self.eps)
+        k = rms_norm(k.view(tokens, -1, head_dim), self.w[f"{p}.k_norm.weight"], self.eps)
+        v = v.view(tokens, -1, head_dim)
+        r = r.view(tokens, q.shape[1], -1)
+        out = torch.empty_like(q)
+        row = 0
+        for seg in batch.segments:
+            rows = slice(row, row + seg.length)
+            past_k, past_v, past_pos = state.history(layer, seg.seq_slot, seg.start)
+            new_pos = torch.arange(seg.start, seg.start + seg.length, device=h.device)
+            keys = torch.cat([past_k, k[rows]])
+            values = torch.cat([past_v, v[rows]])
+            state.store(layer, seg.seq_slot, seg.start, k[rows], v[rows])
+            out[rows] = self._attend(layer, q[rows], keys, values, r[rows], new_pos, torch.cat([past_pos, new_pos]))
+            row += seg.length
+        return self._linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
+
+    # ---- MLPs --------------------------------------------------------------------------------
+
+    def _dense_mlp(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+        p = f"model.layers.{layer}.mlp"
+        gate = self._linear(x, f"{p}.gate_proj", slots, lora)
+        up = self._linear(x, f"{p}.up_proj", slots, lora)
+        out = self._linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
+        return out * self.w[f"{p}.global_scale"]
+
+    def _route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-k routed experts and weights plus the shared-expert gammas (shared experts are the sink)."""
+        cfg = self.config
+        p = f"model.layers.{layer}.mlp.gate"
+        n_shared, top_k = cfg.n_shared_experts, cfg.num_experts_per_tok
+        logits = F.linear(x, self.w[f"{p}.weight"])
+        routed = logits[:, :-n_shared]
+        choice = routed.sigmoid() + self.w[f"{p}.e_score_correction_bias"]
+        index = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+        picked = torch.cat([routed.gather(-1, index), logits[:, -n_shared:]], dim=-1)
+        log_probs = F.logsigmoid(picked)
+        weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
+        weights = weights * cfg.route_scale * self.w[f"{p}.global_scale"]
+        return index, weights[:, :top_k], weights[:, top_k:]
+
+    def _expert_lora_in(
+        self, x_a: torch.Tensor | None, module: str, slots, experts, lora: LoraSlots | None, out: torch.Tensor
+    ) -> None:
+        """Add the per-expert B of a shared-A target (gate/up) to dispatched rows `out`."""
+        if x_a is not None:
+            buf = lora.buffers[module]
+            expert_lora_expand(x_a, buf.b, slots, experts, buf.scalings, out)
+
+    def _shrink_shared(self, x: torch.Tensor, module: str, slots, lora: LoraSlots | None) -> torch.Tensor | None:
+        buf = lora.buffers.get(module) if lora is not None else None
+        return None if buf is None else lora_shrink(x, buf.a, slots)
+
+    def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+        p = f"model.layers.{layer}.mlp"
+        index, weights, gammas = self._route(x, layer)
+        top_k = index.shape[1]
+        # Routed experts on dispatched rows, grouped by expert.
+        experts = index.reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        experts = experts[order]
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)[order]
+        row_w = weights.reshape(-1)[order]
+        row_slots = slots[tokens]
+        xs = x[tokens]
+        f = self.config.moe_intermediate_size
+        gate = xs.new_empty(xs.shape[0], f)
+        up = xs.new_empty(xs.shape[0], f)
+        bounds = torch.bincount(experts, minlength=self.config.n_routed_experts).cumsum(0).tolist()
+        starts = [0, *bounds[:-1]]
+        hit = [(e, s, t) for e, (s, t) in enumerate(zip(starts, bounds, strict=True)) if t > s]
+        for e, s, t in hit:
+            gate[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.gate_proj"][e])
+            up[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.up_proj"][e])
+        for proj, rows_out in (("gate_proj", gate), ("up_proj", up)):
+            x_a = self._shrink_shared(x, f"{p}.experts.{proj}", slots, lora)
+            self._expert_lora_in(
+                None if x_a is None else x_a[tokens], f"{p}.experts.{proj}", row_slots, experts, lora, rows_out
+            )
+        act = F.silu(gate) * up
+        down = xs.new_empty(xs.shape[0], x.shape[1])
+        for e, s, t in hit:
+            down[s:t] = F.linear(act[s:t], self.w[f"{p}.experts.down_proj"][e])
+        routed = torch.zeros_like(x).index_add_(0, tokens, (down * row_w[:, None]).to(x.dtype))
+        down_buf = lora.buffers.get(f"{p}.experts.down_proj") if lora is not None else None
+        if down_buf is not None:
+            y = expert_lora_shrink(act, down_buf.a, row_slots, experts) * row_w[:, None]
+            y_tok = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, tokens, y)
+            lora_expand(y_tok, down_buf.b, slots, down_buf.scalings, routed)
+        return routed + self._shared_experts(x, layer, gammas, slots, lora)
+
+    def _shared_experts(
+        self, x: torch.Tensor, layer: int, gammas: torch.Tensor, slots: torch.Tensor, lora: LoraSlots | None
+    ) -> torch.Tensor:
+        p = f"model.layers.{layer}.mlp.shared_experts"
+        n_shared = self.config.n_shared_experts
+        gate_a = self._shrink_shared(x, f"{p}.gate_proj", slots, lora)
+        up_a = self._shrink_shared(x, f"{p}.up_proj", slots, lora)
+        down_buf = lora.buffers.get(f"{p}.down_proj") if lora is not None else None
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        y_sum = None
+        for s in range(n_shared):
+            ids = torch.full_like(slots, s)
+            gate = F.linear(x, self.w[f"{p}.gate_proj"][s])
+            up = F.linear(x, self.w[f"{p}.up_proj"][s])
+            self._expert_lora_in(gate_a, f"{p}.gate_proj", slots, ids, lora, gate)
+            self._expert_lora_in(up_a, f"{p}.up_proj", slots, ids, lora, up)
+            act = F.silu(gate) * up * gammas[:, s, None]
+            out += F.linear(act, self.w[f"{p}.down_proj"][s]).float()
+            if down_buf is not None:
+                y = expert_lora_shrink(act, down_buf.a, slots, ids)
+                y_sum = y if y_sum is None else y_sum + y
+        out = out.to(x.dtype)
+        if y_sum is not None:
+            lora_expand(y_sum, down_buf.b, slots, down_buf.scalings, out)
+        return out
+
+    # ---- the whole model ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, state: StatePool, lora: LoraSlots | None = None) -> torch.Tensor:
+        """fp32 next-token logits [N, vocab] at `batch.logit_rows`; updates every sequence's state."""
+        cfg = self.config
+        slots = batch.lora_slots
+        if lora is not None and not bool((slots >= 0).any()):
+            lora = None
+        h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
+        h = rms_norm(h, self.w["model.embed_tokens.embed_norm.weight"], self.eps)
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}"
+            x = rms_norm(h, self.w[f"{p}.input_layernorm.weight"], self.eps)
+            x = self._attention(x, layer, batch, state, lora)
+            h = h + self._sconv(x, layer, 2, batch, state)
+            x = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps)
+            if cfg.mlp_layer_types[layer] == "dense":
+                x = self._dense_mlp(x, layer, slots, lora)
+            else:
+                x = self._moe(x, layer, slots, lora)
+            h = h + self._sconv(x, layer, 3, batch, state)
+        h = rms_norm(h, self.w["model.norm.weight"], self.eps)
+        h = h[batch.logit_rows] / cfg.logits_mup_width_multiplier
+        logits = self._linear(h, "lm_head", slots[batch.logit_rows], lora)
+        if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
+            logits = logits[:, : cfg.unpadded_vocab_size]
+        return logits.float()
+
+
+def context_limit(config: InklingTextConfig, requested: int | None) -> int:
+    """The engine's context length: the request, capped by the model's position limit."""
+    limit = config.max_position_embeddings
+    return limit if requested is None else min(limit, requested)

@@ -1,0 +1,80 @@
+"""Sampling parameters and next-token selection with a per-sequence generator.
+
+Each sequence owns its torch.Generator (seeded from the request's seed and its choice index), and
+sampling happens on the CPU, so a seeded request draws the same tokens alone or in any batch.
+Logprobs are those of the model's distribution (before temperature and top_p), as OpenAI reports.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+class SamplingError(ValueError):
+    """A sampling parameter outside its legal range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k
+    prompt_logprobs: bool = False
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise SamplingError("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not 1 <= self.n <= 16:
+            raise SamplingError("n", f"n must be between 1 and 16, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if len(self.stop) > 4 or any(not s for s in self.stop):
+            raise SamplingError("stop", "stop takes at most 4 non-empty strings")
+
+
+def make_generator(seed: int | None, index: int) -> torch.Generator:
+    """The CPU generator of choice `index` of a request: seeded if the request has a seed."""
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed * 1009 + index)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from fp32 logits [V]: greedy at temperature 0, else temperature + top_p sampling."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.cpu() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs[before >= params.top_p] = 0.0  # keep the smallest prefix reaching top_p (at least one)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(log_probs: torch.Tensor, token: int, top: int | None) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's logprob and the `top` most likely (token, logprob) pairs from log_softmax [V]."""
+    chosen = float(log_probs[token])
+    if not top:
+        return chosen, []
+    values, ids = torch.topk(log_probs, top)
+    return chosen, list(zip(ids.tolist(), values.tolist(), strict=True))

@@ -1,0 +1,82 @@
+"""Per-sequence decoding state in preallocated pools, indexed by a sequence slot.
+
+Full-attention layers keep every key/value up to `max_context`. Sliding layers keep a ring of the
+last `sliding_window_size` keys/values (position p lives at p % window), which is all a query can
+see there. Each ShortConv site (k, v, attn-out, mlp-out per layer) keeps its last kernel-1 inputs.
+Pools are allocated once, so admitting or finishing a request never allocates device memory.
+"""
+
+import torch
+from transformers import InklingTextConfig
+
+CONV_SITES = 4  # k_sconv, v_sconv, attn_sconv, mlp_sconv: transformers' conv_idx 0..3
+
+
+class StatePool:
+    """KV caches, sliding rings and conv states for up to `max_seqs` sequences."""
+
+    def __init__(
+        self,
+        config: InklingTextConfig,
+        max_seqs: int,
+        max_context: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.max_seqs = max_seqs
+        self.max_context = max_context
+        self.window = config.sliding_window_size
+        self.sliding = [t == "hybrid_sliding" for t in config.layer_types]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.conv: list[list[torch.Tensor]] = []
+        kernel = config.conv_kernel_size
+        for sliding in self.sliding:
+            kv_heads = config.swa_num_key_value_heads if sliding else config.num_key_value_heads
+            head_dim = config.swa_head_dim if sliding else config.head_dim
+            length = min(self.window, max_context) if sliding else max_context
+            shape = (max_seqs, length, kv_heads, head_dim)
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+            kv_width = kv_heads * head_dim
+            widths = (kv_width, kv_width, config.hidden_size, config.hidden_size)
+            # ShortConv runs in fp32 in the reference, and so does its state.
+            self.conv.append([torch.zeros(max_seqs, w, kernel - 1, dtype=torch.float32, device=device) for w in widths])
+        self._free = list(range(max_seqs - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """A cleared sequence slot; the caller checks `free_slots` first."""
+        slot = self._free.pop()
+        for sites in self.conv:
+            for state in sites:
+                state[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def history(self, layer: int, slot: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cached keys, values and their positions visible to a chunk that starts at position `start`."""
+        if not self.sliding[layer]:
+            positions = torch.arange(start, device=self.keys[layer].device)
+            return self.keys[layer][slot, :start], self.values[layer][slot, :start], positions
+        first = max(0, start - (self.window - 1))
+        positions = torch.arange(first, start, device=self.keys[layer].device)
+        index = positions % self.window
+        return self.keys[layer][slot, index], self.values[layer][slot, index], positions
+
+    def store(self, layer: int, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Record a chunk's keys/values [L, kv_heads, head_dim] at positions start..start+L-1."""
+        length = keys.shape[0]
+        if not self.sliding[layer]:
+            self.keys[layer][slot, start : start + length] = keys
+            self.values[layer][slot, start : start + length] = values
+            return
+        keep = min(length, self.window)
+        index = torch.arange(start + length - keep, start + length, device=keys.device) % self.window
+        self.keys[layer][slot, index] = keys[length - keep :]
+        self.values[layer][slot, index] = values[length - keep :]

@@ -1,0 +1,23 @@
+"""Adapters for the serving tests: five distinct ones on inkling-tiny, of different ranks and targets."""
+
+import pytest
+
+from inkwell.adapters.adapter import init_adapter
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import base_model_identity, load_base_config
+
+SPECS = [
+    LoraSpec(rank=8, alpha=16, targets=("attn", "mlp", "experts", "shared_experts", "lm_head")),
+    LoraSpec(rank=4),
+    LoraSpec(rank=16, alpha=8, targets=("experts",)),
+    LoraSpec(rank=8, targets=("attn",)),
+    LoraSpec(rank=2, targets=("shared_experts", "lm_head")),
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir):
+    """Five random adapters (B ~ N(0, 0.05), so every one changes the logits)."""
+    config = load_base_config(tiny_model_dir)
+    identity = base_model_identity(tiny_model_dir)
+    return [init_adapter(config, spec, identity, seed=i + 1, b_std=0.05) for i, spec in enumerate(SPECS)]

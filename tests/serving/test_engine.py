@@ -1,0 +1,184 @@
+"""The native engine against transformers' Inkling, and its batching, slots, sampling and errors."""
+
+import pytest
+import torch
+from transformers import InklingForCausalLM
+
+from inkwell.adapters.adapter import init_adapter
+from inkwell.adapters.merge import merge
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import base_model_identity, load_base_config, load_base_model, load_base_weights
+from inkwell.models.base import BaseModelIdentity
+from inkwell.service.engine import (
+    AdapterIncompatibleError,
+    Engine,
+    EngineConfig,
+    EngineError,
+    Request,
+    SamplingError,
+    SamplingParams,
+)
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(10, 40))  # 30 tokens: greedy decoding to 62 crosses the window (24) and rel_extent (48)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tiny_adapters):
+    eng = Engine(tiny_model_dir, EngineConfig(max_loras_per_batch=5, max_lora_rank=16, max_batch_tokens=40))
+    for i, adapter in enumerate(tiny_adapters):
+        eng.add_adapter(f"a{i}", adapter)
+    return eng
+
+
+def merged_model(model_dir, adapter) -> InklingForCausalLM:
+    config = load_base_config(model_dir)
+    config._attn_implementation = "eager"
+    model = InklingForCausalLM(config)
+    model.load_state_dict(merge(load_base_weights(model_dir), adapter, config))
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens by a full forward over the whole sequence each step (no cache to get wrong)."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@torch.no_grad()
+def reference_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return log_probs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+def test_greedy_with_adapter_equals_transformers_merged_and_is_batch_invariant(engine, tiny_model_dir, tiny_adapters):
+    alone = engine.run([Request("x", PROMPT, GREEDY, "a0")])["x"][0]
+    assert len(alone.token_ids) == 32 and alone.finish_reason == "length"
+    assert alone.token_ids == reference_greedy(merged_model(tiny_model_dir, tiny_adapters[0]), PROMPT, 32)
+
+    others = [Request(f"o{i}", list(range(20 + i, 45 + 4 * i)), GREEDY, f"a{i}") for i in range(1, 5)]
+    mixed = engine.run([*others[:2], Request("x", PROMPT, GREEDY, "a0"), *others[2:], Request("b", PROMPT, GREEDY)])
+    assert mixed["x"][0].token_ids == alone.token_ids
+    # The base request in the same batch is the plain model; the adapters really changed the output.
+    assert mixed["b"][0].token_ids == reference_greedy(load_base_model(tiny_model_dir), PROMPT, 32)
+    assert mixed["b"][0].token_ids != alone.token_ids
+    for i, req in enumerate(others, start=1):
+        assert mixed[req.request_id][0].token_ids == engine.run([req])[req.request_id][0].token_ids, f"adapter a{i}"
+
+
+@pytest.mark.parametrize("adapter_index", [None, 0])
+def test_prompt_logprobs_match_transformers(engine, tiny_model_dir, tiny_adapters, adapter_index):
+    """Past the sliding window (24) and the relative extent (48), with and without an adapter."""
+    ids = [1] + [7 + (i * 37) % 250 for i in range(109)]  # 110 tokens, prefilled in 40-token chunks
+    key = None if adapter_index is None else f"a{adapter_index}"
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
+    got = engine.run([Request("p", ids, params, key)])["p"][0].prompt_logprobs
+    model = load_base_model(tiny_model_dir) if key is None else merged_model(tiny_model_dir, tiny_adapters[0])
+    assert got[0] is None and len(got) == len(ids)
+    diff = (torch.tensor(got[1:]) - reference_prompt_logprobs(model, ids)).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_decode_across_window_edge_matches_full_forward(tiny_model_dir):
+    """Decoding one token at a time from a 20-token prompt to 100 tokens: ring cache and conv state."""
+    eng = Engine(tiny_model_dir, EngineConfig(max_batch_tokens=8))
+    prompt = [1] + list(range(50, 69))
+    out = eng.run([Request("d", prompt, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, logprobs=0))])
+    choice = out["d"][0]
+    ids = prompt + choice.token_ids
+    ref = reference_prompt_logprobs(load_base_model(tiny_model_dir), ids)[len(prompt) - 1 :]
+    got = torch.tensor([lp.logprob for lp in choice.logprobs])
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    alone = engine.run([Request("s", PROMPT, params, "a1")])["s"][0].token_ids
+    batch = engine.run([Request("t", PROMPT[:9], GREEDY, "a2"), Request("s", PROMPT, params, "a1")])
+    assert batch["s"][0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=43, ignore_eos=True)
+    assert engine.run([Request("s", PROMPT, other_seed, "a1")])["s"][0].token_ids != alone
+
+
+def test_n_choices_logprobs_and_tiny_top_p(engine):
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, n=3, seed=1, logprobs=3, ignore_eos=True)
+    choices = engine.run([Request("n", PROMPT, params, "a3")])["n"]
+    greedy = engine.run([Request("g", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), "a3")])
+    assert [c.token_ids for c in choices] == [greedy["g"][0].token_ids] * 3  # top_p -> only the argmax survives
+    for step in choices[0].logprobs:
+        assert len(step.top) == 3 and step.top[0][0] == step.token_id
+        assert step.logprob == pytest.approx(step.top[0][1]) and step.top[0][1] >= step.top[1][1] >= step.top[2][1]
+
+
+def test_stop_string_cuts_text_and_stop_token_ends(engine):
+    full = engine.run([Request("f", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])["f"][0]
+    assert len(full.text) >= 6
+    stop = full.text[3:5]
+    cut = engine.run([Request("c", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop=(stop,)))])["c"][0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+    first = full.token_ids[2]
+    by_id = engine.run([Request("i", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(first,)))])
+    assert by_id["i"][0].token_ids == full.token_ids[:3] and by_id["i"][0].finish_reason == "stop"
+
+
+def test_slots_evict_least_recently_used_and_pins_stay(tiny_model_dir, tiny_adapters):
+    eng = Engine(tiny_model_dir, EngineConfig(max_loras_per_batch=2, max_lora_rank=16))
+    eng.add_adapter("pinned", tiny_adapters[3], pinned=True)
+    eng.add_adapter("b", tiny_adapters[1])
+    eng.add_adapter("c", tiny_adapters[2])
+    short = SamplingParams(max_tokens=2, temperature=0.0)
+    eng.run([Request("1", PROMPT, short, "b")])
+    assert set(eng.lora.resident()) == {"pinned", "b"}
+    eng.run([Request("2", PROMPT, short, "c")])
+    assert set(eng.lora.resident()) == {"pinned", "c"}
+    # Three adapters wanted at once with two slots: the third waits for a slot and still gets its own output.
+    reqs = [Request(k, PROMPT, GREEDY, k) for k in ("b", "c")] + [Request("p", PROMPT, GREEDY, "pinned")]
+    got = eng.run(reqs)
+    alone = Engine(tiny_model_dir, EngineConfig(max_lora_rank=16))
+    alone.add_adapter("b", tiny_adapters[1])
+    assert got["b"][0].token_ids == alone.run([Request("b", PROMPT, GREEDY, "b")])["b"][0].token_ids
+
+
+def test_new_version_is_a_new_key_and_running_requests_keep_theirs(engine, tiny_model_dir, tiny_adapters):
+    config = load_base_config(tiny_model_dir)
+    v2 = init_adapter(config, LoraSpec(rank=8), base_model_identity(tiny_model_dir), seed=99, b_std=0.05)
+    old = engine.run([Request("v1", PROMPT, GREEDY, "a1")])["v1"][0].token_ids
+    engine.add_request(Request("v1-running", PROMPT, GREEDY, "a1"))
+    outputs = engine.step()
+    engine.add_adapter("a1@2", v2)
+    engine.add_request(Request("v2", PROMPT, GREEDY, "a1@2"))
+    while engine.has_work():
+        outputs += engine.step()
+    tokens = {rid: [t for o in outputs if o.request_id == rid for t in o.token_ids] for rid in ("v1-running", "v2")}
+    assert tokens["v1-running"] == old
+    assert len(tokens["v2"]) == 32 and tokens["v2"] != old
+    engine.remove_adapter("a1@2")
+
+
+def test_bad_requests_and_adapters_are_refused(engine, tiny_model_dir, tiny_adapters):
+    with pytest.raises(EngineError, match="not loaded"):
+        engine.add_request(Request("u", PROMPT, GREEDY, "nope"))
+    with pytest.raises(EngineError, match="context") as err:
+        engine.add_request(Request("l", [5] * 1020, SamplingParams(max_tokens=10)))
+    assert err.value.param == "max_tokens"
+    for bad, param in [
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(top_p=0), "top_p"),
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(n=0), "n"),
+        (SamplingParams(logprobs=50), "logprobs"),
+    ]:
+        with pytest.raises(SamplingError) as err:
+            engine.add_request(Request("b", PROMPT, bad))
+        assert err.value.param == param
+    config = load_base_config(tiny_model_dir)
+    other_base = init_adapter(config, LoraSpec(rank=4), BaseModelIdentity("other", "0" * 64), seed=1)
+    with pytest.raises(AdapterIncompatibleError, match="other"):
+        engine.add_adapter("o", other_base)
+    too_big = init_adapter(config, LoraSpec(rank=32), base_model_identity(tiny_model_dir), seed=1)
+    with pytest.raises(AdapterIncompatibleError, match="max_lora_rank"):
+        engine.add_adapter("big", too_big)
+    assert not engine.has_work()
