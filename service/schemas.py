@@ -7,8 +7,9 @@ import re
 from datetime import datetime
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from inkwell.adapters.spec import LoraSpec
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_STATES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
@@ -123,14 +124,6 @@ class JobCreate(Schema):
     method: Literal["sft"] = "sft"
     lora: LoraSpec = Field(default_factory=LoraSpec)
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
-
-    @field_validator("adapter_name")
-    @classmethod
-    def _adapter_name(cls, value: str) -> str:
-        problem = name_problem(value)
-        if problem:
-            raise ValueError(f"adapter name {value!r} is not allowed: {problem}")
-        return value
 
 
 class JobErrorInfo(Schema):

@@ -1,0 +1,1 @@
+"""SQL persistence: tables, engine/session setup and every query the service runs."""

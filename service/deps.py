@@ -1,0 +1,37 @@
+"""FastAPI dependencies shared by the routers: the DB session, the object store, paging."""
+
+from collections.abc import Iterator
+
+from fastapi import Query, Request
+from sqlalchemy.orm import Session
+
+from inkwell.service.db import repo
+from inkwell.service.errors import APIError
+from inkwell.service.settings import Settings
+from inkwell.service.storage import ObjectStore
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessionmaker() as s:
+        yield s
+
+
+def get_store(request: Request) -> ObjectStore:
+    return request.app.state.store
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+class Paging:
+    def __init__(
+        self,
+        limit: int = Query(50, ge=1, le=200, description="items per page"),
+        cursor: str | None = Query(None, description="`next_cursor` of the previous page"),
+    ) -> None:
+        self.limit = limit
+        try:
+            self.cursor = repo.parse_cursor(cursor)
+        except ValueError as exc:
+            raise APIError(422, "validation_error", str(exc), field="cursor") from exc

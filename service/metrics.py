@@ -1,0 +1,71 @@
+"""Prometheus metrics: request counts/latency by route template, and job/version gauges read
+from the database at scrape time (so every API process reports the same numbers)."""
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from inkwell.service.db import repo
+from inkwell.service.schemas import JobState
+
+
+class _DatabaseCollector:
+    def __init__(self, sm: sessionmaker[Session]) -> None:
+        self.sm = sm
+
+    def collect(self):
+        jobs = GaugeMetricFamily("inkwell_jobs", "jobs by state", labels=["state"])
+        versions = GaugeMetricFamily("inkwell_adapter_versions", "published adapter versions not deleted")
+        try:
+            with self.sm() as s:
+                counts = repo.job_counts(s)
+                versions.add_metric([], repo.count_versions(s))
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the DB is down
+            return
+        for state in JobState.__args__:
+            jobs.add_metric([state], counts.get(state, 0))
+        yield jobs
+        yield versions
+
+
+class Metrics:
+    def __init__(self, sm: sessionmaker[Session]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "inkwell_http_requests", "HTTP requests", ["method", "route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "inkwell_http_request_seconds", "HTTP request latency", ["method", "route"], registry=self.registry
+        )
+        self.registry.register(_DatabaseCollector(sm))
+
+
+class MetricsMiddleware:
+    """Times every HTTP request; the label is the route template, never the raw path."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), [500]
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            metrics: Metrics | None = getattr(scope["app"].state, "metrics", None)
+            route = scope.get("route")
+            label = getattr(route, "path", "unmatched")
+            if metrics is not None:
+                metrics.requests.labels(scope["method"], label, str(status[0])).inc()
+                metrics.latency.labels(scope["method"], label).observe(time.perf_counter() - start)

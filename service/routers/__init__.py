@@ -1,0 +1,1 @@
+"""Thin HTTP routers: parse, authorize, call repo/registry, shape the response."""

@@ -1,0 +1,299 @@
+"""`/v1/adapters` and `/v1/audit`: the registry's read, download, import, delete and alias routes."""
+
+import hashlib
+import logging
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
+from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
+
+from inkwell.service.auth import Principal, current_principal
+from inkwell.service.db import repo
+from inkwell.service.db.models import AdapterRow, AdapterVersionRow, utcnow
+from inkwell.service.deps import Paging, get_session, get_settings, get_store
+from inkwell.service.errors import APIError, not_found
+from inkwell.service.importer import import_adapter
+from inkwell.service.registry import VersionExists, check_name, object_key, resolve
+from inkwell.service.routers.datasets import read_limited
+from inkwell.service.routers.models import require_base_model
+from inkwell.service.schemas import (
+    Adapter,
+    AdapterFile,
+    AdapterVersion,
+    Alias,
+    AliasSet,
+    AuditEntry,
+    Download,
+    DownloadFile,
+    Layout,
+    Lineage,
+    Page,
+)
+from inkwell.service.settings import Settings
+from inkwell.service.storage import ObjectStore
+
+router = APIRouter(tags=["adapters"])
+log = logging.getLogger("inkwell.service.adapters")
+
+
+def adapter_view(s: Session, row: AdapterRow) -> Adapter:
+    live = repo.live_versions(s, row.tenant_id, row.name)
+    return Adapter(
+        name=row.name,
+        base_model=row.base_model,
+        latest_version=live[-1] if live else None,
+        num_versions=len(live),
+        aliases=repo.aliases_of(s, row.tenant_id, row.name),
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def version_view(row: AdapterVersionRow, aliases: dict[str, int]) -> AdapterVersion:
+    return AdapterVersion(
+        name=row.name,
+        version=row.version,
+        base_model=row.base_model,
+        lora=row.lora,
+        files=[AdapterFile(**f) for f in row.files],
+        size_bytes=row.size_bytes,
+        metrics=row.metrics,
+        lineage=Lineage(
+            source=row.source,
+            job_id=row.job_id,
+            dataset_id=row.dataset_id,
+            base_model=row.base_model,
+            base_config_sha256=row.base_config_sha256,
+        ),
+        aliases=sorted(a for a, v in aliases.items() if v == row.version),
+        created_at=row.created_at,
+        deleted=row.deleted_at is not None,
+        deleted_at=row.deleted_at,
+    )
+
+
+def _own_adapter(s: Session, who: Principal, name: str) -> AdapterRow:
+    row = repo.get_adapter(s, who.tenant_id, name)
+    if row is None:
+        raise not_found("adapter", name)
+    return row
+
+
+def _live(row: AdapterVersionRow) -> AdapterVersionRow:
+    if row.deleted_at is not None:
+        raise APIError(
+            409, "version_deleted", f"{row.name}@{row.version} was deleted; use another version", version=row.version
+        )
+    return row
+
+
+@router.get("/v1/adapters", response_model=Page[Adapter])
+def list_adapters(
+    base_model: str | None = Query(None),
+    paging: Paging = Depends(),
+    who: Principal = Depends(current_principal),
+    s: Session = Depends(get_session),
+) -> Page[Adapter]:
+    rows, cursor = repo.list_adapters(s, who.tenant_id, paging.limit, paging.cursor, base_model)
+    return Page[Adapter](data=[adapter_view(s, r) for r in rows], next_cursor=cursor)
+
+
+@router.post("/v1/adapters/import", status_code=201, response_model=AdapterVersion)
+def import_route(
+    request: Request,
+    name: str = Form(...),
+    base_model: str = Form(...),
+    layout: str = Form(..., description="sglang | peft"),
+    version: int | None = Form(None, ge=1),
+    files: list[UploadFile] = File(..., description="adapter_config.json, adapter_model.safetensors, manifest.json"),
+    who: Principal = Depends(current_principal),
+    store: ObjectStore = Depends(get_store),
+    settings: Settings = Depends(get_settings),
+) -> AdapterVersion:
+    check_name(name)
+    sm = request.app.state.sessionmaker
+    with sm() as s:
+        base = require_base_model(s, base_model)
+        adapter = repo.get_adapter(s, who.tenant_id, name)
+    if adapter is not None and adapter.base_model != base_model:
+        raise APIError(
+            409,
+            "adapter_base_mismatch",
+            f"adapter {name!r} belongs to base model {adapter.base_model!r}, not {base_model!r}",
+        )
+    budget, payload = settings.max_upload_bytes, {}
+    for upload in files:
+        filename = (upload.filename or "").rsplit("/", 1)[-1]
+        payload[filename] = read_limited(upload, budget)
+        budget -= len(payload[filename])
+    try:
+        row = import_adapter(
+            sm, store, settings.data_dir / "tmp", who.tenant_id, who.key_id, name, base, layout, payload, version
+        )
+    except VersionExists as exc:
+        raise APIError(
+            409, "version_exists", f"{name}@{version} is already published; versions are immutable", version=version
+        ) from exc
+    return version_view(row, {})
+
+
+@router.get("/v1/adapters/{name}", response_model=Adapter)
+def get_adapter(name: str, who: Principal = Depends(current_principal), s: Session = Depends(get_session)) -> Adapter:
+    return adapter_view(s, _own_adapter(s, who, name))
+
+
+@router.get("/v1/adapters/{name}/versions", response_model=Page[AdapterVersion])
+def list_versions(
+    name: str,
+    include_deleted: bool = Query(False),
+    paging: Paging = Depends(),
+    who: Principal = Depends(current_principal),
+    s: Session = Depends(get_session),
+) -> Page[AdapterVersion]:
+    _own_adapter(s, who, name)
+    rows, cursor = repo.list_versions(s, who.tenant_id, name, paging.limit, paging.cursor, include_deleted)
+    aliases = repo.aliases_of(s, who.tenant_id, name)
+    return Page[AdapterVersion](data=[version_view(r, aliases) for r in rows], next_cursor=cursor)
+
+
+@router.get("/v1/adapters/{name}/versions/{ref}", response_model=AdapterVersion)
+def get_version(
+    name: str, ref: str, who: Principal = Depends(current_principal), s: Session = Depends(get_session)
+) -> AdapterVersion:
+    row = resolve(s, who.tenant_id, name, ref)
+    return version_view(row, repo.aliases_of(s, who.tenant_id, name))
+
+
+@router.get("/v1/adapters/{name}/versions/{ref}/download", response_model=Download)
+def download(
+    name: str,
+    ref: str,
+    request: Request,
+    layout: Layout = Query("sglang"),
+    who: Principal = Depends(current_principal),
+    store: ObjectStore = Depends(get_store),
+    settings: Settings = Depends(get_settings),
+) -> Download:
+    with request.app.state.sessionmaker() as s:
+        row = _live(resolve(s, who.tenant_id, name, ref))
+    files = []
+    for f in row.files:
+        if f["layout"] != layout:
+            continue
+        key = object_key(row.tenant_id, row.name, row.version, layout, f["path"])
+        files.append(
+            DownloadFile(
+                **f,
+                url=store.presign_get(key, settings.presign_seconds),
+                download_path=f"/v1/adapters/{row.name}/versions/{row.version}/files/{layout}/{f['path']}",
+            )
+        )
+    return Download(name=row.name, version=row.version, layout=layout, expires_in=settings.presign_seconds, files=files)
+
+
+@router.get("/v1/adapters/{name}/versions/{ref}/files/{layout}/{path}", response_class=StreamingResponse)
+def download_file(
+    name: str,
+    ref: str,
+    layout: Layout,
+    path: str,
+    request: Request,
+    who: Principal = Depends(current_principal),
+    store: ObjectStore = Depends(get_store),
+) -> StreamingResponse:
+    with request.app.state.sessionmaker() as s:
+        row = _live(resolve(s, who.tenant_id, name, ref))
+    entry = next((f for f in row.files if f["layout"] == layout and f["path"] == path), None)
+    if entry is None:
+        raise not_found("file", f"{name}@{row.version}/{layout}/{path}")
+    size, chunks = store.open_stream(object_key(row.tenant_id, row.name, row.version, layout, path))
+
+    def verified() -> Iterator[bytes]:
+        digest = hashlib.sha256()
+        for chunk in chunks:
+            digest.update(chunk)
+            yield chunk
+        if digest.hexdigest() != entry["sha256"]:
+            log.error("sha256 mismatch streaming %s@%s/%s/%s", name, row.version, layout, path)
+            raise RuntimeError(f"stored object for {name}@{row.version}/{layout}/{path} does not match its sha256")
+
+    headers = {"X-Inkwell-SHA256": entry["sha256"], "Content-Length": str(size)}
+    return StreamingResponse(verified(), media_type="application/octet-stream", headers=headers)
+
+
+@router.delete("/v1/adapters/{name}/versions/{version}", response_model=AdapterVersion)
+def delete_version(
+    name: str, version: int, who: Principal = Depends(current_principal), s: Session = Depends(get_session)
+) -> AdapterVersion:
+    _own_adapter(s, who, name)
+    row = repo.get_version(s, who.tenant_id, name, version)
+    if row is None:
+        raise not_found("adapter version", f"{name}@{version}")
+    aliases = repo.aliases_of(s, who.tenant_id, name)
+    pointing = sorted(a for a, v in aliases.items() if v == version)
+    if pointing:
+        raise APIError(
+            409,
+            "version_aliased",
+            f"{name}@{version} is the target of alias(es) {', '.join(pointing)}; move or delete them first",
+            aliases=pointing,
+        )
+    if row.deleted_at is None:
+        row.deleted_at, row.deleted_by = utcnow(), who.key_id
+        repo.audit(s, who.tenant_id, who.key_id, "adapter.version.delete", f"{name}@{version}")
+        s.commit()
+    return version_view(row, aliases)
+
+
+@router.put("/v1/adapters/{name}/aliases/{alias}", response_model=Alias)
+def set_alias(
+    name: str,
+    alias: str,
+    body: AliasSet,
+    who: Principal = Depends(current_principal),
+    s: Session = Depends(get_session),
+) -> Alias:
+    check_name(alias, "alias")
+    if alias.isdigit() or alias == "latest":
+        raise APIError(
+            422,
+            "invalid_name",
+            f"alias {alias!r} would be read as a version reference; use a name with a letter",
+            name=alias,
+            reason="reserved",
+        )
+    _own_adapter(s, who, name)
+    target = repo.get_version(s, who.tenant_id, name, body.version)
+    if target is None:
+        raise not_found("adapter version", f"{name}@{body.version}")
+    _live(target)
+    previous = repo.get_alias(s, who.tenant_id, name, alias)
+    before = previous.version if previous else None
+    row = repo.set_alias(s, who.tenant_id, name, alias, body.version)
+    change = {"from": before, "to": body.version}
+    repo.audit(s, who.tenant_id, who.key_id, "adapter.alias.set", f"{name}@{alias}", change)
+    s.commit()
+    return Alias(name=name, alias=alias, version=row.version, updated_at=row.updated_at)
+
+
+@router.delete("/v1/adapters/{name}/aliases/{alias}", status_code=204, response_class=Response)
+def delete_alias(
+    name: str, alias: str, who: Principal = Depends(current_principal), s: Session = Depends(get_session)
+) -> Response:
+    _own_adapter(s, who, name)
+    row = repo.get_alias(s, who.tenant_id, name, alias)
+    if row is None:
+        raise not_found("alias", f"{name}@{alias}")
+    repo.audit(s, who.tenant_id, who.key_id, "adapter.alias.delete", f"{name}@{alias}", {"was": row.version})
+    s.delete(row)
+    s.commit()
+    return Response(status_code=204)
+
+
+@router.get("/v1/audit", response_model=Page[AuditEntry], tags=["audit"])
+def audit_log(
+    paging: Paging = Depends(), who: Principal = Depends(current_principal), s: Session = Depends(get_session)
+) -> Page[AuditEntry]:
+    rows, cursor = repo.list_audit(s, who.tenant_id, paging.limit, paging.cursor)
+    return Page[AuditEntry](data=[AuditEntry.model_validate(r) for r in rows], next_cursor=cursor)
