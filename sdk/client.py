@@ -1,0 +1,178 @@
+"""`Client` and `AsyncClient`: configuration, the four resources and `train()`, over one transport each."""
+
+import os
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inkwell.adapters.spec import LoraSpec
+from inkwell.sdk.calls import Op
+from inkwell.sdk.errors import ConfigurationError
+from inkwell.sdk.jobs import AsyncJob, Job
+from inkwell.sdk.resources import DATASET_ID, Adapters, Datasets, DatasetSource, Jobs, Models
+from inkwell.sdk.transport import AsyncTransport, SyncTransport
+from inkwell.service.schemas import Job as JobInfo
+
+URL_ENV = "INKWELL_URL"
+API_KEY_ENV = "INKWELL_API_KEY"
+
+
+def resolve_config(url: str | None, api_key: str | None) -> tuple[str, str]:
+    """The service URL and API key from the arguments, else from INKWELL_URL / INKWELL_API_KEY."""
+    url = url or os.environ.get(URL_ENV)
+    api_key = api_key or os.environ.get(API_KEY_ENV)
+    missing = [f"the service URL (url=... or {URL_ENV})"] if not url else []
+    if not api_key:
+        missing.append(f"an API key (api_key=... or {API_KEY_ENV})")
+    if missing:
+        raise ConfigurationError(
+            f"inkwell client needs {' and '.join(missing)}; `inkwell serve` prints both", code="configuration_error"
+        )
+    if not url.startswith(("http://", "https://")):
+        raise ConfigurationError(f"service URL {url!r} must start with http:// or https://", code="configuration_error")
+    return url, api_key
+
+
+def default_adapter_name(base_model: str, method: str) -> str:
+    return f"{base_model}-{method}-{datetime.now(UTC):%Y%m%d-%H%M%S}"[:64]
+
+
+class _ClientBase:
+    _job_class: type[Job] | type[AsyncJob]
+
+    def __init__(self, transport: SyncTransport | AsyncTransport) -> None:
+        self._transport = transport
+        self.datasets = Datasets(self)
+        self.jobs = Jobs(self)
+        self.adapters = Adapters(self)
+        self.models = Models(self)
+
+    @property
+    def url(self) -> str:
+        return self._transport.policy.url
+
+    def _job(self, info: JobInfo) -> Job | AsyncJob:
+        return self._job_class(self, info)
+
+    def _train_op(
+        self,
+        base_model: str,
+        dataset: DatasetSource,
+        lora: LoraSpec | Mapping[str, Any] | None,
+        method: str,
+        adapter_name: str | None,
+        eval_dataset: DatasetSource | None,
+        hparams: Mapping[str, Any],
+    ) -> Op[Job | AsyncJob]:
+        """Upload what needs uploading, then create the job."""
+        dataset_id = yield from self._dataset_id(dataset)
+        eval_id = (yield from self._dataset_id(eval_dataset)) if eval_dataset is not None else None
+        name = adapter_name or default_adapter_name(base_model, method)
+        return (yield from self.jobs.create_op(base_model, dataset_id, name, lora, method, eval_id, hparams))
+
+    def _dataset_id(self, dataset: DatasetSource) -> Op[str]:
+        if isinstance(dataset, str) and DATASET_ID.match(dataset) and not Path(dataset).exists():
+            return dataset
+        return (yield from self.datasets.upload_op(dataset)).id
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+class Client(_ClientBase):
+    """Synchronous client. `url` / `api_key` default to INKWELL_URL / INKWELL_API_KEY.
+
+    Transient failures (connection refused, 429, 503 with `retryable`) are retried with
+    exponential backoff, at most `max_retries` times; nothing else is resent.
+    """
+
+    _job_class = Job
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        url, api_key = resolve_config(url, api_key)
+        super().__init__(SyncTransport(url, api_key, timeout=timeout, max_retries=max_retries, transport=transport))
+
+    def train(
+        self,
+        base_model: str,
+        dataset: DatasetSource,
+        *,
+        lora: LoraSpec | Mapping[str, Any] | None = None,
+        method: str = "sft",
+        adapter_name: str | None = None,
+        eval_dataset: DatasetSource | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+        progress: bool = True,
+        **hyperparameters: Any,
+    ) -> Job:
+        """Train a LoRA adapter: `dataset` is a JSONL path, a list of example dicts or a 'ds_...' id.
+        With `wait` it returns once the adapter is published (`job.adapter`), else right away."""
+        op = self._train_op(base_model, dataset, lora, method, adapter_name, eval_dataset, hyperparameters)
+        job = self._transport.run(op)
+        return job.wait(timeout=timeout, progress=progress) if wait else job
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_ClientBase):
+    """The asyncio twin of `Client`: the same methods, awaited (iterators are async iterators)."""
+
+    _job_class = AsyncJob
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        url, api_key = resolve_config(url, api_key)
+        super().__init__(AsyncTransport(url, api_key, timeout=timeout, max_retries=max_retries, transport=transport))
+
+    async def train(
+        self,
+        base_model: str,
+        dataset: DatasetSource,
+        *,
+        lora: LoraSpec | Mapping[str, Any] | None = None,
+        method: str = "sft",
+        adapter_name: str | None = None,
+        eval_dataset: DatasetSource | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+        progress: bool = True,
+        **hyperparameters: Any,
+    ) -> AsyncJob:
+        op = self._train_op(base_model, dataset, lora, method, adapter_name, eval_dataset, hyperparameters)
+        job = await self._transport.run(op)
+        return await job.wait(timeout=timeout, progress=progress) if wait else job
+
+    async def aclose(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
