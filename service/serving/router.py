@@ -1,0 +1,93 @@
+"""The serving router: which worker runs a request, loading its adapter there first if needed.
+
+Workers are grouped by base model and started on first use. A request goes to the least loaded
+worker that already holds its adapter version, else to the least loaded worker, which is asked
+to load it. Each worker accepts a bounded number of requests in flight; beyond that on every
+worker the router refuses with QueueFullError (HTTP 429 with Retry-After).
+"""
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from inkwell.service.engine import SamplingParams
+from inkwell.service.serving.sources import AdapterSource
+from inkwell.service.serving.worker import RequestStream, WorkerHandle
+
+
+class QueueFullError(RuntimeError):
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One adapter version: `key` is unique per version (a new version is a new key)."""
+
+    key: str
+    source: AdapterSource
+
+
+class ServingRouter:
+    """Routes requests to workers of their base model; `start_workers(base)` makes them on first use."""
+
+    def __init__(
+        self,
+        start_workers: Callable[[str], list[WorkerHandle]],
+        max_inflight_per_worker: int = 64,
+        retry_after: int = 1,
+    ):
+        self.start_workers = start_workers
+        self.max_inflight = max_inflight_per_worker
+        self.retry_after = retry_after
+        self.workers: dict[str, list[WorkerHandle]] = {}
+        self._starting: dict[str, asyncio.Task] = {}
+        self._reserved: dict[int, int] = {}
+
+    async def workers_for(self, base: str) -> list[WorkerHandle]:
+        """The workers of `base`, started (once, off the event loop) by the first request that needs them."""
+        if base not in self.workers:
+            task = self._starting.get(base)
+            if task is None:
+                task = self._starting[base] = asyncio.ensure_future(asyncio.to_thread(self.start_workers, base))
+            try:
+                workers = await asyncio.shield(task)
+            finally:
+                if task.done():
+                    self._starting.pop(base, None)
+            self.workers[base] = workers
+        return self.workers[base]
+
+    def _load(self, worker: WorkerHandle) -> int:
+        return worker.inflight + self._reserved.get(id(worker), 0)
+
+    def pick(self, workers: list[WorkerHandle], key: str | None) -> WorkerHandle:
+        """Least loaded live worker holding `key`, else least loaded live worker; QueueFullError if all are full."""
+        open_ = [w for w in workers if w.alive and self._load(w) < self.max_inflight]
+        if not open_:
+            raise QueueFullError(
+                f"all {len(workers)} workers have {self.max_inflight} requests in flight; retry shortly",
+                self.retry_after,
+            )
+        holding = [w for w in open_ if key is not None and key in w.adapters]
+        return min(holding or open_, key=self._load)
+
+    async def submit(
+        self, base: str, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None
+    ) -> RequestStream:
+        """Start a request on a worker (loading its adapter there first); iterate the stream for outputs."""
+        worker = self.pick(await self.workers_for(base), adapter.key if adapter else None)
+        self._reserved[id(worker)] = self._reserved.get(id(worker), 0) + 1
+        try:
+            if adapter is not None:
+                await worker.load_adapter(adapter.key, adapter.source)
+            return worker.submit(prompt_ids, params, adapter.key if adapter else None)
+        finally:
+            self._reserved[id(worker)] -= 1
+
+    def close(self) -> None:
+        for workers in self.workers.values():
+            for worker in workers:
+                worker.close()
+        self.workers.clear()

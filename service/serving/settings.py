@@ -1,0 +1,35 @@
+"""Serving-tier configuration from the environment (prefix INKWELL_SERVING_)."""
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from inkwell.service.engine import EngineConfig
+
+
+class ServingSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="INKWELL_SERVING_", extra="ignore")
+
+    workers_per_base: int = Field(1, ge=1, description="worker processes per base model (one per device)")
+    devices: list[str] = Field(["cpu"], description="device of worker i is devices[i % len(devices)]")
+    dtype: str = "float32"
+    threads: int = Field(1, ge=1, description="torch threads per CPU worker")
+    max_loras_per_batch: int = Field(4, ge=1)
+    max_lora_rank: int = Field(64, ge=1)
+    max_loaded_adapters: int = Field(16, ge=1)
+    max_seqs: int = Field(16, ge=1, description="sequences decoding at once per worker")
+    max_batch_tokens: int = Field(256, ge=1, description="tokens per engine step (prefill is chunked to fit)")
+    max_context: int | None = Field(None, ge=2)
+    max_inflight_per_worker: int = Field(64, ge=1, description="beyond this on every worker: 429")
+    start_timeout: float = Field(300.0, gt=0)
+
+    def engine_config(self, device: str) -> EngineConfig:
+        return EngineConfig(
+            max_loras_per_batch=self.max_loras_per_batch,
+            max_lora_rank=self.max_lora_rank,
+            max_loaded_adapters=self.max_loaded_adapters,
+            max_seqs=self.max_seqs,
+            max_batch_tokens=self.max_batch_tokens,
+            max_context=self.max_context,
+            dtype=self.dtype,
+            device=device,
+        )
