@@ -17,7 +17,7 @@ import pydantic
 
 from inkwell.adapters.spec import LoraSpec
 from inkwell.sdk.calls import Call, FileSink, Op, Upload, parse_model, segment
-from inkwell.sdk.errors import NotFoundError, ValidationError
+from inkwell.sdk.errors import ValidationError
 from inkwell.sdk.events import EventFollower, Page
 from inkwell.service.schemas import (
     LAYOUTS,
@@ -295,23 +295,18 @@ class Adapters(_Resource):
     def download(
         self,
         name: str,
-        ref: VersionRef | None = None,
+        ref: VersionRef = "latest",
         *,
         layout: str = "sglang",
         dest: str | Path,
         presigned: bool = False,
     ) -> DownloadedAdapter:
-        """Write one layout of a version (default: the latest) into `dest`, verifying each file's
+        """Write one layout of a version (number, alias or "latest") into `dest`, verifying each file's
         sha256; files appear only once all of them verified. `presigned` fetches straight from S3."""
         return self._t.run(self._download_op(name, ref, layout, Path(dest), presigned))
 
     def _download_op(self, name, ref, layout, dest: Path, presigned: bool) -> Op[DownloadedAdapter]:
         _check_layout(layout)
-        if ref is None:
-            adapter = yield Call("GET", f"/v1/adapters/{segment(name)}", parse=parse_model(Adapter))
-            if adapter.latest_version is None:
-                raise NotFoundError(f"adapter {name!r} has no live versions", code="not_found")
-            ref = adapter.latest_version
         path = f"/v1/adapters/{segment(name)}/versions/{segment(ref)}/download"
         info = yield Call("GET", path, params={"layout": layout}, parse=parse_model(Download))
         dest.mkdir(parents=True, exist_ok=True)

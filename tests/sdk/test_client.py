@@ -1,0 +1,191 @@
+"""Client against the real service (uvicorn + SQLite + SeaweedFS): datasets, jobs, events,
+the registry (import, download with sha256 checks, aliases, deletes), errors and tenants."""
+
+import asyncio
+import hashlib
+import json
+
+import pytest
+
+from inkwell import sdk
+
+CHAT = [
+    {"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}!"}]} for i in range(4)
+]
+
+
+def test_models_and_datasets(api, tmp_path):
+    client, _ = api
+    assert "inkling-tiny" in [m.id for m in client.models.list()]
+    assert client.models.get("inkling-tiny").num_hidden_layers == 4
+    with pytest.raises(sdk.NotFoundError) as err:
+        client.models.get("llama-7b")
+    assert err.value.code == "unknown_base_model" and "inkling-tiny" in err.value.details["known"]
+
+    from_list = client.datasets.upload(CHAT)
+    assert (from_list.format, from_list.num_examples) == ("chat", 4)
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    from_path = client.datasets.upload(path, name="arith")
+    assert (from_path.name, from_path.format, from_path.num_examples) == ("arith", "prompt_completion", 1)
+    assert from_path.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert client.datasets.get(from_list.id).sha256 == from_list.sha256
+
+    page = client.datasets.list(limit=1)
+    assert [d.id for d in page] == [from_path.id] and page.next_cursor
+    assert [d.id for d in client.datasets.iter(page_size=1)] == [from_path.id, from_list.id]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(CHAT[0]) + "\n{not json\n")
+    with pytest.raises(sdk.ValidationError) as err:
+        client.datasets.upload(bad)
+    assert err.value.status == 422 and err.value.code == "invalid_dataset" and err.value.details["line"] == 2
+    big = tmp_path / "big.jsonl"
+    big.write_text((json.dumps({"prompt": "x" * 1000, "completion": "y"}) + "\n") * 2500)
+    with pytest.raises(sdk.PayloadTooLargeError) as err:
+        client.datasets.upload(big)
+    assert err.value.details["limit_bytes"] == 2 * 1024 * 1024
+    with pytest.raises(sdk.NotFoundError):
+        client.datasets.get("ds_" + "0" * 24)
+
+
+def test_wrong_key_and_other_tenants(api, sqlite_service):
+    client, _ = api
+    with sdk.Client(sqlite_service.url, "ink_not-a-key") as stranger, pytest.raises(sdk.AuthenticationError) as err:
+        stranger.models.list()
+    assert err.value.status == 401 and err.value.code == "unauthorized"
+    dataset = client.datasets.upload(CHAT)
+    job = client.train("inkling-tiny", dataset.id, adapter_name="mine", wait=False, max_steps=2)
+    job.cancel()
+    _, other_key = sqlite_service.new_tenant("other")
+    with sdk.Client(sqlite_service.url, other_key) as other:
+        for call in (lambda: other.datasets.get(dataset.id), lambda: other.jobs.get(job.id)):
+            with pytest.raises(sdk.NotFoundError):
+                call()
+        assert list(other.jobs.iter()) == [] and list(other.datasets.iter()) == []
+
+
+def test_job_create_list_cancel_events_logs(api):
+    client, _ = api
+    job = client.train(
+        "inkling-tiny", CHAT, lora={"rank": 4, "targets": ["attn"]}, adapter_name="q-1", wait=False, max_steps=3
+    )
+    assert isinstance(job, sdk.Job) and job.state == "queued" and job.id.startswith("job_")
+    assert job.info.lora["rank"] == 4 and job.info.hyperparameters["max_steps"] == 3
+    assert job.progress.max_steps == 3
+    assert [j.id for j in client.jobs.list(state="queued", adapter_name="q-1")] == [job.id]
+    assert client.jobs.list(adapter_name="nobody").data == []
+    other = client.train("inkling-tiny", job.info.dataset_id, adapter_name="q-2", wait=False)
+    assert other.info.dataset_id == job.info.dataset_id  # a ds_ id is used as is, not re-uploaded
+    assert len(client.datasets.list().data) == 1
+    assert [j.id for j in client.jobs.iter(page_size=1)] == [other.id, job.id]
+
+    assert job.cancel().state == "cancelled" and job.info.finished_at is not None
+    assert client.jobs.cancel(job.id).state == "cancelled"  # no-op
+    events = list(job.events())
+    assert [(e.type, e.state) for e in events] == [("state", "queued"), ("state", "cancelled")]
+    assert [e.id for e in client.jobs.history(job.id)] == [e.id for e in events]
+    assert list(client.jobs.events(job.id, after=events[0].id)) == events[1:]
+    assert "cancelled" in job.logs()
+    with pytest.raises(sdk.JobCancelledError) as err:
+        job.wait(progress=False)
+    assert err.value.details["job_id"] == job.id
+    other.cancel()
+
+    with pytest.raises(sdk.NotFoundError) as err:
+        client.train("gpt-9", CHAT, adapter_name="x", wait=False)
+    assert err.value.code == "unknown_base_model"
+    with pytest.raises(sdk.NotFoundError):
+        client.jobs.get("job_" + "0" * 24)
+
+
+def test_registry_import_download_alias_delete(api, adapter_dir, sqlite_service, tmp_path):
+    client, _ = api
+    v1 = client.adapters.import_(adapter_dir, name="imported", base_model="inkling-tiny", layout="sglang")
+    assert (v1.version, v1.lineage.source, v1.base_model) == (1, "import", "inkling-tiny")
+    assert {f.layout for f in v1.files} == {"sglang", "peft"}
+    v2 = client.adapters.import_(adapter_dir, name="imported", base_model="inkling-tiny", layout="sglang")
+    assert v2.version == 2
+    with pytest.raises(sdk.ConflictError) as err:
+        client.adapters.import_(adapter_dir, name="imported", base_model="inkling-tiny", layout="sglang", version=1)
+    assert err.value.code == "version_exists"
+
+    adapter = client.adapters.get("imported")
+    assert (adapter.latest_version, adapter.num_versions) == (2, 2)
+    assert [a.name for a in client.adapters.iter()] == ["imported"]
+    assert [v.version for v in client.adapters.versions("imported")] == [2, 1]
+
+    got = client.adapters.download("imported", layout="peft", dest=tmp_path / "latest")
+    assert got.version == 2 and got.layout == "peft"
+    recorded = {f.path: f.sha256 for f in v2.files if f.layout == "peft"}
+    on_disk = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in got.path.iterdir()}
+    assert on_disk == recorded and "adapter_model.safetensors" in on_disk
+
+    alias = client.adapters.set_alias("imported", "prod", 1)
+    assert (alias.alias, alias.version) == ("prod", 1)
+    assert client.adapters.version("imported", "prod").version == 1
+    via_alias = client.adapters.download("imported", "prod", dest=tmp_path / "prod", presigned=True)
+    assert via_alias.version == 1
+    sglang_v1 = {f.path: f.sha256 for f in v1.files if f.layout == "sglang"}
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in via_alias.path.iterdir()} == sglang_v1
+
+    with pytest.raises(sdk.ConflictError) as err:
+        client.adapters.delete_version("imported", 1)
+    assert err.value.code == "version_aliased" and err.value.details["aliases"] == ["prod"]
+    client.adapters.set_alias("imported", "prod", 2)  # moves
+    assert client.adapters.get("imported").aliases == {"prod": 2}
+    assert client.adapters.delete_version("imported", 1).deleted
+    assert [v.version for v in client.adapters.versions("imported")] == [2]
+    assert [v.version for v in client.adapters.versions("imported", include_deleted=True)] == [2, 1]
+    with pytest.raises(sdk.ConflictError) as err:
+        client.adapters.download("imported", 1, dest=tmp_path / "gone")
+    assert err.value.code == "version_deleted"
+    client.adapters.delete_alias("imported", "prod")
+    assert client.adapters.get("imported").aliases == {}
+    with pytest.raises(sdk.NotFoundError):
+        client.adapters.delete_alias("imported", "prod")
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((adapter_dir / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(sdk.ValidationError) as err:
+        client.adapters.import_(broken, name="broken", base_model="inkling-tiny", layout="sglang")
+    assert err.value.code == "invalid_adapter"
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
+        client.adapters.import_(tmp_path / "prod-missing", name="x", base_model="inkling-tiny", layout="sglang")
+
+    _, other_key = sqlite_service.new_tenant("other")
+    with sdk.Client(sqlite_service.url, other_key) as other:
+        with pytest.raises(sdk.NotFoundError):
+            other.adapters.get("imported")
+        with pytest.raises(sdk.NotFoundError):
+            other.adapters.download("imported", 2, dest=tmp_path / "stolen")
+        assert not (tmp_path / "stolen").exists() or not any((tmp_path / "stolen").iterdir())
+
+
+def test_async_client(api, adapter_dir, sqlite_service, tmp_path):
+    _, key = api
+
+    async def main():
+        async with sdk.AsyncClient(sqlite_service.url, key) as client:
+            models, dataset = await asyncio.gather(client.models.list(), client.datasets.upload(CHAT))
+            assert "inkling-tiny" in [m.id for m in models] and dataset.num_examples == 4
+            job = await client.train("inkling-tiny", dataset.id, adapter_name="async-q", wait=False, max_steps=2)
+            assert isinstance(job, sdk.AsyncJob) and job.state == "queued"
+            assert [j.id async for j in client.jobs.iter(state="queued")] == [job.id]
+            await job.cancel()
+            assert [e.state async for e in job.events()] == ["queued", "cancelled"]
+            with pytest.raises(sdk.JobCancelledError):
+                await job.wait(progress=False)
+            version = await client.adapters.import_(
+                adapter_dir, name="async-imported", base_model="inkling-tiny", layout="sglang"
+            )
+            got = await client.adapters.download("async-imported", version.version, dest=tmp_path / "a")
+            assert sorted(p.name for p in got.path.iterdir()) == sorted(
+                f.path for f in version.files if f.layout == "sglang"
+            )
+            with pytest.raises(sdk.NotFoundError):
+                await client.adapters.get("nope")
+
+    asyncio.run(main())
