@@ -34,11 +34,14 @@ is bit-exact when all ranks are equal or every R / r is a power of two; otherwis
 within one rounding of its dtype.
 """
 
+import re
+
 import torch
 from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
-from inkwell.adapters.spec import LoraSpec
+from inkwell.adapters.errors import LayoutError
+from inkwell.adapters.spec import TARGET_GROUPS, LoraSpec
 from inkwell.adapters.targets import Target, model_targets
 
 LAYOUT = "sglang"
@@ -58,7 +61,7 @@ _SGLANG_MODULES = {
 }
 
 
-class SglangLayoutError(ValueError):
+class SglangLayoutError(LayoutError):
     """An adapter that cannot be written in, or read from, the sglang layout, and why."""
 
 
@@ -128,7 +131,14 @@ def adapter_config(adapter: Adapter) -> dict:
 def from_sglang(
     tensors: dict[str, torch.Tensor], adapter_config: dict, config: InklingTextConfig
 ) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
-    """The spec and canonical tensors (names of adapters/targets.py) of an sglang-layout adapter."""
+    """The spec and canonical tensors (names of adapters/targets.py) of an sglang-layout adapter.
+
+    An adapter without our `inkwell` metadata was written by another tool: any form SGLang's
+    Inkling loader accepts is read (see `_adopt_foreign`) and its spec is inferred.
+    """
+    _check_peft_type(adapter_config)
+    if METADATA_KEY not in adapter_config:
+        return _adopt_foreign(tensors, adapter_config, config)
     spec = spec_from_config(adapter_config)
     targets = model_targets(config, spec)
     max_rank = spec.max_rank
@@ -147,18 +157,25 @@ def from_sglang(
     return spec, out
 
 
-def spec_from_config(adapter_config: dict) -> LoraSpec:
-    """Our LoraSpec from an sglang-layout `adapter_config.json`, checked against its PEFT fields."""
+def _check_peft_type(adapter_config: dict) -> None:
     peft_type = str(adapter_config.get("peft_type", "")).upper()
     if peft_type != "LORA":
         raise SglangLayoutError(
             f"adapter_config.json: peft_type is {peft_type or 'missing'!r}; only LORA adapters load"
         )
+    if adapter_config.get("use_dora"):
+        raise SglangLayoutError(
+            "adapter_config.json: use_dora is set; DoRA adapters are not plain LoRA and cannot load"
+        )
+
+
+def spec_from_config(adapter_config: dict) -> LoraSpec:
+    """Our LoraSpec from the `inkwell` metadata of `adapter_config.json`, checked against its PEFT fields."""
     meta = adapter_config.get(METADATA_KEY)
     if not isinstance(meta, dict) or "spec" not in meta:
         raise SglangLayoutError(
-            f"adapter_config.json: no {METADATA_KEY!r} metadata with a 'spec'; this adapter was not written by "
-            "inkwell (re-export it with inkwell, or register it with an explicit spec)"
+            f"adapter_config.json: {METADATA_KEY!r} is not a mapping with a 'spec'; the file is corrupt "
+            f"(remove the {METADATA_KEY!r} key to read it as an adapter written by another tool)"
         )
     if meta.get("layout") != LAYOUT:
         raise SglangLayoutError(
@@ -277,3 +294,123 @@ def _unpad_rank(
             "zero; the tensors were not written by to_sglang for this spec"
         )
     return a[..., :rank, :], (b[..., :rank].double() * (rank / max_rank)).to(b.dtype)
+
+
+# Another tool's tensor name: any prefix, then `layers.<i>.<module>` or the LM head.
+_FOREIGN_NAME = re.compile(
+    r"^(?:.*\.)?(?:layers\.(?P<layer>\d+)\.(?P<module>[\w.]+?)|(?P<head>lm_head|unembed_tokens))"
+    r"\.lora_(?P<factor>[AB])\.weight$"
+)
+_FOREIGN_MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "gate_proj": "gate_proj"}
+_FOREIGN_MLP |= {"up_proj": "up_proj", "down_proj": "down_proj", "gate_up_proj": "gate_up_proj"}
+_FOREIGN_ATTN = {v: k for k, v in _ATTN.items()} | {"qkvr": "qkvr"}
+_FUSED = {"qkvr": ("q_proj", "k_proj", "v_proj", "r_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _adopt_foreign(
+    tensors: dict[str, torch.Tensor], adapter_config: dict, config: InklingTextConfig
+) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """Canonical tensors of an sglang adapter written by another tool, with its inferred spec.
+
+    Accepted, as SGLang's Inkling loader accepts them: any name prefix; `w1/w3/w2` or
+    `gate/up/down_proj`; fused `qkvr` and `gate_up_proj` (one A shared by the slices, or the
+    slices' As stacked); shared experts flat or 3-D. A target with neither factor gets zero
+    factors (no change), as SGLang zero-fills it. The spec has one rank (`r`) and the groups
+    the tensors touch.
+    """
+    try:
+        rank = int(adapter_config["r"])
+        alpha = float(adapter_config["lora_alpha"])
+        dropout = float(adapter_config.get("lora_dropout") or 0.0)
+        by_key = {
+            (t.layer, t.group, t.proj): t for t in model_targets(config, LoraSpec(rank=rank, targets=TARGET_GROUPS))
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SglangLayoutError(f"adapter_config.json: needs a valid integer 'r' and a 'lora_alpha' ({exc})") from exc
+    canonical: dict[str, torch.Tensor] = {}
+    groups: set[str] = set()
+    for name, tensor in tensors.items():
+        layer, group, proj, factor = _parse_foreign(name)
+        parts = _FUSED.get(proj, (proj,))
+        targets = [by_key.get((layer, group, p)) for p in parts]
+        if None in targets:
+            where = f"layer {layer}" if layer is not None else "the model"
+            raise SglangLayoutError(f"{name}: {where} of this base model has no {group} {proj}", name)
+        for target, piece in zip(targets, _split_fused(name, tensor, factor, targets, rank), strict=True):
+            key = f"{target.module}.{factor}"
+            if key in canonical:
+                raise SglangLayoutError(f"{name}: {target.module} {factor} is given twice (fused and split)", name)
+            canonical[key] = piece.contiguous()
+        groups.add(group)
+    try:
+        spec = LoraSpec(rank=rank, alpha=alpha, dropout=dropout, targets=[g for g in TARGET_GROUPS if g in groups])
+    except ValueError as exc:
+        raise SglangLayoutError(f"adapter_config.json: not a usable LoRA config ({exc})") from exc
+    dtype = next(iter(tensors.values())).dtype
+    for target in model_targets(config, spec):
+        names = [f"{target.module}.{f}" for f in ("lora_A", "lora_B")]
+        present = [n in canonical for n in names]
+        if not any(present):
+            for n, shape in zip(names, target.shapes(rank).values(), strict=True):
+                canonical[n] = torch.zeros(shape, dtype=dtype)
+        elif not all(present):
+            raise SglangLayoutError(f"{module_name(target)}: has only one of lora_A / lora_B", module_name(target))
+    _check_shapes(canonical, _canonical_shapes(model_targets(config, spec), spec), "sglang adapter")
+    return spec, canonical
+
+
+def _parse_foreign(name: str) -> tuple[int | None, str, str, str]:
+    """(layer, group, canonical proj or fused name, lora_A|lora_B) of another tool's tensor name."""
+    match = _FOREIGN_NAME.match(name)
+    factor = f"lora_{match['factor']}" if match else ""
+    if match and match["head"]:
+        return None, "lm_head", "lm_head", factor
+    parts = match["module"].split(".") if match else []
+    if len(parts) == 2 and parts[0] == "attn" and parts[1] in _FOREIGN_ATTN:
+        return int(match["layer"]), "attn", _FOREIGN_ATTN[parts[1]], factor
+    if len(parts) == 2 and parts[0] == "mlp" and parts[1] in _FOREIGN_MLP:
+        return int(match["layer"]), "mlp", _FOREIGN_MLP[parts[1]], factor
+    if len(parts) == 3 and parts[:2] in (["mlp", "experts"], ["mlp", "shared_experts"]) and parts[2] in _FOREIGN_MLP:
+        return int(match["layer"]), parts[1], _FOREIGN_MLP[parts[2]], factor
+    raise SglangLayoutError(
+        f"{name}: not an Inkling LoRA tensor inkwell reads (expected layers.<i>.attn.wq_du|wk_dv|wv_dv|wr_du|wo_ud|"
+        "qkvr, layers.<i>.mlp[.experts|.shared_experts].w1|w3|w2|gate_up_proj, or lm_head, then .lora_A/B.weight)",
+        name,
+    )
+
+
+def _split_fused(name: str, tensor: torch.Tensor, factor: str, targets: list[Target], rank: int) -> list[torch.Tensor]:
+    """One canonical factor per target: reshaped to canonical form, fused slices split apart."""
+    first = targets[0]
+    try:
+        if first.group == "experts" or (first.group == "shared_experts" and tensor.dim() == 3):
+            shared = (factor == "lora_A") == (first.kind == "expert_in")
+            if shared and tensor.dim() == 3 and tensor.shape[0] != 1:
+                raise SglangLayoutError(
+                    f"{name}: per-expert {factor} (expert dim {tensor.shape[0]}); inkwell adapters use the "
+                    "shared-outer form, where this factor has expert dim 1",
+                    name,
+                )
+            tensor = tensor[0] if shared and tensor.dim() == 3 else tensor
+        elif first.group == "shared_experts" and factor == "lora_B" and first.kind == "expert_in":
+            tensor = tensor.reshape(first.num_experts, -1, tensor.shape[-1])  # [S*F, r] -> [S, F, r]
+        elif first.group == "shared_experts" and factor == "lora_A" and first.kind == "expert_out":
+            tensor = tensor.reshape(tensor.shape[0], first.num_experts, -1).permute(1, 0, 2)
+    except RuntimeError as exc:
+        raise SglangLayoutError(
+            f"{name}: shape {tuple(tensor.shape)} does not fit {first.module} ({exc})", name
+        ) from exc
+    if len(targets) == 1:
+        return [tensor]
+    # Pieces are copies: tensors sharing storage cannot be saved to one safetensors file.
+    if factor == "lora_A":  # one A shared by the slices, or the slices' As stacked on the rank dim
+        if tensor.shape[-2] == rank * len(targets):
+            return [piece.clone() for piece in tensor.split(rank, dim=-2)]
+        return [tensor.clone() for _ in targets]
+    sizes = [t.out_features for t in targets]
+    if tensor.shape[-2] != sum(sizes):
+        raise SglangLayoutError(
+            f"{name}: lora_B has {tensor.shape[-2]} output rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))})",
+            name,
+        )
+    return [piece.clone() for piece in tensor.split(sizes, dim=-2)]

@@ -297,8 +297,10 @@ def test_from_sglang_names_what_is_wrong(adapter, config):
         from_sglang(tensors, dict(cfg, inkwell=dict(cfg["inkwell"], format_version=2)), config)
     with pytest.raises(SglangLayoutError, match="r=16.*disagree"):
         from_sglang(tensors, dict(cfg, r=16), config)
-    with pytest.raises(SglangLayoutError, match="not written by inkwell"):
-        from_sglang(tensors, {k: v for k, v in cfg.items() if k != "inkwell"}, config)
+    with pytest.raises(SglangLayoutError, match="'inkwell' is not a mapping with a 'spec'"):
+        from_sglang(tensors, dict(cfg, inkwell="sglang"), config)
+    with pytest.raises(SglangLayoutError, match="DoRA"):
+        from_sglang(tensors, dict(cfg, use_dora=True), config)
     with pytest.raises(SglangLayoutError, match="peft_type is 'IA3'"):
         from_sglang(tensors, dict(cfg, peft_type="IA3"), config)
 
@@ -327,3 +329,173 @@ def test_to_sglang_rejects_mismatched_adapter_and_unservable_base(adapter, confi
         to_sglang(mlp_adapter, odd)
     attn_adapter = init_adapter(odd, LoraSpec(rank=4, targets=["attn"]), adapter.base)
     assert len(to_sglang(attn_adapter, odd)[0]) == 4 * 5 * 2
+
+
+# Adapters written by other tools (no `inkwell` metadata): any form SGLang's Inkling loader takes.
+
+
+def _attn_dims(config: InklingTextConfig, layer: int) -> dict[str, tuple[int, int]]:
+    local = config.layer_types[layer] == "hybrid_sliding"
+    heads = config.swa_num_attention_heads if local else config.num_attention_heads
+    kv = config.swa_num_key_value_heads if local else config.num_key_value_heads
+    hd = config.swa_head_dim if local else config.head_dim
+    h = config.hidden_size
+    return {
+        "wq_du": (h, heads * hd),
+        "wk_dv": (h, kv * hd),
+        "wv_dv": (h, kv * hd),
+        "wr_du": (h, heads * config.d_rel),
+    } | {"wo_ud": (heads * hd, h)}
+
+
+def release_style(config: InklingTextConfig, rank: int = 4) -> dict[str, torch.Tensor]:
+    """Tensors named and shaped as the Inkling HF-format LoRA release (fused dense gate_up, one A)."""
+    gen = torch.Generator().manual_seed(5)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * 0.05
+
+    h, f, e, s = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts, config.n_shared_experts
+    out: dict[str, torch.Tensor] = {}
+    for i in range(config.num_hidden_layers):
+        p = f"language_model.layers.{i}"
+        for proj, (fan_in, fan_out) in _attn_dims(config, i).items():
+            out[f"{p}.attn.{proj}.lora_A.weight"], out[f"{p}.attn.{proj}.lora_B.weight"] = (
+                rnd(rank, fan_in),
+                rnd(fan_out, rank),
+            )
+        if config.mlp_layer_types[i] == "dense":
+            fd = config.intermediate_size
+            out[f"{p}.mlp.gate_up_proj.lora_A.weight"], out[f"{p}.mlp.gate_up_proj.lora_B.weight"] = (
+                rnd(rank, h),
+                rnd(2 * fd, rank),
+            )
+            out[f"{p}.mlp.down_proj.lora_A.weight"], out[f"{p}.mlp.down_proj.lora_B.weight"] = (
+                rnd(rank, fd),
+                rnd(h, rank),
+            )
+            continue
+        for w in ("w1", "w3"):
+            out[f"{p}.mlp.experts.{w}.lora_A.weight"], out[f"{p}.mlp.experts.{w}.lora_B.weight"] = (
+                rnd(1, rank, h),
+                rnd(e, f, rank),
+            )
+            out[f"{p}.mlp.shared_experts.{w}.lora_A.weight"] = rnd(rank, h)
+            out[f"{p}.mlp.shared_experts.{w}.lora_B.weight"] = rnd(s * f, rank)
+        out[f"{p}.mlp.experts.w2.lora_A.weight"], out[f"{p}.mlp.experts.w2.lora_B.weight"] = (
+            rnd(e, rank, f),
+            rnd(1, h, rank),
+        )
+        out[f"{p}.mlp.shared_experts.w2.lora_A.weight"], out[f"{p}.mlp.shared_experts.w2.lora_B.weight"] = (
+            rnd(rank, s * f),
+            rnd(h, rank),
+        )
+    out["language_model.lm_head.lora_A.weight"], out["language_model.lm_head.lora_B.weight"] = (
+        rnd(rank, h),
+        rnd(config.vocab_size, rank),
+    )
+    return out
+
+
+FOREIGN_CONFIG = {
+    "peft_type": "LORA",
+    "r": 4,
+    "lora_alpha": 8,
+    "target_modules": ["qkvr", "wo_ud", "gate_up_proj", "down_proj", "lm_head"],
+}
+
+
+def sglang_view(lora) -> dict[str, torch.Tensor]:
+    """SGLang's normalized tensors by name from `layers.<i>.` / `lm_head.` on (prefixes differ between tools)."""
+    named = {n: t for layer in lora.layers for n, t in layer.weights.items()} | lora.embedding_layers
+    return {n[n.index("layers.") if "layers." in n else n.index("lm_head.") :]: t for n, t in named.items()}
+
+
+def assert_sglang_sees_the_same(sgl, theirs: dict, their_cfg: dict, config, base) -> Adapter:
+    """Import `theirs`, re-export it, and require SGLang to normalize both to identical tensors."""
+    spec, canonical = from_sglang(theirs, their_cfg, config)
+    ours = Adapter(spec, canonical, base)
+    a = sglang_view(sglang_load(sgl, theirs, their_cfg, config))
+    b = sglang_view(sglang_load(sgl, *to_sglang(ours, config), config))
+    assert_same_tensors(b, a)
+    return ours
+
+
+def test_release_style_adapter_imports_as_sglang_sees_it(sgl, adapter, config, tmp_path):
+    theirs = release_style(config)
+    ours = assert_sglang_sees_the_same(sgl, theirs, FOREIGN_CONFIG, config, adapter.base)
+    assert ours.spec == LoraSpec(rank=4, alpha=8, targets=TARGET_GROUPS)
+    t = ours.tensors  # the fused dense gate_up shares one A between gate and up
+    assert torch.equal(t["model.layers.0.mlp.gate_proj.lora_A"], t["model.layers.0.mlp.up_proj.lora_A"])
+    save_file(t, tmp_path / "canonical.safetensors")  # no two tensors share storage
+
+
+def test_other_sglang_forms_import_as_sglang_sees_them(sgl, adapter, config):
+    theirs = {}
+    for name, tensor in release_style(config).items():
+        theirs["base_model.model.model.llm." + name.removeprefix("language_model.")] = tensor
+    p = "base_model.model.model.llm.layers"
+    # layer 0: q, k, v, r fused into qkvr with one shared A
+    b = torch.cat([theirs.pop(f"{p}.0.attn.{x}.lora_B.weight") for x in ("wq_du", "wk_dv", "wv_dv", "wr_du")])
+    a = theirs.pop(f"{p}.0.attn.wq_du.lora_A.weight")
+    for x in ("wk_dv", "wv_dv", "wr_du"):
+        del theirs[f"{p}.0.attn.{x}.lora_A.weight"]
+    theirs[f"{p}.0.attn.qkvr.lora_A.weight"], theirs[f"{p}.0.attn.qkvr.lora_B.weight"] = a, b
+    # layer 1: routed experts named gate_proj/down_proj, up (w3) absent
+    for old, new in (("w1", "gate_proj"), ("w2", "down_proj")):
+        for f in "AB":
+            theirs[f"{p}.1.mlp.experts.{new}.lora_{f}.weight"] = theirs.pop(f"{p}.1.mlp.experts.{old}.lora_{f}.weight")
+    for f in "AB":
+        del theirs[f"{p}.1.mlp.experts.w3.lora_{f}.weight"]
+    # layer 2: shared experts in the 3-D shared-outer form
+    s, q = config.n_shared_experts, f"{p}.2.mlp.shared_experts"
+    for w in ("w1", "w3"):
+        theirs[f"{q}.{w}.lora_A.weight"] = theirs[f"{q}.{w}.lora_A.weight"][None]
+        theirs[f"{q}.{w}.lora_B.weight"] = theirs[f"{q}.{w}.lora_B.weight"].reshape(s, -1, 4)
+    theirs[f"{q}.w2.lora_A.weight"] = theirs[f"{q}.w2.lora_A.weight"].reshape(4, s, -1).transpose(0, 1).contiguous()
+    theirs[f"{q}.w2.lora_B.weight"] = theirs[f"{q}.w2.lora_B.weight"][None]
+    # the head under PEFT's other name
+    for f in "AB":
+        theirs[f"base_model.model.model.llm.unembed_tokens.lora_{f}.weight"] = theirs.pop(
+            f"base_model.model.model.llm.lm_head.lora_{f}.weight"
+        )
+    ours = assert_sglang_sees_the_same(sgl, theirs, FOREIGN_CONFIG, config, adapter.base)
+    assert not ours.tensors["model.layers.1.mlp.experts.up_proj.lora_B"].any()  # absent target: zero factors
+
+
+def test_our_export_without_metadata_reads_as_foreign(adapter, config):
+    tensors, cfg = to_sglang(adapter, config)
+    spec, back = from_sglang(tensors, {k: v for k, v in cfg.items() if k != "inkwell"}, config)
+    assert spec == LoraSpec(rank=8, alpha=16, targets=TARGET_GROUPS)
+    assert sorted(back) == sorted(adapter.tensors)
+    assert all(torch.equal(back[k], v) for k, v in adapter.tensors.items())
+
+
+def test_foreign_adapter_errors_name_the_tensor(config):
+    theirs = release_style(config)
+    cases = [
+        (
+            {"language_model.embed_tokens.lora_A.weight": torch.zeros(4, 8)},
+            "embed_tokens.lora_A.weight: not an Inkling",
+        ),
+        (
+            {"language_model.layers.1.mlp.gate_up_proj.lora_A.weight": torch.zeros(4, 128)},
+            "layer 1 of this base model has no mlp",
+        ),
+        (
+            {"language_model.layers.1.mlp.experts.w1.lora_A.weight": torch.zeros(8, 4, 128)},
+            r"per-expert lora_A \(expert dim 8\)",
+        ),
+        (
+            {"language_model.layers.0.mlp.gate_up_proj.lora_B.weight": torch.zeros(500, 4)},
+            "500 output rows, expected 512",
+        ),
+    ]
+    for change, message in cases:
+        with pytest.raises(SglangLayoutError, match=message):
+            from_sglang(dict(theirs, **change), FOREIGN_CONFIG, config)
+    half = {k: v for k, v in theirs.items() if k != "language_model.lm_head.lora_B.weight"}
+    with pytest.raises(SglangLayoutError, match="lm_head: has only one of lora_A / lora_B"):
+        from_sglang(half, FOREIGN_CONFIG, config)
+    with pytest.raises(SglangLayoutError, match="needs a valid integer 'r'"):
+        from_sglang(theirs, {"peft_type": "LORA", "lora_alpha": 8}, config)
