@@ -2,8 +2,8 @@
 
 SGLang's `LoRAAdapter` normalizes an adapter's tensors by name, then its memory pool copies them
 into per-module buffers; names it does not recognise are dropped without a word. So the names
-here are the ones its Inkling code path expects (the released Inkling LoRA naming, under the
-`language_model.` prefix), module by module:
+here are the ones its Inkling code path expects, spelled as Inkling's HF-format LoRA adapters
+spell them (checkpoint module names under `language_model.`), module by module:
 
     attn   q/k/v/r/o_proj   attn.wq_du / wk_dv / wv_dv / wr_du / wo_ud   A [r, in], B [out, r]
            (SGLang concatenates q, k, v, r into its fused `qkvr` module: A [4r, H], B [sum out, r])
@@ -98,10 +98,10 @@ def to_sglang(adapter: Adapter, config: InklingTextConfig) -> tuple[dict[str, to
         a, b = _to_layout(target, a, b)
         out[tensor_name(target, "lora_A")] = a.contiguous()
         out[tensor_name(target, "lora_B")] = b.contiguous()
-    return out, adapter_config(adapter)
+    return out, sglang_config(adapter)
 
 
-def adapter_config(adapter: Adapter) -> dict:
+def sglang_config(adapter: Adapter) -> dict:
     """The PEFT `LoraConfig` fields SGLang reads, plus our metadata under `inkwell`."""
     spec = adapter.spec
     modules = sorted({m for group in spec.targets for m in _SGLANG_MODULES[group]})

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter, init_adapter
-from inkwell.adapters.layouts.sglang import SglangLayoutError, adapter_config, from_sglang, to_sglang
+from inkwell.adapters.layouts.sglang import SglangLayoutError, from_sglang, sglang_config, to_sglang
 from inkwell.adapters.spec import TARGET_GROUPS, LoraSpec
 from inkwell.models import base_model_identity, load_base_config, preset_config
 from inkwell.models.presets import PRESETS
@@ -200,7 +200,7 @@ def test_target_modules_are_sglang_inkling_lora_modules(sgl, adapter, config):
     assert cfg["inkwell"]["base"] == adapter.base.to_dict()
 
     attn_only = Adapter(LoraSpec(rank=8, targets=["attn", "lm_head"]), {}, adapter.base)
-    assert set(adapter_config(attn_only)["target_modules"]) == {"qkvr", "wo_ud", "lm_head"}
+    assert set(sglang_config(attn_only)["target_modules"]) == {"qkvr", "wo_ud", "lm_head"}
 
 
 def test_subset_of_targets_loads_only_those(sgl, tiny_model_dir, config):
