@@ -25,7 +25,7 @@ venv: $(STAMP)
 # Inkling LoRA layers import on a CPU host (torchvision must match torch 2.14.1).
 SGLANG_STAMP := $(VENV)/.sglang
 SGLANG_TEST_DEPS := pybase64 triton pillow starlette IPython aiohttp torchvision==0.29.1 dill sentencepiece \
-	apache-tvm-ffi==0.1.11 compressed-tensors gguf orjson psutil pyzmq msgspec pydantic requests einops \
+	apache-tvm-ffi==0.1.11 compressed-tensors==0.20.1 gguf==0.19.0 orjson psutil pyzmq msgspec pydantic requests einops \
 	partial-json-parser
 
 .PHONY: sglang-test-deps
