@@ -24,9 +24,9 @@ def resolve_config(url: str | None, api_key: str | None) -> tuple[str, str]:
     """The service URL and API key from the arguments, else from INKWELL_URL / INKWELL_API_KEY."""
     url = url or os.environ.get(URL_ENV)
     api_key = api_key or os.environ.get(API_KEY_ENV)
-    missing = [f"the service URL (url=... or {URL_ENV})"] if not url else []
+    missing = [f"the service URL (url=... / --url, or {URL_ENV})"] if not url else []
     if not api_key:
-        missing.append(f"an API key (api_key=... or {API_KEY_ENV})")
+        missing.append(f"an API key (api_key=... / --api-key, or {API_KEY_ENV})")
     if missing:
         raise ConfigurationError(
             f"inkwell client needs {' and '.join(missing)}; `inkwell serve` prints both", code="configuration_error"
