@@ -1,0 +1,111 @@
+"""Multi-LoRA ops that run the Triton kernels on CUDA tensors and the pure-torch twins elsewhere.
+
+Same signatures as `inkwell.kernels.torch_ops`. The sliced ops (fused q/k/v/r and gate/up
+projections) and the fused shrink+expand are defined here for every device: their torch form is
+the composition of the reference ops over the slices, which the Triton kernels must equal.
+Triton is imported only when a CUDA tensor arrives, so CPU processes never load it.
+"""
+
+from types import ModuleType
+
+import torch
+
+from inkwell.kernels import torch_ops
+
+
+def _triton() -> ModuleType:
+    from inkwell.kernels import triton_lora
+
+    return triton_lora
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero."""
+    ops = _triton() if x.is_cuda else torch_ops
+    return ops.lora_shrink(x, lora_a, token_slots)
+
+
+def lora_expand(
+    y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """out[T,N] += scaling[slot] * y[T,R] @ B[slot]^T, in place; rows of slot -1 are untouched."""
+    ops = _triton() if out.is_cuda else torch_ops
+    return ops.lora_expand(y, lora_b, token_slots, scalings, out)
+
+
+def expert_lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor
+) -> torch.Tensor:
+    """Dispatched rows x[M,K] @ A[slot, expert]^T -> [M,R] (A: [S,E,R,K]); slot -1 rows are zero."""
+    ops = _triton() if x.is_cuda else torch_ops
+    return ops.expert_lora_shrink(x, lora_a, slots, expert_ids)
+
+
+def expert_lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out[M,N] += scaling[slot] * y[M,R] @ B[slot, expert]^T (B: [S,E,N,R]), in place."""
+    ops = _triton() if out.is_cuda else torch_ops
+    return ops.expert_lora_expand(y, lora_b, slots, expert_ids, scalings, out)
+
+
+def _torch_expand_sliced(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+) -> torch.Tensor:
+    offsets = (0, lora_b.shape[1]) if slice_offsets is None else tuple(slice_offsets)
+    parts, rank = len(offsets) - 1, lora_b.shape[2]
+    if y.shape[1] != parts * rank:
+        raise ValueError(f"y has {y.shape[1]} columns; {parts} slice(s) of B's rank {rank} need {parts * rank}")
+    for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
+        scale = scalings if scalings.dim() == 1 else scalings[:, p]
+        torch_ops.lora_expand(y[:, p * rank : (p + 1) * rank], lora_b[:, lo:hi], token_slots, scale, out[:, lo:hi])
+    return out
+
+
+def lora_expand_sliced(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """Expand of a fused projection (q/k/v/r, gate/up), in place.
+
+    y [T, P*R] is `lora_shrink` over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
+    `slice_offsets` (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P]
+    (a target an adapter leaves alone has scaling 0 in its slot). Slice p adds
+    scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_{p+1}]^T to out[:, o_p:o_{p+1}].
+    """
+    if out.is_cuda:
+        return _triton().lora_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
+    return _torch_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """out += the (sliced) LoRA delta of x: `lora_expand_sliced(lora_shrink(x, A), B, ...)`.
+
+    On CUDA, decode-sized batches take one fused launch (the shrink result never leaves registers).
+    """
+    if out.is_cuda:
+        return _triton().lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
+    y = torch_ops.lora_shrink(x, lora_a, token_slots)
+    return _torch_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)

@@ -1,0 +1,526 @@
+"""Triton multi-LoRA kernels: segmented shrink and expand over a per-token adapter slot index.
+
+Twins of `inkwell.kernels.torch_ops` (same signatures, same results up to summation order), plus
+sliced variants for fused projections (q/k/v/r, gate/up) and a fused shrink+expand for decode.
+
+Every kernel gives one program a tile of BLOCK_T consecutive tokens and one slot: it masks the tile
+down to that slot's tokens (and for routed experts walks the experts those tokens went to), so mixed
+adapters, base-model tokens (slot -1) and slots absent from the batch need no sort, no host sync and
+a grid that depends only on shapes, which keeps every launch CUDA-graph capturable. Programs of
+absent slots exit after reading BLOCK_T slot ids.
+
+Slot buffers are zero-padded to the largest rank, so per-slot ranks need no rank table. A sliced
+projection keeps A stacked along the rank ([S, P*R, K]) and B stacked along the output ([S, N, R]);
+output column n belongs to slice p(n) and reads rank block p(n) of the stacked shrink result: the
+expand multiplies by a block-diagonal B it never materializes.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
+MAX_SLICES = 4
+FUSED_MAX_TOKENS = 64  # at or below, lora_shrink_expand runs one fused launch; above, shrink + expand
+
+
+@triton.jit
+def _slice_of(n, o1, o2, o3):
+    """Slice index of output column(s) n, given the slice starts o1 <= o2 <= o3 (N where unused)."""
+    return (n >= o1).to(tl.int32) + (n >= o2).to(tl.int32) + (n >= o3).to(tl.int32)
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    slot_ptr,
+    expert_ptr,
+    T,
+    K,
+    R,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    HAS_EXPERTS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """y[t, r-block] = x[t] @ A[slot, expert]^T for the tile's tokens of one slot; slot -1 rows get zeros."""
+    slot = tl.program_id(1) - 1
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_t = rt < T
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
+    in_r = rr[None, :] < R
+    if slot < 0:
+        zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
+        tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
+        return
+    rows = in_t & (slots == slot)
+    if HAS_EXPERTS:
+        keys = tl.where(rows, tl.load(expert_ptr + rt, mask=rows, other=0).to(tl.int32), _NONE)
+    else:
+        keys = tl.where(rows, 0, _NONE)
+    e = tl.min(keys, 0)
+    while e < _NONE:
+        sel = keys == e
+        a_base = a_ptr + slot.to(tl.int64) * stride_as + e.to(tl.int64) * stride_ae
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            in_k = rk < K
+            xt = tl.load(
+                x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=sel[:, None] & in_k[None, :], other=0.0
+            )
+            at = tl.load(
+                a_base + rk[:, None] * stride_ak + rr[None, :] * stride_ar, mask=in_k[:, None] & in_r, other=0.0
+            )
+            acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=sel[:, None] & in_r)
+        keys = tl.where(sel, _NONE, keys)
+        e = tl.min(keys, 0)
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    expert_ptr,
+    scale_ptr,
+    T,
+    N,
+    R,
+    o1,
+    o2,
+    o3,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    HAS_EXPERTS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """out[t, n] += scale[slot, p(n)] * y[t, p(n) rank block] @ B[slot, expert, n]^T for one slot's tokens."""
+    slot = tl.program_id(1)
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = rt < T
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    rows = in_t & (slots == slot)
+    if tl.max(rows.to(tl.int32), 0) == 0:
+        return
+    if HAS_EXPERTS:
+        keys = tl.where(rows, tl.load(expert_ptr + rt, mask=rows, other=0).to(tl.int32), _NONE)
+    else:
+        keys = tl.where(rows, 0, _NONE)
+    n0 = tl.program_id(2) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    part = _slice_of(rn, o1, o2, o3)
+    r_lo = _slice_of(n0, o1, o2, o3) * R  # rank blocks this column tile reads
+    r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    scale = tl.load(scale_ptr + slot * stride_ss + part * stride_sp, mask=in_n, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+    e = tl.min(keys, 0)
+    while e < _NONE:
+        sel = keys == e
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs + e.to(tl.int64) * stride_be
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for r0 in range(r_lo, r_hi, BLOCK_R):
+            rj = r0 + tl.arange(0, BLOCK_R)
+            yt = tl.load(
+                y_ptr + rt[:, None] * stride_yt + rj[None, :] * stride_yr,
+                mask=sel[:, None] & (rj[None, :] < r_hi),
+                other=0.0,
+            )
+            local = rj[:, None] - (part * R)[None, :]  # rank inside column n's slice
+            bt = tl.load(
+                b_base + rn[None, :] * stride_bn + local * stride_br,
+                mask=(local >= 0) & (local < R) & in_n[None, :],
+                other=0.0,
+            )
+            if DOT_FP32:
+                acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+        delta = (acc * scale[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
+        m = sel[:, None] & in_n[None, :]
+        old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+        keys = tl.where(sel, _NONE, keys)
+        e = tl.min(keys, 0)
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    scale_ptr,
+    T,
+    K,
+    N,
+    R,
+    o1,
+    o2,
+    o3,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Shrink then expand in one program: the rank blocks this column tile needs, never leaving registers."""
+    slot = tl.program_id(1)
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = rt < T
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    rows = in_t & (slots == slot)
+    if tl.max(rows.to(tl.int32), 0) == 0:
+        return
+    n0 = tl.program_id(2) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    part = _slice_of(rn, o1, o2, o3)
+    r_lo = _slice_of(n0, o1, o2, o3) * R
+    r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    scale = tl.load(scale_ptr + slot * stride_ss + part * stride_sp, mask=in_n, other=0.0).to(tl.float32)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        rj = r0 + tl.arange(0, BLOCK_R)
+        in_r = rj < r_hi
+        y = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            in_k = rk < K
+            xt = tl.load(
+                x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=rows[:, None] & in_k[None, :], other=0.0
+            )
+            at = tl.load(
+                a_base + rk[:, None] * stride_ak + rj[None, :] * stride_ar,
+                mask=in_k[:, None] & in_r[None, :],
+                other=0.0,
+            )
+            y = tl.dot(xt, at.to(xt.dtype), y, input_precision=PRECISION)
+        yt = y.to(x_ptr.dtype.element_ty)  # the shrink result is rounded, as the two-launch path stores it
+        local = rj[:, None] - (part * R)[None, :]
+        bt = tl.load(
+            b_base + rn[None, :] * stride_bn + local * stride_br,
+            mask=(local >= 0) & (local < R) & in_n[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+    delta = (acc * scale[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+    m = rows[:, None] & in_n[None, :]
+    old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---- launchers ------------------------------------------------------------------------------------
+
+
+def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
+    p = max(lo, triton.next_power_of_2(max(n, 1)))
+    return p if hi is None else min(p, hi)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 operands (the torch twins do not use TF32); tensor-core default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_t(tokens: int) -> int:
+    return _pow2(tokens, 16, 64)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _slices(slice_offsets: tuple[int, ...] | None, n: int) -> tuple[int, int, int, int]:
+    """(P, o1, o2, o3) from slice start offsets (0, ..., N); unused starts are N."""
+    offsets = (0, n) if slice_offsets is None else tuple(int(o) for o in slice_offsets)
+    p = len(offsets) - 1
+    _check(
+        1 <= p <= MAX_SLICES and offsets[0] == 0 and offsets[-1] == n,
+        f"slice_offsets must run from 0 to N={n} with 1..{MAX_SLICES} slices, got {offsets}",
+    )
+    _check(all(a < b for a, b in zip(offsets, offsets[1:], strict=False)), f"slice_offsets must increase: {offsets}")
+    starts = list(offsets[1:-1]) + [n] * (MAX_SLICES - p)
+    return p, starts[0], starts[1], starts[2]
+
+
+def _scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int, int]:
+    if scalings.dim() == 1:
+        _check(scalings.shape[0] == slots, f"scalings must be [S={slots}] or [S, {parts}], got {tuple(scalings.shape)}")
+        return scalings.stride(0), 0
+    _check(
+        tuple(scalings.shape) == (slots, parts),
+        f"scalings must be [S={slots}] or [S, {parts}], got {tuple(scalings.shape)}",
+    )
+    return scalings.stride(0), scalings.stride(1)
+
+
+def _shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+    """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case)."""
+    tokens, k = x.shape
+    num_slots, _, rank, _ = a.shape
+    y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
+    if tokens == 0 or rank == 0:
+        return y
+    block_t, block_r = _pow2(tokens, 16, 32), _pow2(rank, 16, 64)
+    block_k = _pow2(k, 16, 256 if x.element_size() <= 2 else 128)
+    grid = (triton.cdiv(tokens, block_t), num_slots + 1, triton.cdiv(rank, block_r))
+    _shrink_kernel[grid](
+        x,
+        a,
+        y,
+        slots,
+        slots if experts is None else experts,
+        tokens,
+        k,
+        rank,
+        *x.stride(),
+        *a.stride(),
+        *y.stride(),
+        HAS_EXPERTS=experts is not None,
+        PRECISION=_precision(x.dtype),
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        BLOCK_R=block_r,
+    )
+    return y
+
+
+def _expand(
+    y: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    experts: torch.Tensor | None,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """b is [S, E, N, R] (E=1 with expert stride 0 for the linear case); y holds P rank blocks of R."""
+    tokens, stacked = y.shape
+    num_slots, _, n, rank = b.shape
+    parts, o1, o2, o3 = _slices(slice_offsets, n)
+    _check(stacked == parts * rank, f"y has {stacked} columns; {parts} slice(s) of B's rank {rank} need {parts * rank}")
+    _check(tuple(out.shape) == (tokens, n), f"out must be [T={tokens}, N={n}], got {tuple(out.shape)}")
+    ss, sp = _scale_strides(scalings, num_slots, parts)
+    if tokens == 0 or rank == 0 or n == 0:
+        return out
+    block_t = _block_t(tokens)
+    block_n = block_n or (64 if tokens <= 16 else 128)
+    dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype
+    grid = (triton.cdiv(tokens, block_t), num_slots, triton.cdiv(n, block_n))
+    _expand_kernel[grid](
+        y,
+        b,
+        out,
+        slots,
+        slots if experts is None else experts,
+        scalings,
+        tokens,
+        n,
+        rank,
+        o1,
+        o2,
+        o3,
+        *y.stride(),
+        *b.stride(),
+        *out.stride(),
+        ss,
+        sp,
+        HAS_EXPERTS=experts is not None,
+        DOT_FP32=dot_fp32,
+        PRECISION="ieee" if dot_fp32 else "tf32",
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_R=_pow2(rank * parts, 16, 64),
+    )
+    return out
+
+
+def _fused(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    tokens, k = x.shape
+    num_slots, n, rank = b.shape
+    parts, o1, o2, o3 = _slices(slice_offsets, n)
+    ss, sp = _scale_strides(scalings, num_slots, parts)
+    if tokens == 0 or rank == 0 or n == 0:
+        return out
+    block_t = _block_t(tokens)
+    block_n = block_n or 64
+    block_k = _pow2(k, 16, 256 if x.element_size() <= 2 else 64)
+    dot_fp32 = x.dtype == torch.float32 or x.dtype != b.dtype
+    grid = (triton.cdiv(tokens, block_t), num_slots, triton.cdiv(n, block_n))
+    _fused_kernel[grid](
+        x,
+        a,
+        b,
+        out,
+        slots,
+        scalings,
+        tokens,
+        k,
+        n,
+        rank,
+        o1,
+        o2,
+        o3,
+        *x.stride(),
+        *a.stride(),
+        *b.stride(),
+        *out.stride(),
+        ss,
+        sp,
+        DOT_FP32=dot_fp32,
+        PRECISION="ieee" if dot_fp32 else "tf32",
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=_pow2(rank, 16, 64),
+        num_warps=num_warps,
+    )
+    return out
+
+
+# ---- public ops: the torch twins' signatures --------------------------------------------------------
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks."""
+    _check(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
+    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
+    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
+    return _shrink(x, lora_a.unsqueeze(1), token_slots, None)
+
+
+def lora_expand(
+    y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """out[T,N] += scaling[slot] * y[T,R] @ B[slot]^T, in place; rows of slot -1 are untouched."""
+    return lora_expand_sliced(y, lora_b, token_slots, scalings, out, None)
+
+
+def lora_expand_sliced(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """Expand of a fused projection: out[:, o_p:o_p+1] += scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_p+1]^T.
+
+    y [T, P*R] is the shrink over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
+    slice_offsets (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P].
+    """
+    _check(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
+    _check(token_slots.shape == (y.shape[0],), f"token_slots must be [T={y.shape[0]}]")
+    return _expand(y, lora_b.unsqueeze(1), token_slots, None, scalings, out, slice_offsets)
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """out += the LoRA delta of x, as lora_expand_sliced(lora_shrink(x, A), B, ...) computes it.
+
+    Up to FUSED_MAX_TOKENS tokens (decode) this is one launch: the shrink result stays in registers.
+    """
+    _check(x.dim() == 2 and lora_a.dim() == 3 and lora_b.dim() == 3, "need x [T,K], lora_a [S,P*R,K], lora_b [S,N,R]")
+    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
+    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
+    parts = _slices(slice_offsets, lora_b.shape[1])[0]
+    _check(
+        lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == parts * lora_b.shape[2],
+        f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
+    )
+    _check(tuple(out.shape) == (x.shape[0], lora_b.shape[1]), f"out must be [T, N={lora_b.shape[1]}]")
+    if x.shape[0] <= FUSED_MAX_TOKENS:
+        return _fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
+    return lora_expand_sliced(lora_shrink(x, lora_a, token_slots), lora_b, token_slots, scalings, out, slice_offsets)
+
+
+def expert_lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor
+) -> torch.Tensor:
+    """Dispatched rows x[M,K] @ A[slot, expert]^T -> [M,R] (A: [S,E,R,K]); slot -1 rows are zero."""
+    _check(x.dim() == 2 and lora_a.dim() == 4, "expert_lora_shrink needs x [M,K] and lora_a [S,E,R,K]")
+    _check(lora_a.shape[3] == x.shape[1], f"lora_a's K={lora_a.shape[3]} differs from x's K={x.shape[1]}")
+    _check(slots.shape == expert_ids.shape == (x.shape[0],), f"slots and expert_ids must be [M={x.shape[0]}]")
+    return _shrink(x, lora_a, slots, expert_ids)
+
+
+def expert_lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out[M,N] += scaling[slot] * y[M,R] @ B[slot, expert]^T (B: [S,E,N,R]), in place."""
+    _check(y.dim() == 2 and lora_b.dim() == 4, "expert_lora_expand needs y [M,R] and lora_b [S,E,N,R]")
+    _check(slots.shape == expert_ids.shape == (y.shape[0],), f"slots and expert_ids must be [M={y.shape[0]}]")
+    return _expand(y, lora_b, slots, expert_ids, scalings, out, None)

@@ -1,0 +1,198 @@
+"""The Triton multi-LoRA kernels against their pure-torch twins, run by Triton's CPU interpreter.
+
+Triton picks interpreter or compiler when a kernel is defined, so the kernels run in a child
+process started with TRITON_INTERPRET=1; the checks themselves (`check_*`, shared with the GPU
+tests) compare every op with the torch twins computed in float64 on the same inputs.
+"""
+
+import os
+import subprocess
+import sys
+from types import ModuleType
+
+import torch
+
+from inkwell.kernels import dispatch, torch_ops
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def make_slots(tokens: int, num_slots: int, used: int, gen: torch.Generator) -> torch.Tensor:
+    """Slots in {-1} U [0, used) (slots used..S-1 stay empty), every value present when tokens allow."""
+    slots = torch.randint(-1, used, (tokens,), generator=gen)
+    present = torch.arange(-1, used)[:tokens]
+    slots[: present.numel()] = present
+    return slots[torch.randperm(tokens, generator=gen)]
+
+
+def padded_factors(
+    num_slots: int, rank: int, k: int, n: int, gen: torch.Generator, parts: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [S, P*R, K] and B [S, N, R] at the buffer rank R, each slot zero-padded to its own rank."""
+    a = torch.randn(num_slots, parts * rank, k, generator=gen, dtype=torch.float64) / k**0.5
+    b = torch.randn(num_slots, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    for s in range(num_slots):
+        own = int(torch.randint(1, rank + 1, (1,), generator=gen)) if s % 2 else rank
+        for p in range(parts):
+            a[s, p * rank + own : (p + 1) * rank] = 0
+        b[s, :, own:] = 0
+    return a, b
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Relative error per row, against the float64 reference; NaN never passes."""
+    got, ref = got.detach().cpu().double(), ref.double()
+    assert not torch.isnan(got).any(), f"{what}: NaN in output"
+    err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+    assert float(err.max()) <= TOLERANCE[dtype], f"{what}: worst row relative error {float(err.max()):.2e}"
+
+
+def check_linear(
+    ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, used: int, rank: int, k: int, n: int
+):
+    gen = torch.Generator().manual_seed(tokens * 7919 + num_slots * 31 + rank)
+    slots = make_slots(tokens, num_slots, used, gen)
+    x = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    a, b = padded_factors(num_slots, rank, k, n, gen)
+    scalings = torch.rand(num_slots, generator=gen) + 0.5
+    base = torch.randn(tokens, n, generator=gen, dtype=torch.float64)
+    ref_y = torch_ops.lora_shrink(x, a, slots)
+    ref_out = torch_ops.lora_expand(ref_y, b, slots, scalings.double(), base.clone())
+
+    dev = dict(device=device, dtype=dtype)
+    d_slots, d_scal = slots.to(device), scalings.to(device)
+    y = ops.lora_shrink(x.to(**dev), a.to(**dev), d_slots)
+    assert_close(y, ref_y, dtype, "lora_shrink")
+    base_rows = (slots < 0).to(device)
+    assert bool((y[base_rows] == 0).all()), "lora_shrink: base-model rows must be zero"
+    out = base.to(**dev)
+    before = out.clone()
+    assert ops.lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_scal, out) is out
+    assert_close(out, ref_out, dtype, "lora_expand")
+    assert torch.equal(out[base_rows], before[base_rows]), "lora_expand touched base-model rows"
+    fused = base.to(**dev)
+    ops.lora_shrink_expand(x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_scal, fused)
+    assert_close(fused, ref_out, dtype, "lora_shrink_expand")
+    assert torch.equal(fused[base_rows], before[base_rows]), "lora_shrink_expand touched base-model rows"
+
+
+def check_sliced(
+    ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, rank: int, k: int, offsets: tuple
+):
+    """A fused projection of len(offsets)-1 slices equals one reference expand per slice."""
+    gen = torch.Generator().manual_seed(tokens + 13 * len(offsets) + rank)
+    parts, n = len(offsets) - 1, offsets[-1]
+    slots = make_slots(tokens, num_slots, num_slots, gen)
+    x = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    a, b = padded_factors(num_slots, rank, k, n, gen, parts)
+    scalings = torch.rand(num_slots, parts, generator=gen) + 0.5
+    scalings[0, -1] = 0.0  # slot 0's adapter leaves the last slice alone
+    base = torch.randn(tokens, n, generator=gen, dtype=torch.float64)
+    ref = base.clone()
+    for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
+        y_p = torch_ops.lora_shrink(x, a[:, p * rank : (p + 1) * rank], slots)
+        torch_ops.lora_expand(y_p, b[:, lo:hi], slots, scalings[:, p].double(), ref[:, lo:hi])
+
+    dev = dict(device=device, dtype=dtype)
+    d_slots, d_scal = slots.to(device), scalings.to(device)
+    y = ops.lora_shrink(x.to(**dev), a.to(**dev), d_slots)
+    out = ops.lora_expand_sliced(y, b.to(**dev), d_slots, d_scal, base.to(**dev), offsets)
+    assert_close(out, ref, dtype, f"lora_expand_sliced {offsets}")
+    fused = ops.lora_shrink_expand(x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_scal, base.to(**dev), offsets)
+    assert_close(fused, ref, dtype, f"lora_shrink_expand {offsets}")
+
+
+def check_experts(
+    ops: ModuleType, device: str, dtype: torch.dtype, rows: int, num_slots: int, experts: int, rank: int, k: int, n: int
+):
+    gen = torch.Generator().manual_seed(rows * 3 + experts)
+    slots = make_slots(rows, num_slots, num_slots - 1, gen)
+    expert_ids = torch.randint(0, experts, (rows,), generator=gen)
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    a = torch.randn(num_slots, experts, rank, k, generator=gen, dtype=torch.float64) / k**0.5
+    b = torch.randn(num_slots, experts, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    a[1, :, rank // 2 :] = 0  # slot 1 holds a smaller rank
+    b[1, :, :, rank // 2 :] = 0
+    scalings = torch.rand(num_slots, generator=gen) + 0.5
+    base = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    ref_y = torch_ops.expert_lora_shrink(x, a, slots, expert_ids)
+    ref_out = torch_ops.expert_lora_expand(ref_y, b, slots, expert_ids, scalings.double(), base.clone())
+
+    dev = dict(device=device, dtype=dtype)
+    d_slots, d_experts = slots.to(device), expert_ids.to(device)
+    y = ops.expert_lora_shrink(x.to(**dev), a.to(**dev), d_slots, d_experts)
+    assert_close(y, ref_y, dtype, "expert_lora_shrink")
+    out = base.to(**dev)
+    before = out.clone()
+    ops.expert_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, scalings.to(device), out)
+    assert_close(out, ref_out, dtype, "expert_lora_expand")
+    base_rows = (slots < 0).to(device)
+    assert torch.equal(out[base_rows], before[base_rows]), "expert_lora_expand touched base-model rows"
+
+
+def run_interpreted_cases() -> None:
+    """Small shapes that still cross every tile edge: several token tiles, rank tiles, K and N tails."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from inkwell.kernels import triton_lora
+
+    dev = dict(ops=triton_lora, device="cpu")
+    for dtype in (torch.float32, torch.float16):
+        check_linear(**dev, dtype=dtype, tokens=5, num_slots=3, used=2, rank=8, k=40, n=24)
+        check_linear(**dev, dtype=dtype, tokens=70, num_slots=4, used=3, rank=16, k=72, n=130)
+        check_sliced(**dev, dtype=dtype, tokens=9, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
+        check_sliced(**dev, dtype=dtype, tokens=66, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
+        check_experts(**dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40)
+    check_linear(**dev, dtype=torch.float32, tokens=20, num_slots=2, used=2, rank=80, k=16, n=16)  # 2 rank tiles
+    print("interpreted cases passed")
+
+
+def test_triton_kernels_match_torch_twins_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    code = "from inkwell.tests.kernels.test_triton_interpret import run_interpreted_cases; run_interpreted_cases()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "interpreted cases passed" in proc.stdout
+
+
+def test_dispatch_torch_path_of_sliced_and_fused_ops():
+    """On CPU tensors dispatch runs the torch twins; the sliced and fused ops compose them per slice."""
+    check_linear(dispatch, "cpu", torch.float32, tokens=9, num_slots=3, used=2, rank=8, k=16, n=12)
+    check_sliced(dispatch, "cpu", torch.float32, tokens=9, num_slots=3, rank=4, k=16, offsets=(0, 8, 12, 16, 20))
+    check_experts(dispatch, "cpu", torch.float32, rows=11, num_slots=3, experts=4, rank=4, k=8, n=12)
+
+
+def test_triton_launchers_reject_bad_shapes():
+    from inkwell.kernels import triton_lora
+
+    x, slots = torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)
+    bad = [
+        (lambda: triton_lora.lora_shrink(x, torch.zeros(2, 4, 9), slots), "K=9"),
+        (lambda: triton_lora.lora_shrink(x, torch.zeros(2, 4, 8), slots[:3]), "token_slots"),
+        (
+            lambda: triton_lora.lora_expand_sliced(
+                torch.zeros(4, 6), torch.zeros(2, 6, 4), slots, torch.ones(2), torch.zeros(4, 6), (0, 4, 6)
+            ),
+            "columns",
+        ),
+        (
+            lambda: triton_lora.lora_expand(torch.zeros(4, 4), torch.zeros(2, 6, 4), slots, torch.ones(3), x),
+            "out must be",
+        ),
+        (
+            lambda: triton_lora.lora_expand(torch.zeros(4, 4), torch.zeros(2, 6, 4), slots, torch.ones(3), x[:, :6]),
+            "scalings",
+        ),
+        (
+            lambda: triton_lora.lora_expand_sliced(
+                torch.zeros(4, 8), torch.zeros(2, 6, 4), slots, torch.ones(2), x[:, :6], (0, 5, 4, 6)
+            ),
+            "increase",
+        ),
+    ]
+    for call, words in bad:
+        try:
+            call()
+        except ValueError as err:
+            assert words in str(err), str(err)
+        else:
+            raise AssertionError("bad shapes were accepted")

@@ -1,0 +1,132 @@
+"""The Triton multi-LoRA kernels on the GPU against their torch twins (float64 on CPU), at serving shapes.
+
+Ranks 8-64 with mixed ranks per batch (odd slots zero-padded to a smaller rank), 1-16 adapters, slots
+left empty, base-model tokens, decode and prefill sizes, bf16 and fp32; CUDA-graph replays that see
+new slot contents without recapture.
+"""
+
+import pytest
+import torch
+
+from inkwell.kernels import dispatch, torch_ops
+from inkwell.tests.kernels.test_triton_interpret import (
+    assert_close,
+    check_experts,
+    check_linear,
+    check_sliced,
+    make_slots,
+    padded_factors,
+)
+
+pytestmark = pytest.mark.gpu
+
+QKVR = (0, 2048, 2560, 3072, 3328)
+GATE_UP = (0, 5632, 11264)
+
+
+@pytest.fixture(autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "tokens,num_slots,used,rank",
+    [
+        (1, 1, 1, 16),
+        (8, 8, 8, 16),
+        (8, 16, 3, 8),
+        (32, 16, 16, 64),
+        (64, 4, 4, 32),
+        (65, 4, 2, 16),
+        (300, 8, 5, 64),
+        (4096, 8, 8, 16),
+    ],
+)
+def test_linear_ops_match_torch(dtype, tokens, num_slots, used, rank):
+    check_linear(dispatch, "cuda", dtype, tokens, num_slots, used, rank, k=2048, n=2048)
+
+
+@pytest.mark.parametrize("offsets", [QKVR, GATE_UP])
+@pytest.mark.parametrize("tokens,rank", [(8, 16), (32, 64), (512, 16)])
+def test_sliced_ops_match_torch(offsets, tokens, rank):
+    check_sliced(dispatch, "cuda", torch.bfloat16, tokens, num_slots=8, rank=rank, k=2048, offsets=offsets)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,rank", [(32, 16), (2048, 32), (128, 64)])
+def test_expert_ops_match_torch(dtype, rows, rank):
+    check_experts(dispatch, "cuda", dtype, rows, num_slots=8, experts=16, rank=rank, k=2048, n=512)
+
+
+def test_all_base_and_empty_batches():
+    x = torch.randn(6, 256, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(4, 16, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4, 512, 16, device="cuda", dtype=torch.bfloat16)
+    slots = torch.full((6,), -1, device="cuda")
+    assert torch.equal(dispatch.lora_shrink(x, a, slots), torch.zeros(6, 16, device="cuda", dtype=torch.bfloat16))
+    out = torch.randn(6, 512, device="cuda", dtype=torch.bfloat16)
+    before = out.clone()
+    dispatch.lora_shrink_expand(x, a, b, slots, torch.ones(4, device="cuda"), out)
+    dispatch.lora_expand(torch.randn_like(x[:, :16]), b, slots, torch.ones(4, device="cuda"), out)
+    assert torch.equal(out, before)
+    empty = torch.empty(0, 256, device="cuda", dtype=torch.bfloat16)
+    assert dispatch.lora_shrink(empty, a, slots[:0]).shape == (0, 16)
+
+
+def test_shrink_writes_every_row_over_poisoned_memory():
+    """torch.empty reuses the freed NaN block: any row the kernel skipped would stay NaN."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, rank = 333, 32
+    slots = make_slots(tokens, 6, 4, gen)
+    x = torch.randn(tokens, 1024, generator=gen, dtype=torch.float64)
+    a, _ = padded_factors(6, rank, 1024, 16, gen)
+    args = (x.to("cuda", torch.bfloat16), a.to("cuda", torch.bfloat16), slots.cuda())
+    torch.full((tokens, rank), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = dispatch.lora_shrink(*args)
+    assert_close(y, torch_ops.lora_shrink(x, a, slots), torch.bfloat16, "poisoned lora_shrink")
+
+
+@pytest.mark.parametrize("tokens", [8, 256])
+def test_cuda_graph_replay_sees_new_slot_contents_and_slots(tokens):
+    """A captured step keeps its launches; swapping an adapter into a slot only rewrites buffers."""
+    gen = torch.Generator().manual_seed(tokens)
+    num_slots, rank, k, n = 8, 16, 2048, 3328
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    a64, b64 = padded_factors(num_slots, rank, k, n, gen, parts=4)
+    scal = torch.rand(num_slots, 4, generator=gen) + 0.5
+    x64 = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    a, b, scalings = a64.to(**dev), b64.to(**dev), scal.cuda()
+    x, slots = x64.to(**dev), make_slots(tokens, num_slots, num_slots, gen).cuda()
+    base = torch.randn(tokens, n, generator=gen, dtype=torch.float64).to(**dev)
+    out = base.clone()
+
+    def step():
+        out.copy_(base)
+        dispatch.lora_shrink_expand(x, a, b, slots, scalings, out, QKVR)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    new_a, new_b = padded_factors(1, rank, k, n, gen, parts=4)
+    a64[2], b64[2] = new_a[0], new_b[0]
+    a[2].copy_(a64[2].to(**dev))
+    b[2].copy_(b64[2].to(**dev))
+    new_slots = make_slots(tokens, num_slots, num_slots, gen)
+    slots.copy_(new_slots)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    ref = base.cpu().double()
+    for p, (lo, hi) in enumerate(zip(QKVR, QKVR[1:], strict=False)):
+        a_p = a.cpu().double()[:, p * rank : (p + 1) * rank]
+        y_p = torch_ops.lora_shrink(x.cpu().double(), a_p, new_slots)
+        torch_ops.lora_expand(y_p, b.cpu().double()[:, lo:hi], new_slots, scal[:, p].double(), ref[:, lo:hi])
+    assert_close(out, ref, torch.bfloat16, "graph replay after swap")
