@@ -211,7 +211,9 @@ class InklingGPT(nn.Module):
     def __init__(self, hf: InklingTextConfig, lora: LoraSpec | None, dtype: torch.dtype, device: str):
         super().__init__()
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
-        _check_divisible(hf, tp, ep)
+        problem = layout_problem(hf, tp, ep)
+        if problem:
+            raise ValueError(problem[1])
         mc = megatron_config(hf, tp, ep, dtype, device)
         dev = torch.device(device) if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
         build = Build(hf, mc, lora, dtype, dev, tp, ep, ps.get_expert_model_parallel_rank())
@@ -248,18 +250,20 @@ class InklingGPT(nn.Module):
         return {i: layer.mlp.router for i, layer in enumerate(self.layers) if isinstance(layer.mlp, InklingMoE)}
 
 
-def _check_divisible(hf: InklingTextConfig, tp: int, ep: int) -> None:
-    checks = {
-        "num_attention_heads": hf.num_attention_heads,
-        "num_key_value_heads": hf.num_key_value_heads,
-        "swa_num_attention_heads": hf.swa_num_attention_heads,
-        "swa_num_key_value_heads": hf.swa_num_key_value_heads,
-        "intermediate_size": hf.intermediate_size,
-        "moe_intermediate_size": hf.moe_intermediate_size,
-        "vocab_size": hf.vocab_size,
-    }
-    for name, value in checks.items():
+def layout_problem(hf: InklingTextConfig, tp: int, ep: int) -> tuple[str, str] | None:
+    """(field, message) when tp/ep cannot split this model evenly, else None."""
+    for name in (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "swa_num_attention_heads",
+        "swa_num_key_value_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "vocab_size",
+    ):
+        value = getattr(hf, name)
         if value % tp:
-            raise ValueError(f"tp={tp} does not divide the model's {name} ({value}); choose a tp that does")
+            return "tp", f"tp: {tp} does not divide the model's {name} ({value}); choose a tp that does"
     if hf.n_routed_experts % ep:
-        raise ValueError(f"ep={ep} does not divide n_routed_experts ({hf.n_routed_experts}); choose an ep that does")
+        return "ep", f"ep: {ep} does not divide the model's n_routed_experts ({hf.n_routed_experts}); choose another ep"
+    return None

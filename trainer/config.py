@@ -1,0 +1,110 @@
+"""The contract between the service's job worker and the trainer: job config, events, result."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from inkwell.adapters.spec import LoraSpec
+
+
+class TrainConfigError(ValueError):
+    """Bad input found before training starts; `field` names the config field, `line` the dataset line."""
+
+    def __init__(self, message: str, field: str | None = None, line: int | None = None):
+        super().__init__(message)
+        self.field = field
+        self.line = line
+
+
+class TrainingCancelled(RuntimeError):
+    """`TrainCallbacks.should_stop()` asked to stop; raised at the next step boundary."""
+
+    def __init__(self, step: int):
+        super().__init__(f"training cancelled at step {step}")
+        self.step = step
+
+
+class TrainJobConfig(BaseModel):
+    """One SFT job: data, LoRA, optimisation, checkpoints and parallel layout."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model_dir: Path
+    dataset_path: Path = Field(description='JSONL; each line {"messages": [...]} or {"prompt": ..., "completion": ...}')
+    eval_dataset_path: Path | None = None
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="held out from the dataset when no eval set")
+    output_dir: Path
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    method: Literal["sft"] = "sft"
+    learning_rate: float = Field(1e-3, gt=0)
+    max_steps: int = Field(100, ge=1)
+    batch_size: int = Field(8, ge=1, description="packed sequences per optimizer step (global)")
+    seq_len: int = Field(512, ge=8, description="packing length in tokens")
+    grad_accum: int = Field(1, ge=1)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    seed: int = 0
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = never")
+    resume_from: Path | None = None
+    tp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    nproc: int = Field(1, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    adapter_name: str = Field("adapter", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = only at start and end")
+
+    @model_validator(mode="after")
+    def _layout(self):
+        if self.nproc % (self.tp * self.ep):
+            raise ValueError(f"nproc ({self.nproc}) must be a multiple of tp*ep ({self.tp * self.ep})")
+        dp = self.nproc // self.tp
+        if self.batch_size % (self.grad_accum * dp):
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by grad_accum*data-parallel size "
+                f"({self.grad_accum}*{dp}); data-parallel size = nproc / tp"
+            )
+        return self
+
+
+class TrainEvent(BaseModel):
+    """Progress after an optimizer step (eval_loss when an eval pass ran at that step)."""
+
+    step: int
+    total_steps: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    eval_loss: float | None = None
+    elapsed_s: float
+
+
+class TrainResult(BaseModel):
+    """What a finished run produced: adapter directories by layout, losses and timings."""
+
+    adapter_dirs: dict[str, Path]
+    steps: int
+    tokens: int
+    first_loss: float
+    final_loss: float
+    initial_eval_loss: float | None
+    final_eval_loss: float | None
+    seconds: float
+    metrics: dict = Field(default_factory=dict)
+
+
+class TrainCallbacks:
+    """Hooks the job worker overrides; the defaults do nothing."""
+
+    def on_event(self, event: TrainEvent) -> None:
+        """Called on rank 0 after every optimizer step."""
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        """Called after checkpoint `path` (a directory) is complete on disk."""
+
+    def should_stop(self) -> bool:
+        """Return True to cancel: training stops at the next step boundary and raises TrainingCancelled."""
+        return False

@@ -1,0 +1,192 @@
+"""SFT data: validate and tokenize JSONL lines, split off an eval set, pack into fixed-length rows.
+
+Tokenization goes through inkwell.models (`encode_chat` / `encode_prompt_completion`), the
+same code the serving engine uses, so the adapter sees identical token layouts. A packed row
+holds whole samples back to back; `segments` numbers them so the model resets ShortConv state
+and blocks attention at each boundary. Row order is a pure function of (seed, epoch), so a
+resumed run reads exactly the rows the uninterrupted run would have read.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from inkwell.models import encode_chat, encode_prompt_completion
+from inkwell.trainer.config import TrainConfigError
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: list[int]
+    mask: list[int]
+    line: int
+
+
+def _encode_line(tokenizer: PreTrainedTokenizerFast, record, where: str) -> tuple[list[int], list[int]]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f'{where}: "messages" must be a list of {{"role", "content"}} objects')
+        if not any(m.get("role") == "assistant" and m.get("content") for m in messages):
+            raise ValueError(f"{where}: no assistant turn with content; add one, it is what the model learns")
+        try:
+            return encode_chat(tokenizer, messages)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+    if "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt", ""), record.get("completion")
+        if not isinstance(completion, str) or not completion:
+            raise ValueError(f'{where}: "completion" is missing or empty; every prompt needs a completion to learn')
+        if not isinstance(prompt, str):
+            raise ValueError(f'{where}: "prompt" must be a string')
+        return encode_prompt_completion(tokenizer, prompt, completion)
+    raise ValueError(f'{where}: needs "messages" (chat) or "prompt" and "completion"; found keys {sorted(record)}')
+
+
+def load_examples(
+    path: Path, tokenizer: PreTrainedTokenizerFast, seq_len: int, max_positions: int, field: str
+) -> list[Example]:
+    """Every non-empty line of `path`, tokenized; the first bad line raises TrainConfigError."""
+    if not path.is_file():
+        raise TrainConfigError(f"{field}: {path} does not exist", field=field)
+    examples = []
+    with path.open(encoding="utf-8") as fh:
+        for n, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            where = f"{path.name} line {n}"
+            try:
+                ids, mask = _encode_line(tokenizer, json.loads(text), where)
+            except json.JSONDecodeError as exc:
+                raise TrainConfigError(f"{where}: not valid JSON ({exc.msg})", field=field, line=n) from exc
+            except ValueError as exc:
+                raise TrainConfigError(str(exc), field=field, line=n) from exc
+            if len(ids) > max_positions:
+                raise TrainConfigError(
+                    f"{where}: {len(ids)} tokens, longer than the model's max_position_embeddings ({max_positions}); "
+                    "shorten or drop the sample",
+                    field=field,
+                    line=n,
+                )
+            if len(ids) > seq_len:
+                raise TrainConfigError(
+                    f"{where}: {len(ids)} tokens, longer than seq_len ({seq_len}); raise seq_len "
+                    f"(up to {max_positions}) or shorten the sample",
+                    field=field,
+                    line=n,
+                )
+            examples.append(Example(ids, mask, n))
+    if not examples:
+        raise TrainConfigError(f"{field}: {path} holds no samples", field=field)
+    return examples
+
+
+def split_eval(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Hold out round(fraction * n) samples (at least one when fraction > 0), chosen by seed."""
+    if fraction <= 0:
+        return examples, []
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = max(1, round(fraction * len(examples)))
+    if held >= len(examples):
+        raise TrainConfigError(
+            f"eval_fraction {fraction} of {len(examples)} samples leaves nothing to train on; "
+            "add samples, lower eval_fraction or pass eval_dataset_path",
+            field="eval_fraction",
+        )
+    keep = sorted(order[held:])
+    return [examples[i] for i in keep], [examples[i] for i in sorted(order[:held])]
+
+
+@dataclass
+class Rows:
+    """A batch of packed rows: inputs, segment ids, next-token targets and the loss mask."""
+
+    input_ids: torch.Tensor  # [b, s] long
+    segments: torch.Tensor  # [b, s] long
+    targets: torch.Tensor  # [b, s] long
+    loss_mask: torch.Tensor  # [b, s] float
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.input_ids, self.segments, self.targets, self.loss_mask
+
+    def to(self, device) -> "Rows":
+        return Rows(*(t.to(device) for t in self.fields()))
+
+    def slice(self, start: int, stop: int) -> "Rows":
+        return Rows(*(t[start:stop] for t in self.fields()))
+
+    @classmethod
+    def cat(cls, parts: list["Rows"]) -> "Rows":
+        return cls(*(torch.cat(group) for group in zip(*(p.fields() for p in parts), strict=True)))
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+def pack(examples: list[Example], seq_len: int, pad_id: int) -> Rows:
+    """Greedy in-order packing; the tail of each row is a padding segment that carries no loss."""
+    rows: list[list[Example]] = [[]]
+    used = 0
+    for ex in examples:
+        if used + len(ex.ids) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(ex)
+        used += len(ex.ids)
+    n = len(rows)
+    ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    segments = torch.zeros((n, seq_len), dtype=torch.long)
+    targets = torch.zeros((n, seq_len), dtype=torch.long)
+    loss_mask = torch.zeros((n, seq_len), dtype=torch.float32)
+    for r, row in enumerate(rows):
+        pos = 0
+        for seg, ex in enumerate(row):
+            k = len(ex.ids)
+            ids[r, pos : pos + k] = torch.tensor(ex.ids)
+            segments[r, pos : pos + k] = seg
+            targets[r, pos : pos + k - 1] = torch.tensor(ex.ids[1:])
+            loss_mask[r, pos : pos + k - 1] = torch.tensor(ex.mask[1:], dtype=torch.float32)
+            pos += k
+        segments[r, pos:] = len(row)
+    return Rows(ids, segments, targets, loss_mask)
+
+
+class RowStream:
+    """Packed training rows epoch after epoch; epoch e's sample order is a permutation seeded by seed + e."""
+
+    def __init__(self, examples: list[Example], seq_len: int, pad_id: int, seed: int):
+        self.examples, self.seq_len, self.pad_id, self.seed = examples, seq_len, pad_id, seed
+        self._sizes: list[int] = []
+        self._cache: dict[int, Rows] = {}
+
+    def _epoch(self, e: int) -> Rows:
+        if e not in self._cache:
+            order = torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(self.seed + e))
+            self._cache[e] = pack([self.examples[i] for i in order.tolist()], self.seq_len, self.pad_id)
+            for old in [k for k in self._cache if k < e - 1]:
+                del self._cache[old]
+        return self._cache[e]
+
+    def _size(self, e: int) -> int:
+        while len(self._sizes) <= e:
+            self._sizes.append(self._epoch(len(self._sizes)).input_ids.shape[0])
+        return self._sizes[e]
+
+    def rows(self, start: int, count: int) -> Rows:
+        """Rows [start, start + count) of the endless stream."""
+        e, offset = 0, start
+        while offset >= self._size(e):
+            offset -= self._size(e)
+            e += 1
+        parts = []
+        while count > 0:
+            take = min(count, self._size(e) - offset)
+            parts.append(self._epoch(e).slice(offset, offset + take))
+            count, offset, e = count - take, 0, e + 1
+        return Rows.cat(parts)
