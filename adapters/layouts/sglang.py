@@ -78,6 +78,7 @@ def module_name(target: Target) -> str:
 
 
 def tensor_name(target: Target, factor: str) -> str:
+    """The sglang-layout tensor name of one factor (`lora_A` or `lora_B`) of `target`."""
     return f"{module_name(target)}.{factor}.weight"
 
 

@@ -497,5 +497,7 @@ def test_foreign_adapter_errors_name_the_tensor(config):
     half = {k: v for k, v in theirs.items() if k != "language_model.lm_head.lora_B.weight"}
     with pytest.raises(SglangLayoutError, match="lm_head: has only one of lora_A / lora_B"):
         from_sglang(half, FOREIGN_CONFIG, config)
+    with pytest.raises(SglangLayoutError, match="not a usable LoRA config"):
+        from_sglang({}, FOREIGN_CONFIG, config)
     with pytest.raises(SglangLayoutError, match="needs a valid integer 'r'"):
         from_sglang(theirs, {"peft_type": "LORA", "lora_alpha": 8}, config)
