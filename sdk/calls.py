@@ -115,7 +115,7 @@ class FileSink:
         if problems:
             self.discard()
             raise IntegrityError(
-                f"download of {self.dest.name} is corrupt ({"; ".join(problems)}); nothing was kept, retry it",
+                f"download of {self.dest.name} is corrupt ({'; '.join(problems)}); nothing was kept, retry it",
                 code="checksum_mismatch",
                 details={"file": self.dest.name, "sha256": got, "expected": self.expected, "retryable": True},
             )

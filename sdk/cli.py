@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from inkwell.sdk.client import API_KEY_ENV, URL_ENV, Client
@@ -38,12 +39,12 @@ def _reports_errors[**P, R](command: Callable[P, R]) -> Callable[P, R]:
             return command(*args, **kwargs)
         except InkwellError as exc:
             details = {k: v for k, v in exc.details.items() if k != "retryable"}
-            err.print(f"[red]error[/] [bold]{exc.code}[/]: {exc.message}", highlight=False)
+            err.print(f"[red]error[/] [bold]{escape(exc.code)}[/]: {escape(exc.message)}", highlight=False)
             if details:
-                err.print(json.dumps(details, default=str), highlight=False)
+                err.print(json.dumps(details, default=str), highlight=False, markup=False)
             raise typer.Exit(1) from exc
         except (FileNotFoundError, TypeError) as exc:
-            err.print(f"[red]error[/]: {exc}", highlight=False)
+            err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from exc
 
     return wrapper
@@ -95,7 +96,7 @@ JOB_COLUMNS = ["id", "state", "base", "adapter", "step", "loss", "created"]
 def _show_job(job: Job) -> None:
     _table(JOB_COLUMNS, [_job_row(job)])
     if job.error:
-        err.print(f"[red]{job.error.code}[/]: {job.error.message}", highlight=False)
+        err.print(f"[red]{escape(job.error.code)}[/]: {escape(job.error.message)}", highlight=False)
 
 
 # ---- jobs -------------------------------------------------------------------------------------
@@ -161,7 +162,8 @@ def jobs_events(
             continue
         data = " ".join(f"{k}={v}" for k, v in event.data.items())
         state = f"[{event.state}] " if event.state else ""
-        out.print(f"{event.id:>6} {_when(event.created_at)} {event.type:<10} {state}{event.message} {data}".rstrip())
+        line = f"{event.id:>6} {_when(event.created_at)} {event.type:<10} {state}{event.message} {data}"
+        out.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
 
 
 @jobs_app.command("logs")

@@ -1,0 +1,108 @@
+"""`inkwell jobs ...` / `inkwell adapters ...` through the real CLI app against the real service."""
+
+import hashlib
+import json
+
+from typer.testing import CliRunner
+
+from inkwell.cli import app
+
+CHAT = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+
+
+def run(env: dict, *args: str, code: int = 0):
+    result = CliRunner().invoke(app, list(args), env={**env, "COLUMNS": "200"})
+    assert result.exit_code == code, result.output
+    return result
+
+
+def test_jobs_commands(api, sqlite_service, tmp_path):
+    _, key = api
+    env = {"INKWELL_URL": sqlite_service.url, "INKWELL_API_KEY": key}
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    created = run(
+        env,
+        "jobs",
+        "create",
+        "--base-model",
+        "inkling-tiny",
+        "--dataset",
+        str(data),
+        "--adapter-name",
+        "cli-a",
+        "--rank",
+        "4",
+        "--targets",
+        "attn,mlp",
+        "--set",
+        "max_steps=2",
+        "--set",
+        "learning_rate=0.01",
+    )
+    job_id = created.output.split()[1]
+    assert job_id.startswith("job_") and "queued" in created.output
+    got = json.loads(run(env, "jobs", "get", job_id, "--json").output)
+    assert got["lora"]["rank"] == 4 and got["lora"]["targets"] == ["attn", "mlp"]
+    assert got["hyperparameters"]["max_steps"] == 2 and got["hyperparameters"]["learning_rate"] == 0.01
+    listed = json.loads(run(env, "jobs", "list", "--state", "queued", "--json").output)
+    assert [j["id"] for j in listed] == [job_id]
+    assert job_id in run(env, "jobs", "list").output
+    assert "cancelled" in run(env, "jobs", "cancel", job_id).output
+    events = run(env, "jobs", "events", job_id, "--json").output.splitlines()
+    assert [json.loads(e)["state"] for e in events] == ["queued", "cancelled"]
+    assert "[cancelled]" in run(env, "jobs", "events", job_id, "--no-follow").output
+    assert "job queued" in run(env, "jobs", "logs", job_id).output
+
+    bad = run(env, "jobs", "create", "--base-model", "gpt-9", "--dataset", str(data), code=1)
+    assert "unknown_base_model" in bad.output and "inkling-tiny" in bad.output
+    typo = run(env, "jobs", "create", "--base-model", "inkling-tiny", "--dataset", str(data), "--set", "lr=1", code=1)
+    assert "unknown hyperparameter 'lr'" in typo.output
+    missing = run({"INKWELL_URL": sqlite_service.url}, "jobs", "list", code=1)
+    assert "INKWELL_API_KEY" in missing.output
+    wrong = run({**env, "INKWELL_API_KEY": "ink_wrong"}, "jobs", "list", code=1)
+    assert "unauthorized" in wrong.output
+    assert "not_found" in run(env, "jobs", "get", "job_" + "0" * 24, code=1).output
+
+
+def test_adapters_commands(api, sqlite_service, adapter_dir, tmp_path):
+    _, key = api
+    env = {"INKWELL_URL": sqlite_service.url, "INKWELL_API_KEY": key}
+    for _ in range(2):
+        run(
+            env,
+            "adapters",
+            "import",
+            str(adapter_dir),
+            "--name",
+            "cli-ad",
+            "--base-model",
+            "inkling-tiny",
+            "--layout",
+            "sglang",
+        )
+    listed = json.loads(run(env, "adapters", "list", "--json").output)
+    assert [(a["name"], a["latest_version"]) for a in listed] == [("cli-ad", 2)]
+    assert "cli-ad" in run(env, "adapters", "list").output
+    assert "prod" in run(env, "adapters", "alias", "cli-ad", "prod", "1").output
+    assert json.loads(run(env, "adapters", "get", "cli-ad", "--json").output)["aliases"] == {"prod": 1}
+
+    dest = tmp_path / "dl"
+    done = run(env, "adapters", "download", "cli-ad", "prod", "--layout", "peft", "--dest", str(dest))
+    assert "cli-ad@1" in done.output and "sha256 verified" in done.output
+    versions = json.loads(run(env, "adapters", "versions", "cli-ad", "--json").output)
+    v1 = next(v for v in versions if v["version"] == 1)
+    expected = {f["path"]: f["sha256"] for f in v1["files"] if f["layout"] == "peft"}
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in dest.iterdir()} == expected
+
+    refused = run(env, "adapters", "delete", "cli-ad", "1", code=1)
+    assert "version_aliased" in refused.output and "prod" in refused.output
+    run(env, "adapters", "alias", "cli-ad", "prod", "--delete")
+    assert "deleted cli-ad@1" in run(env, "adapters", "delete", "cli-ad", "1").output
+    table = run(env, "adapters", "versions", "cli-ad", "--include-deleted").output
+    assert "yes" in table  # the deleted column
+    assert (
+        "version_deleted"
+        in run(env, "adapters", "download", "cli-ad", "1", "--dest", str(tmp_path / "x"), code=1).output
+    )
+    run(env, "adapters", "alias", "cli-ad", "prod", code=2)  # neither VERSION nor --delete
