@@ -70,9 +70,10 @@ class EmbeddedSeaweed:
         return f"http://127.0.0.1:{self.ports['s3.port']}"
 
     def start(self, timeout: float = 60.0) -> str:
-        """Launch and wait until S3 answers; returns the endpoint URL."""
+        """Launch and wait until S3 answers; returns the endpoint URL. A restart keeps the ports."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+        if not self.ports:
+            self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
         args = [
             weed_binary(),
             "mini",
