@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from inkwell import sdk
-from inkwell.tests.service.conftest import seaweed, sqlite_service  # noqa: F401  (fixtures)
+from inkwell.tests.service.conftest import (  # noqa: F401  (seaweed, sqlite_service: fixtures)
+    Service,
+    make_settings,
+    seaweed,
+    sqlite_service,
+    start_service,
+)
 
 
 @pytest.fixture
@@ -31,3 +37,16 @@ def adapter_dir(sqlite_service, tmp_path_factory) -> Path:  # noqa: F811
         config, sdk.LoraSpec(rank=2, alpha=4, targets=("attn",)), base_model_identity(base), b_std=0.01
     )
     return save_adapter(adapter, tmp_path_factory.mktemp("adapter") / "sglang", "sglang", config)
+
+
+@pytest.fixture(scope="module")
+def training_service(seaweed, tmp_path_factory) -> Iterator[Service]:  # noqa: F811
+    """A service of its own with one real job worker process, so the worker sees only this module's jobs."""
+    from inkwell.tests.service.test_jobs_e2e import start_worker, stop_worker
+
+    data_dir = tmp_path_factory.mktemp("svc-training")
+    svc = start_service(make_settings(data_dir, None, seaweed.endpoint))
+    worker = start_worker(svc, data_dir / "worker.log")
+    yield svc
+    stop_worker(worker)
+    svc.stop()
