@@ -40,9 +40,7 @@ class ModelName:
     def parse(cls, model: str) -> "ModelName":
         base, sep, rest = model.partition(":")
         if not base or (sep and not rest):
-            raise ModelNotFoundError(
-                f"model {model!r} is not '<base>' or '<base>:<adapter>[@<version>|@<alias>]'"
-            )
+            raise ModelNotFoundError(f"model {model!r} is not '<base>' or '<base>:<adapter>[@<version>|@<alias>]'")
         if not sep:
             return cls(base)
         adapter, at, ref = rest.partition("@")

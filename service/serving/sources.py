@@ -47,7 +47,9 @@ class S3Source:
             store.download_file(self.prefix + path, target)
             digest = hashlib.sha256(target.read_bytes()).hexdigest()
             if digest != sha256:
-                raise SourceError(f"{self.prefix}{path}: sha256 {digest[:12]} differs from the registry's {sha256[:12]}")
+                raise SourceError(
+                    f"{self.prefix}{path}: sha256 {digest[:12]} differs from the registry's {sha256[:12]}"
+                )
         return directory
 
 

@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from inkwell.service.engine import Engine, EngineConfig, EngineError, Request, SamplingError, SamplingParams
+from inkwell.service.engine import (
+    AdapterIncompatibleError,
+    Engine,
+    EngineConfig,
+    EngineError,
+    Request,
+    SamplingError,
+    SamplingParams,
+)
 from inkwell.service.engine.engine import StepOutput
 from inkwell.service.serving.loader import loader_main
 from inkwell.service.serving.sources import AdapterSource
@@ -48,7 +56,12 @@ class WorkerInfo:
 
 
 class AdapterLoadError(RuntimeError):
-    """The loader could not fetch, verify or register an adapter."""
+    """The loader could not fetch or verify an adapter (`code` adapter_load_failed), or the engine
+    cannot serve it (`code` adapter_incompatible: rank, targets or base)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 class WorkerDiedError(RuntimeError):
@@ -130,13 +143,13 @@ class _WorkerLoop:
         elif kind == "adapter":
             self._register(*msg[1:])
         elif kind == "adapter_failed":
-            self.outbox.put(("loaded", msg[1], msg[2]))
+            self.outbox.put(("loaded", msg[1], ("adapter_load_failed", msg[2])))
         elif kind == "unload":
             try:
                 engine.remove_adapter(msg[1])
                 self.outbox.put(("unloaded", msg[1], None))
             except EngineError as exc:
-                self.outbox.put(("unloaded", msg[1], str(exc)))
+                self.outbox.put(("unloaded", msg[1], (exc.code, str(exc))))
 
     def _register(self, key: str, packed, pinned: bool) -> None:
         if packed.flat.is_cuda:  # CUDA IPC memory belongs to the loader: take our own copy first
@@ -145,8 +158,10 @@ class _WorkerLoop:
         try:
             self.engine.add_adapter(key, unpack(packed), pinned=pinned)
             error = None
-        except (EngineError, ValueError) as exc:
-            error = str(exc)
+        except AdapterIncompatibleError as exc:
+            error = ("adapter_incompatible", str(exc))
+        except EngineError as exc:
+            error = (exc.code, str(exc))
         self.loader_inbox.put(("release", key))
         evicted = sorted(before - set(self.engine.adapters))
         if evicted:
@@ -172,9 +187,16 @@ class RequestStream:
 
     def __init__(self, handle: "WorkerHandle", rid: str, n: int, q: asyncio.Queue):
         self.handle, self.rid, self.remaining, self.q = handle, rid, n, q
+        self._closed = False
 
     def __aiter__(self) -> AsyncIterator[StepOutput]:
         return self._iterate()
+
+    def cancel(self) -> None:
+        """Release the request, aborting it if unfinished (safe to call more than once)."""
+        if not self._closed:
+            self._closed = True
+            self.handle._done(self.rid, aborted=self.remaining > 0)
 
     async def _iterate(self) -> AsyncIterator[StepOutput]:
         try:
@@ -186,8 +208,7 @@ class RequestStream:
                     self.remaining -= 1
                 yield item
         finally:
-            self.handle._done(self.rid, aborted=self.remaining > 0)
-            self.remaining = 0
+            self.cancel()
 
 
 class WorkerHandle:
@@ -246,8 +267,7 @@ class WorkerHandle:
 
     def _done(self, rid: str, aborted: bool) -> None:
         with self._lock:
-            if self._streams.pop(rid, None) is None:
-                return
+            self._streams.pop(rid, None)
         self.inflight -= 1
         if aborted and self.alive:
             self.inbox.put(("abort", rid))
@@ -308,7 +328,7 @@ class WorkerHandle:
             with self._lock:
                 waiters = self._loads.pop(key if kind == "loaded" else f"unload:{key}", [])
             for loop, future in waiters:
-                exc = None if error is None else AdapterLoadError(error)
+                exc = None if error is None else AdapterLoadError(*error)
                 loop.call_soon_threadsafe(_settle, future, exc)
         elif kind == "evicted":
             self.adapters.difference_update(msg[1])
@@ -352,4 +372,3 @@ def _settle(future: asyncio.Future, exc: Exception | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(exc)
-
