@@ -8,7 +8,10 @@ from typing import Any
 
 
 class InkwellError(Exception):
-    """Base of every SDK error. `status` is the HTTP status, or None for errors raised client-side."""
+    """Base of every SDK error. `status` is the HTTP status, or None for errors raised client-side.
+    `from_service` is True when the body was the service's own error JSON (not a proxy's page)."""
+
+    from_service = False
 
     def __init__(
         self, message: str, *, status: int | None = None, code: str = "error", details: dict[str, Any] | None = None
@@ -141,4 +144,6 @@ def error_from_response(status: int, body: Any, headers: dict[str, str], text: s
     kwargs: dict[str, Any] = {"status": status, "code": code, "details": details}
     if cls in (RateLimitError, ServiceUnavailableError):
         kwargs["retry_after"] = _retry_after({k.lower(): v for k, v in headers.items()}, details)
-    return cls(message, **kwargs)
+    exc = cls(message, **kwargs)
+    exc.from_service = isinstance(error, dict) and "code" in error
+    return exc

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from inkwell.sdk.calls import Call, Op
-from inkwell.sdk.errors import APIConnectionError, InkwellError, error_from_response
+from inkwell.sdk.errors import APIConnectionError, InkwellError, RateLimitError, error_from_response
 from inkwell.sdk.events import EventFollower, Page, SSEParser
 from inkwell.service.schemas import JobEvent
 
@@ -64,6 +64,8 @@ class _Policy:
         if isinstance(exc, InkwellError):
             if not exc.retryable:
                 return None
+            if not (call.idempotent or exc.from_service or isinstance(exc, RateLimitError)):
+                return None  # a gateway's 502/504 does not say whether the service acted on it
             hint = getattr(exc, "retry_after", None)
         elif isinstance(exc, _NOT_SENT) or (isinstance(exc, httpx.TransportError) and call.idempotent):
             hint = None

@@ -137,6 +137,41 @@ def test_a_non_json_error_body_still_maps():
     assert err.value.code == "http_502" and "bad gateway" in err.value.message
 
 
+def test_a_gateway_error_is_resent_only_for_idempotent_requests():
+    handler, seen = scripted(httpx.Response(502, text="bad gateway"), httpx.Response(200, json=model_json()))
+    with client(handler) as c:
+        c._transport.policy.backoff = 0.001
+        assert c.models.get("inkling-tiny").id == "inkling-tiny"
+        assert len(seen) == 2
+        seen.clear()
+        with pytest.raises(sdk.ServerError):
+            c.jobs.cancel("job_" + "0" * 24)
+        assert len(seen) == 1
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_a_post_the_service_declares_retryable_is_resent_whole(from_file, tmp_path):
+    dataset = {
+        "id": "ds_" + "a" * 24,
+        "name": "d",
+        "format": "chat",
+        "num_examples": 1,
+        "size_bytes": 9,
+        "sha256": "0" * 64,
+        "created_at": "2026-11-29T00:00:00Z",
+    }
+    handler, seen = scripted(error(503, "storage_unavailable", retryable=True), httpx.Response(201, json=dataset))
+    with client(handler) as c:
+        c._transport.policy.backoff = 0.001
+        records = [{"prompt": "a", "completion": "b"}]
+        source = tmp_path / "d.jsonl" if from_file else records
+        if from_file:
+            source.write_text(json.dumps(records[0]) + "\n")
+        assert c.datasets.upload(source).id == dataset["id"]
+    assert len(seen) == 2 and seen[0].method == "POST"
+    assert b'{"prompt": "a", "completion": "b"}' in seen[1].read()  # the body went out again, complete
+
+
 def test_a_dropped_post_is_not_resent_but_a_dropped_get_is():
     drop = httpx.ReadError("connection reset")
     handler, seen = scripted(drop, httpx.Response(200, json=model_json()))
