@@ -35,6 +35,18 @@ HIDDEN, RANK, SLOTS = 2048, 16, 8
 PROJECTIONS = {"qkvr": (0, 2048, 2560, 3072, 3328), "o": (0, 2048), "gate_up": (0, 5632, 11264)}
 CASES = {"decode8": (8, 1), "decode32": (32, 1), "prefill8x512": (8, 512)}
 REPS, SETS, REPLAYS = 20, 8, 30
+FUSED_SWEEP = [
+    (128, 256, 4, 3),
+    (256, 256, 4, 3),
+    (256, 256, 8, 3),
+    (256, 256, 4, 1),
+    (256, 256, 4, 4),
+    (256, 512, 4, 3),
+    (256, 512, 8, 3),
+    (512, 256, 4, 3),
+    (512, 256, 8, 3),
+    (512, 512, 8, 3),
+]
 
 
 def time_graph(fn: Callable[[int], None], reps: int = REPS, replays: int = REPLAYS) -> float:
@@ -160,12 +172,14 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator) -
     measure(row, "serial", serial)
     measure(row, "side", side_stream)
     measure(row, "side_fused", side_fused)
-    if tokens <= triton_lora.FUSED_MAX_TOKENS:  # tile-width sweep of the fused decode kernel
-        for block_n in (32, 64, 128, 256):
+    if tokens <= 64:  # tile sweep of the fused decode kernel: (BLOCK_N, BLOCK_K, warps, stages)
+        for cfg in FUSED_SWEEP:
             measure(
                 row,
-                f"fused_bn{block_n}",
-                lambda i, bn=block_n: triton_lora._fused(x, a[i], b[i], slots, scal, out, None, block_n=bn),
+                "fused_bn{}_bk{}_w{}_s{}".format(*cfg),
+                lambda i, c=cfg: triton_lora._fused(
+                    x, a[i], b[i], slots, scal, out, None, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3]
+                ),
             )
     bytes_moved = (tokens * HIDDEN + adapters * RANK * (HIDDEN + n) + 2 * tokens * n) * 2
     row["floor"] = bytes_moved / 4.3e12 * 1e6

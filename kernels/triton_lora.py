@@ -21,13 +21,21 @@ import triton.language as tl
 
 _NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
 MAX_SLICES = 4
-FUSED_MAX_TOKENS = 64  # at or below, lora_shrink_expand runs one fused launch; above, shrink + expand
+FUSED_MAX_TOKENS = 16  # at or below, lora_shrink_expand runs one fused launch; above, shrink + expand
+SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
 
 
 @triton.jit
 def _slice_of(n, o1, o2, o3):
     """Slice index of output column(s) n, given the slice starts o1 <= o2 <= o3 (N where unused)."""
     return (n >= o1).to(tl.int32) + (n >= o2).to(tl.int32) + (n >= o3).to(tl.int32)
+
+
+@triton.jit
+def _row_keys(rows, slots, expert_ptr, rt, E, HAS_EXPERTS: tl.constexpr):
+    """Group key slot * E + expert of each selected row; _NONE elsewhere."""
+    experts = tl.load(expert_ptr + rt, mask=rows, other=0).to(tl.int32) if HAS_EXPERTS else tl.zeros_like(rt)
+    return tl.where(rows, slots.to(tl.int32) * E + experts, _NONE)
 
 
 @triton.jit
@@ -40,6 +48,7 @@ def _shrink_kernel(
     T,
     K,
     R,
+    E,
     stride_xt,
     stride_xk,
     stride_as,
@@ -49,32 +58,38 @@ def _shrink_kernel(
     stride_yt,
     stride_yr,
     HAS_EXPERTS: tl.constexpr,
+    SLOT_LOOP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """y[t, r-block] = x[t] @ A[slot, expert]^T for the tile's tokens of one slot; slot -1 rows get zeros."""
-    slot = tl.program_id(1) - 1
+    """y[t, r-block] = x[t] @ A[slot, expert]^T; slot -1 rows get zeros.
+
+    SLOT_LOOP: one program per token tile walks the tile's (slot, expert) groups (long segments);
+    otherwise program_id(1) - 1 picks the slot (-1: the zeros), so slots run in parallel (decode).
+    """
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_t = rt < T
     slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
     y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
     in_r = rr[None, :] < R
-    if slot < 0:
-        zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
+    zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
+    if SLOT_LOOP:
         tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
-        return
-    rows = in_t & (slots == slot)
-    if HAS_EXPERTS:
-        keys = tl.where(rows, tl.load(expert_ptr + rt, mask=rows, other=0).to(tl.int32), _NONE)
+        rows = in_t & (slots >= 0)
     else:
-        keys = tl.where(rows, 0, _NONE)
-    e = tl.min(keys, 0)
-    while e < _NONE:
-        sel = keys == e
-        a_base = a_ptr + slot.to(tl.int64) * stride_as + e.to(tl.int64) * stride_ae
+        slot = tl.program_id(1) - 1
+        if slot < 0:
+            tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
+            return
+        rows = in_t & (slots == slot)
+    keys = _row_keys(rows, slots, expert_ptr, rt, E, HAS_EXPERTS)
+    key = tl.min(keys, 0)
+    while key < _NONE:
+        sel = keys == key
+        a_base = a_ptr + (key // E).to(tl.int64) * stride_as + (key % E).to(tl.int64) * stride_ae
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -88,7 +103,7 @@ def _shrink_kernel(
             acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=sel[:, None] & in_r)
         keys = tl.where(sel, _NONE, keys)
-        e = tl.min(keys, 0)
+        key = tl.min(keys, 0)
 
 
 @triton.jit
@@ -102,6 +117,7 @@ def _expand_kernel(
     T,
     N,
     R,
+    E,
     o1,
     o2,
     o3,
@@ -116,36 +132,36 @@ def _expand_kernel(
     stride_ss,
     stride_sp,
     HAS_EXPERTS: tl.constexpr,
+    SLOT_LOOP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """out[t, n] += scale[slot, p(n)] * y[t, p(n) rank block] @ B[slot, expert, n]^T for one slot's tokens."""
-    slot = tl.program_id(1)
+    """out[t, n] += scale[slot, p(n)] * y[t, p(n) rank block] @ B[slot, expert, n]^T; slot -1 rows untouched.
+
+    SLOT_LOOP as in _shrink_kernel; otherwise program_id(1) is the slot.
+    """
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
     slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
-    rows = in_t & (slots == slot)
+    rows = in_t & (slots >= 0) if SLOT_LOOP else in_t & (slots == tl.program_id(1))
     if tl.max(rows.to(tl.int32), 0) == 0:
         return
-    if HAS_EXPERTS:
-        keys = tl.where(rows, tl.load(expert_ptr + rt, mask=rows, other=0).to(tl.int32), _NONE)
-    else:
-        keys = tl.where(rows, 0, _NONE)
+    keys = _row_keys(rows, slots, expert_ptr, rt, E, HAS_EXPERTS)
     n0 = tl.program_id(2) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
     part = _slice_of(rn, o1, o2, o3)
     r_lo = _slice_of(n0, o1, o2, o3) * R  # rank blocks this column tile reads
     r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
-    scale = tl.load(scale_ptr + slot * stride_ss + part * stride_sp, mask=in_n, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
-    e = tl.min(keys, 0)
-    while e < _NONE:
-        sel = keys == e
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs + e.to(tl.int64) * stride_be
+    key = tl.min(keys, 0)
+    while key < _NONE:
+        sel = keys == key
+        slot = key // E
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs + (key % E).to(tl.int64) * stride_be
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for r0 in range(r_lo, r_hi, BLOCK_R):
             rj = r0 + tl.arange(0, BLOCK_R)
@@ -164,12 +180,13 @@ def _expand_kernel(
                 acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+        scale = tl.load(scale_ptr + slot * stride_ss + part * stride_sp, mask=in_n, other=0.0).to(tl.float32)
         delta = (acc * scale[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
         m = sel[:, None] & in_n[None, :]
         old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
         keys = tl.where(sel, _NONE, keys)
-        e = tl.min(keys, 0)
+        key = tl.min(keys, 0)
 
 
 @triton.jit
@@ -313,7 +330,8 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torc
         return y
     block_t, block_r = _pow2(tokens, 16, 32), _pow2(rank, 16, 64)
     block_k = _pow2(k, 16, 256 if x.element_size() <= 2 else 128)
-    grid = (triton.cdiv(tokens, block_t), num_slots + 1, triton.cdiv(rank, block_r))
+    slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
+    grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
     _shrink_kernel[grid](
         x,
         a,
@@ -323,10 +341,12 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torc
         tokens,
         k,
         rank,
+        a.shape[1],
         *x.stride(),
         *a.stride(),
         *y.stride(),
         HAS_EXPERTS=experts is not None,
+        SLOT_LOOP=slot_loop,
         PRECISION=_precision(x.dtype),
         BLOCK_T=block_t,
         BLOCK_K=block_k,
@@ -355,9 +375,10 @@ def _expand(
     if tokens == 0 or rank == 0 or n == 0:
         return out
     block_t = _block_t(tokens)
-    block_n = block_n or (64 if tokens <= 16 else 128)
+    block_n = block_n or (256 if tokens <= 16 else 128)
     dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype
-    grid = (triton.cdiv(tokens, block_t), num_slots, triton.cdiv(n, block_n))
+    slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
+    grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots, triton.cdiv(n, block_n))
     _expand_kernel[grid](
         y,
         b,
@@ -368,6 +389,7 @@ def _expand(
         tokens,
         n,
         rank,
+        b.shape[1],
         o1,
         o2,
         o3,
@@ -377,6 +399,7 @@ def _expand(
         ss,
         sp,
         HAS_EXPERTS=experts is not None,
+        SLOT_LOOP=slot_loop,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else "tf32",
         BLOCK_T=block_t,
@@ -395,8 +418,11 @@ def _fused(
     out: torch.Tensor,
     slice_offsets: tuple[int, ...] | None,
     block_n: int | None = None,
+    block_k: int | None = None,
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
+    """One launch, one program per (token tile, slot, column tile); the bench sweeps the tile knobs."""
     tokens, k = x.shape
     num_slots, n, rank = b.shape
     parts, o1, o2, o3 = _slices(slice_offsets, n)
@@ -404,8 +430,8 @@ def _fused(
     if tokens == 0 or rank == 0 or n == 0:
         return out
     block_t = _block_t(tokens)
-    block_n = block_n or 64
-    block_k = _pow2(k, 16, 256 if x.element_size() <= 2 else 64)
+    block_n = block_n or (256 if tokens <= 16 else 128)
+    block_k = block_k or _pow2(k, 16, 256 if x.element_size() <= 2 else 64)
     dot_fp32 = x.dtype == torch.float32 or x.dtype != b.dtype
     grid = (triton.cdiv(tokens, block_t), num_slots, triton.cdiv(n, block_n))
     _fused_kernel[grid](
@@ -435,6 +461,7 @@ def _fused(
         BLOCK_K=block_k,
         BLOCK_R=_pow2(rank, 16, 64),
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -142,6 +142,7 @@ def run_interpreted_cases() -> None:
         check_sliced(**dev, dtype=dtype, tokens=9, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
         check_sliced(**dev, dtype=dtype, tokens=66, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
         check_experts(**dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40)
+        check_experts(**dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
     check_linear(**dev, dtype=torch.float32, tokens=20, num_slots=2, used=2, rank=80, k=16, n=16)  # 2 rank tiles
     print("interpreted cases passed")
 
