@@ -4,6 +4,7 @@ the registry (import, download with sha256 checks, aliases, deletes), errors and
 import asyncio
 import hashlib
 import json
+import time
 
 import pytest
 
@@ -79,6 +80,12 @@ def test_job_create_list_cancel_events_logs(api):
     assert other.info.dataset_id == job.info.dataset_id  # a ds_ id is used as is, not re-uploaded
     assert len(client.datasets.list().data) == 1
     assert [j.id for j in client.jobs.iter(page_size=1)] == [other.id, job.id]
+
+    started = time.monotonic()
+    with pytest.raises(sdk.JobTimeoutError) as err:  # no worker serves this service: it stays queued
+        job.wait(timeout=1.5, progress=False)
+    assert isinstance(err.value, TimeoutError) and 1.4 < time.monotonic() - started < 15
+    assert job.state == "queued"
 
     assert job.cancel().state == "cancelled" and job.info.finished_at is not None
     assert client.jobs.cancel(job.id).state == "cancelled"  # no-op
