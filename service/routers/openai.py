@@ -1,0 +1,310 @@
+"""OpenAI-compatible generation: POST /v1/completions and /v1/chat/completions.
+
+`model` is "<base>" or "<base>:<adapter>[@<version>|@<alias>]", resolved for the caller's tenant
+(another tenant's adapter is a 404, like a missing one). Responses stream as server-sent events
+when `stream` is true. Errors use OpenAI's shape {"error": {"message", "type", "code", "param"}}
+(plus inkwell's `details`), with a 4xx for anything the caller can fix and 429 + Retry-After
+when every worker is full.
+
+The service mounts this module as an extension: `router`, and `lifespan(app)`, which puts the
+serving tier on `app.state.serving` (workers start on the first request for a base model).
+"""
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from inkwell.models import encode_chat, encode_prompt_completion
+from inkwell.service.auth import Principal, current_principal
+from inkwell.service.engine import EngineError, SamplingError, SamplingParams
+from inkwell.service.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    envelope,
+    error_body,
+    usage,
+)
+from inkwell.service.serving.resolve import ModelMismatchError, ModelNotFoundError, RegistryResolver, ResolvedModel
+from inkwell.service.serving.router import QueueFullError
+from inkwell.service.serving.settings import ServingSettings
+from inkwell.service.serving.tier import ServingTier
+from inkwell.service.serving.worker import AdapterLoadError, RequestStream, WorkerDiedError
+
+router = APIRouter(prefix="/v1", tags=["serving"])
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, code: str, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param, self.headers = status, code, message, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(self.status, self.code, self.message, self.param), status_code=self.status, headers=self.headers
+        )
+
+
+def tenant_id(principal: Principal = Depends(current_principal)) -> str:
+    return principal.tenant_id
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings = app.state.settings
+    resolver = RegistryResolver(
+        app.state.sessionmaker, app.state.store, settings.s3_region, (settings.s3_access_key, settings.s3_secret_key)
+    )
+    app.state.serving = ServingTier(resolver, ServingSettings())
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(app.state.serving.close)
+
+
+# ---- request handling shared by both routes ----------------------------------------------------
+
+
+async def _parse[T: BaseModel](request: Request, model: type[T]) -> T:
+    try:
+        data = await request.json()
+    except ValueError as exc:
+        raise OpenAIError(400, "invalid_json", f"the request body is not valid JSON ({exc})") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise OpenAIError(400, "invalid_parameter", f"{param}: {first['msg']}", param) from exc
+
+
+async def _resolve(request: Request, tenant: str, model: str) -> tuple[ServingTier, ResolvedModel]:
+    tier: ServingTier = request.app.state.serving
+    try:
+        return tier, await tier.resolve(tenant, model)
+    except ModelNotFoundError as exc:
+        raise OpenAIError(404, "model_not_found", str(exc), "model") from exc
+    except ModelMismatchError as exc:
+        raise OpenAIError(400, "model_mismatch", str(exc), "model") from exc
+
+
+def _check(params: SamplingParams, prompts: list[list[int]], max_context: int, prompt_param: str) -> SamplingParams:
+    """Validate sampling and context; a chat with no max_tokens may use the rest of the context."""
+    try:
+        params.validate()
+    except SamplingError as exc:
+        raise OpenAIError(400, "invalid_parameter", str(exc), exc.param) from exc
+    longest = max(len(p) for p in prompts)
+    room = max_context - longest
+    if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+        raise OpenAIError(
+            400,
+            "context_length_exceeded",
+            f"the prompt has {longest} tokens and max_tokens is {params.max_tokens}; the model's context is "
+            f"{max_context} tokens (shorten the prompt or lower max_tokens)",
+            prompt_param if room < 1 else "max_tokens",
+        )
+    return params
+
+
+async def _start(tier: ServingTier, resolved: ResolvedModel, prompts: list[list[int]], params) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            streams.append(await tier.router.submit(resolved.base, prompt, params, resolved.adapter))
+    except BaseException as exc:
+        for stream in streams:
+            stream.cancel()
+        if isinstance(exc, QueueFullError):
+            raise OpenAIError(429, "server_busy", str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
+        if isinstance(exc, AdapterLoadError):
+            status = 400 if exc.code == "adapter_incompatible" else 503
+            raise OpenAIError(status, exc.code, str(exc), "model") from exc
+        if isinstance(exc, WorkerDiedError):
+            raise OpenAIError(503, "worker_unavailable", str(exc)) from exc
+        raise
+    return streams
+
+
+def _stream_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, EngineError):
+        return OpenAIError(400, exc.code, str(exc), exc.param)
+    return OpenAIError(503, "worker_unavailable", str(exc))
+
+
+async def _collect(streams: list[RequestStream], n: int) -> dict[int, dict]:
+    """Every choice's accumulated text, logprob steps, finish reason and token count, by choice index."""
+    choices: dict[int, dict] = {}
+    try:
+        for p, stream in enumerate(streams):
+            async for out in stream:
+                c = choices.setdefault(p * n + out.index, {"text": "", "steps": [], "finish": None, "tokens": 0})
+                c["text"] += out.text
+                c["steps"] += out.logprobs
+                c["finish"] = out.finish_reason or c["finish"]
+                c["tokens"] = out.completion_tokens
+    except (EngineError, WorkerDiedError) as exc:
+        raise _stream_error(exc) from exc
+    finally:
+        for stream in streams:
+            stream.cancel()
+    return choices
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _events(
+    streams: list[RequestStream], n: int, chunk: Callable, final_usage: dict | None, prompt_tokens: int
+) -> AsyncIterator[str]:
+    """SSE lines: `chunk(index, output)` per output, then usage if asked, then [DONE]; aborts on disconnect."""
+    completion_tokens = 0
+    try:
+        for p, stream in enumerate(streams):
+            async for out in stream:
+                yield _sse(chunk(p * n + out.index, out))
+                if out.finish_reason is not None:
+                    completion_tokens += out.completion_tokens
+        if final_usage is not None:
+            yield _sse({**final_usage, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    except (EngineError, WorkerDiedError) as exc:
+        err = _stream_error(exc)
+        yield _sse(error_body(err.status, err.code, err.message, err.param))
+    finally:
+        for stream in streams:
+            stream.cancel()
+    yield _sse("[DONE]")
+
+
+async def _guard(handler) -> JSONResponse | StreamingResponse:
+    try:
+        return await handler
+    except OpenAIError as exc:
+        return exc.response()
+
+
+# ---- routes ----------------------------------------------------------------------------------------
+
+
+@router.post("/completions", response_model=None)
+async def completions(request: Request, tenant: str = Depends(tenant_id)):
+    return await _guard(_completions(request, tenant))
+
+
+async def _completions(request: Request, tenant: str):
+    body = await _parse(request, CompletionRequest)
+    if body.echo:
+        raise OpenAIError(400, "unsupported_parameter", "echo is not supported", "echo")
+    tier, resolved = await _resolve(request, tenant, body.model)
+    tokenizer = tier.tokenizer(resolved.model_dir)
+    vocab = len(tokenizer)
+    prompts = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompts.append(encode_prompt_completion(tokenizer, prompt)[0])
+        elif all(0 <= t < vocab for t in prompt):
+            prompts.append(list(prompt))
+        else:
+            raise OpenAIError(400, "invalid_parameter", f"prompt token ids must be in [0, {vocab})", "prompt")
+    if not prompts:
+        raise OpenAIError(400, "invalid_parameter", "prompt is empty", "prompt")
+    params = _check(
+        body.sampling(body.max_tokens, body.logprobs), prompts, tier.max_context(resolved.model_dir), "prompt"
+    )
+    streams = await _start(tier, resolved, prompts, params)
+    rid, created, n = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.n
+    prompt_tokens = sum(len(p) for p in prompts)
+    offsets: dict[int, int] = {}
+
+    def logprobs_of(index: int, out) -> dict | None:
+        if body.logprobs is None:
+            return None
+        result = completion_logprobs(tokenizer, out.logprobs, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in result["tokens"])
+        return result
+
+    if body.stream:
+
+        def chunk(index: int, out) -> dict:
+            choice = {"index": index, "text": out.text, "logprobs": logprobs_of(index, out)}
+            choice["finish_reason"] = out.finish_reason
+            return envelope("text_completion", rid, body.model, [choice], created)
+
+        head = envelope("text_completion", rid, body.model, [], created) if body.include_usage else None
+        return StreamingResponse(_events(streams, n, chunk, head, prompt_tokens), media_type="text/event-stream")
+    choices = await _collect(streams, n)
+    data = []
+    for index in sorted(choices):
+        c = choices[index]
+        lp = completion_logprobs(tokenizer, c["steps"], 0) if body.logprobs is not None else None
+        data.append({"index": index, "text": c["text"], "logprobs": lp, "finish_reason": c["finish"]})
+    result = envelope("text_completion", rid, body.model, data, created)
+    result["usage"] = usage(prompt_tokens, sum(c["tokens"] for c in choices.values()))
+    return JSONResponse(result)
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(request: Request, tenant: str = Depends(tenant_id)):
+    return await _guard(_chat(request, tenant))
+
+
+async def _chat(request: Request, tenant: str):
+    body = await _parse(request, ChatCompletionRequest)
+    tier, resolved = await _resolve(request, tenant, body.model)
+    tokenizer = tier.tokenizer(resolved.model_dir)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt = encode_chat(tokenizer, messages, add_generation_prompt=True)[0]
+    top = body.top_logprobs or 0
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, "invalid_parameter", "top_logprobs needs logprobs: true", "top_logprobs")
+    params = _check(
+        body.sampling(body.limit(), top if body.logprobs else None),
+        [prompt],
+        tier.max_context(resolved.model_dir),
+        "messages",
+    )
+    streams = await _start(tier, resolved, [prompt], params)
+    rid, created, n = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.n
+
+    if body.stream:
+        started: set[int] = set()
+
+        def chunk(index: int, out) -> dict:
+            delta: dict = {"content": out.text} if out.text or out.finish_reason is None else {}
+            if index not in started:
+                started.add(index)
+                delta = {"role": "assistant", **delta, "content": out.text}
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": chat_logprobs(tokenizer, out.logprobs) if body.logprobs else None,
+                "finish_reason": out.finish_reason,
+            }
+            return envelope("chat.completion.chunk", rid, body.model, [choice], created)
+
+        head = envelope("chat.completion.chunk", rid, body.model, [], created) if body.include_usage else None
+        return StreamingResponse(_events(streams, n, chunk, head, len(prompt)), media_type="text/event-stream")
+    choices = await _collect(streams, n)
+    data = []
+    for index in sorted(choices):
+        c = choices[index]
+        data.append(
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": chat_logprobs(tokenizer, c["steps"]) if body.logprobs else None,
+                "finish_reason": c["finish"],
+            }
+        )
+    result = envelope("chat.completion", rid, body.model, data, created)
+    result["usage"] = usage(len(prompt), sum(c["tokens"] for c in choices.values()))
+    return JSONResponse(result)

@@ -1,0 +1,258 @@
+"""The OpenAI routes in the real service (SQLite, embedded SeaweedFS, registry, worker process),
+driven by the real `openai` client: adapters are imported through the registry API, fetched from
+S3 by the worker's loader, and selected per request."""
+
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from inkwell.adapters.io import save_adapter
+from inkwell.models import encode_chat, encode_prompt_completion, init_base_model, load_base_config
+from inkwell.service.app import create_app
+from inkwell.service.bootstrap import register_base_model
+from inkwell.service.db import repo
+from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+from inkwell.service.settings import Settings
+from inkwell.service.storage.seaweed import EmbeddedSeaweed
+
+SERVING_ENV = {
+    "INKWELL_SERVING_MAX_LORA_RANK": "16",
+    "INKWELL_SERVING_MAX_INFLIGHT_PER_WORKER": "3",
+    "INKWELL_SERVING_MAX_BATCH_TOKENS": "64",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, url: str, app, keys: dict[str, str], model_dir: Path):
+        self.url, self.app, self.keys, self.model_dir = url, app, keys, model_dir
+
+    def client(self, tenant: str = "a") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.keys[tenant], max_retries=0, timeout=120)
+
+    def http(self, tenant: str = "a") -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.keys[tenant]}"}, timeout=120)
+
+
+def _import(http: httpx.Client, name: str, base: str, directory: Path) -> None:
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(directory.iterdir())]
+    resp = http.post("/v1/adapters/import", data={"name": name, "base_model": base, "layout": "sglang"}, files=files)
+    assert resp.status_code == 201, resp.text
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_adapters):
+    root = tmp_path_factory.mktemp("svc")
+    saved_env = {k: os.environ.get(k) for k in SERVING_ENV}
+    os.environ.update(SERVING_ENV)
+    weed = EmbeddedSeaweed(root / "s3")
+    endpoint = weed.start()
+    settings = Settings(data_dir=root / "data", s3_endpoint=endpoint, bucket=f"b{secrets.token_hex(4)}")
+    app = create_app(settings)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the service did not start"
+        time.sleep(0.05)
+    model_dir = root / "data" / "models" / "inkling-tiny"
+    config = load_base_config(model_dir)
+    other_base = init_base_model("inkling-tiny", root / "other-base", seed=1, name="tiny-other")
+    keys = {}
+    with app.state.sessionmaker() as s:
+        register_base_model(s, "tiny-other", other_base)
+        for tenant in ("a", "b"):
+            row = repo.create_tenant(s, f"{tenant}-{secrets.token_hex(3)}")
+            keys[tenant] = repo.create_api_key(s, row.id)[1]
+        s.commit()
+    served = Served(f"http://127.0.0.1:{port}", app, keys, model_dir)
+    dirs = [save_adapter(a, root / f"a{i}", "sglang", config) for i, a in enumerate(tiny_adapters)]
+    with served.http("a") as http:
+        _import(http, "alpha", "inkling-tiny", dirs[0])
+        _import(http, "beta", "inkling-tiny", dirs[1])
+        _import(http, "beta", "inkling-tiny", dirs[2])  # version 2 of beta is a different adapter
+        _import(http, "elsewhere", "tiny-other", dirs[3])
+        assert http.put("/v1/adapters/beta/aliases/prod", json={"version": 1}).status_code == 200
+    with served.http("b") as http:
+        _import(http, "secret", "inkling-tiny", dirs[4])
+    yield served
+    server.should_exit = True
+    thread.join(60)
+    weed.stop()
+    for k, v in saved_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def reference(served, tiny_adapters):
+    engine = Engine(served.model_dir, EngineConfig(max_lora_rank=16))
+    for i, adapter in enumerate(tiny_adapters):
+        engine.add_adapter(f"a{i}", adapter)
+    tokenizer = engine.tokenizer
+
+    def text(adapter: str | None, prompt_ids: list[int], max_tokens: int) -> str:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return engine.run([Request("r", prompt_ids, params, adapter)])["r"][0].text
+
+    text.tokenizer = tokenizer
+    return text
+
+
+def test_completions_non_stream_and_stream_with_adapter(served, reference):
+    client = served.client()
+    prompt_ids = encode_prompt_completion(reference.tokenizer, "Once upon")[0]
+    expected = reference("a0", prompt_ids, 12)
+    resp = client.completions.create(model="inkling-tiny:alpha", prompt="Once upon", max_tokens=12, temperature=0)
+    assert resp.choices[0].text == expected
+    assert resp.usage.prompt_tokens == len(prompt_ids) and 1 <= resp.usage.completion_tokens <= 12
+    base = client.completions.create(model="inkling-tiny", prompt="Once upon", max_tokens=12, temperature=0)
+    assert base.choices[0].text == reference(None, prompt_ids, 12) != expected
+
+    chunks = list(
+        client.completions.create(
+            model="inkling-tiny:alpha@1",
+            prompt="Once upon",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_chat_versions_aliases_n_and_logprobs(served, reference):
+    client = served.client()
+    messages = [{"role": "user", "content": "hi there"}]
+    prompt_ids = encode_chat(reference.tokenizer, messages, add_generation_prompt=True)[0]
+    v1, v2 = reference("a1", prompt_ids, 10), reference("a2", prompt_ids, 10)
+    assert v1 != v2
+    latest = client.chat.completions.create(model="inkling-tiny:beta", messages=messages, max_tokens=10, temperature=0)
+    assert latest.choices[0].message.content == v2 and latest.choices[0].message.role == "assistant"
+    pinned = client.chat.completions.create(
+        model="inkling-tiny:beta@prod",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert [c.message.content for c in pinned.choices] == [v1, v1]
+    steps = pinned.choices[0].logprobs.content
+    assert len(steps) == pinned.usage.completion_tokens // 2 and len(steps[0].top_logprobs) == 2
+    assert steps[0].top_logprobs[0].logprob >= steps[0].top_logprobs[1].logprob
+    stream = client.chat.completions.create(
+        model="inkling-tiny:beta@1", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == v1
+    completion = served.client().completions.create(
+        model="inkling-tiny:alpha", prompt="abc", max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == completion.usage.completion_tokens
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+
+
+def test_seeded_sampling_is_repeatable(served):
+    client = served.client()
+    kw = dict(model="inkling-tiny:alpha", prompt="seed", max_tokens=8, temperature=1.0, top_p=0.9)
+    one = client.completions.create(seed=7, **kw).choices[0].text
+    assert client.completions.create(seed=7, **kw).choices[0].text == one
+
+
+@pytest.mark.parametrize(
+    "model,status,code",
+    [
+        ("inkling-tiny:nope", 404, "model_not_found"),
+        ("inkling-tiny:secret", 404, "model_not_found"),  # tenant b's adapter: not found for tenant a
+        ("inkling-tiny:alpha@9", 404, "model_not_found"),
+        ("inkling-tiny:elsewhere", 400, "model_mismatch"),  # trained on tiny-other
+        ("no-such-base", 404, "model_not_found"),
+        ("inkling-tiny:", 404, "model_not_found"),
+    ],
+)
+def test_bad_models_are_4xx_openai_errors(served, model, status, code):
+    with pytest.raises(openai.APIStatusError) as err:
+        served.client().completions.create(model=model, prompt="x", max_tokens=2)
+    assert err.value.status_code == status
+    body = err.value.body
+    assert body["code"] == code and body["message"] and body["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    "kwargs,param,code",
+    [
+        ({"temperature": 5}, "temperature", "invalid_parameter"),
+        ({"top_p": 0}, "top_p", "invalid_parameter"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_parameter"),
+        ({"n": 0}, "n", "invalid_parameter"),
+        ({"max_tokens": 2000}, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "x" * 1100}, "prompt", "context_length_exceeded"),
+        ({"max_tokens": "many"}, "max_tokens", "invalid_parameter"),
+    ],
+)
+def test_bad_parameters_are_400(served, kwargs, param, code):
+    args = {"model": "inkling-tiny:alpha", "prompt": "x", "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().completions.create(**args)
+    assert err.value.body["code"] == code and err.value.body["param"] == param
+
+
+def test_raw_http_errors(served):
+    with served.http() as http:
+        resp = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
+        resp = http.post("/v1/chat/completions", json={"model": "inkling-tiny", "messages": []})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+        resp = http.post("/v1/chat/completions", json={"model": "inkling-tiny", "messages": [{"role": "x"}]})
+        assert resp.status_code == 400
+    resp = httpx.post(f"{served.url}/v1/completions", json={"model": "inkling-tiny", "prompt": "x"})
+    assert resp.status_code == 401
+
+
+def test_full_workers_answer_429_with_retry_after(served):
+    """Three long streams fill the worker (max 3 in flight); the fourth request is refused."""
+    body = {"model": "inkling-tiny", "prompt": "x", "max_tokens": 900, "temperature": 0, "stream": True}
+    with served.http() as http:
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(3)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            resp = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
+            assert resp.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    deadline = time.monotonic() + 30
+    while True:  # closing the streams aborts their requests, which frees the worker
+        try:
+            ok = served.client().completions.create(model="inkling-tiny", prompt="x", max_tokens=2, temperature=0)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "closed streams never freed the worker"
+            time.sleep(0.2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
