@@ -14,7 +14,7 @@ Columns:
   serial     base GEMM then the sliced LoRA, on one stream
   side       base GEMM on the main stream, LoRA shrink on a side stream, expand after the join
   side_fused fused LoRA delta on a side stream into a zeroed buffer, added after the join
-Run: python benchmarks/bench_lora_kernels.py [--sglang DIR] [--out results.json]
+Run: python benchmarks/bench_lora_kernels.py [--sglang DIR] [--out results.json] [--sweep]
 """
 
 import argparse
@@ -103,7 +103,7 @@ def torch_gather_bmm(x, a, b, slots, scalings, out):
     out.add_(delta.to(out.dtype))
 
 
-def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator) -> dict:
+def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, sweep: bool) -> dict:
     seqs, seq_len = CASES[case]
     tokens, offsets = seqs * seq_len, PROJECTIONS[proj]
     n, parts = offsets[-1], len(offsets) - 1
@@ -172,7 +172,7 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator) -
     measure(row, "serial", serial)
     measure(row, "side", side_stream)
     measure(row, "side_fused", side_fused)
-    if tokens <= 64:  # tile sweep of the fused decode kernel: (BLOCK_N, BLOCK_K, warps, stages)
+    if sweep and tokens <= 64:  # tile sweep of the fused decode kernel: (BLOCK_N, BLOCK_K, warps, stages)
         for cfg in FUSED_SWEEP:
             measure(
                 row,
@@ -190,6 +190,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sglang", help="folder holding sglang/kernels/ops/lora/dense/ from SGLang's wheel")
     parser.add_argument("--out", type=Path, help="write every row as JSON here")
+    parser.add_argument("--sweep", action="store_true", help="also time the fused kernel at other tile shapes")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     args = parser.parse_args()
     sgl = load_sglang(args.sglang) if args.sglang else None
@@ -208,7 +209,7 @@ def main() -> None:
     for case in args.cases.split(","):
         for proj in PROJECTIONS:
             for adapters in (1, 4, 8):
-                rows.append(bench_case(case, proj, adapters, sgl, gen))
+                rows.append(bench_case(case, proj, adapters, sgl, gen, args.sweep))
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}))
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

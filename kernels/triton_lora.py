@@ -21,7 +21,9 @@ import triton.language as tl
 
 _NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
 MAX_SLICES = 4
-FUSED_MAX_TOKENS = 16  # at or below, lora_shrink_expand runs one fused launch; above, shrink + expand
+# lora_shrink_expand fuses its two launches up to these sizes (H200 timings in docs/benchmarks.md): every
+# column tile re-reads its slot's A, which past them costs more than the second launch saves.
+FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
 SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
 
 
@@ -430,7 +432,7 @@ def _fused(
     if tokens == 0 or rank == 0 or n == 0:
         return out
     block_t = _block_t(tokens)
-    block_n = block_n or (256 if tokens <= 16 else 128)
+    block_n = block_n or (128 if tokens > 16 and n <= 2048 else 256)
     block_k = block_k or _pow2(k, 16, 256 if x.element_size() <= 2 else 64)
     dot_fp32 = x.dtype == torch.float32 or x.dtype != b.dtype
     grid = (triton.cdiv(tokens, block_t), num_slots, triton.cdiv(n, block_n))
@@ -513,7 +515,8 @@ def lora_shrink_expand(
 ) -> torch.Tensor:
     """out += the LoRA delta of x, as lora_expand_sliced(lora_shrink(x, A), B, ...) computes it.
 
-    Up to FUSED_MAX_TOKENS tokens (decode) this is one launch: the shrink result stays in registers.
+    Up to FUSED_MAX_TOKENS tokens and FUSED_MAX_N columns (decode) this is one launch: the shrink
+    result stays in registers.
     """
     _check(x.dim() == 2 and lora_a.dim() == 3 and lora_b.dim() == 3, "need x [T,K], lora_a [S,P*R,K], lora_b [S,N,R]")
     _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
@@ -524,7 +527,7 @@ def lora_shrink_expand(
         f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
     )
     _check(tuple(out.shape) == (x.shape[0], lora_b.shape[1]), f"out must be [T, N={lora_b.shape[1]}]")
-    if x.shape[0] <= FUSED_MAX_TOKENS:
+    if x.shape[0] <= FUSED_MAX_TOKENS and lora_b.shape[1] <= FUSED_MAX_N:
         return _fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     return lora_expand_sliced(lora_shrink(x, lora_a, token_slots), lora_b, token_slots, scalings, out, slice_offsets)
 
