@@ -10,6 +10,12 @@ from inkwell.sdk.cli import adapters_app, jobs_app  # noqa: E402
 
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(adapters_app, name="adapters")
+from inkwell.service.cli import register as register_service  # noqa: E402
+
+register_service(app)  # `inkwell serve`, `inkwell worker`, `inkwell admin ...`
+from inkwell.trainer.cli import train_command  # noqa: E402
+
+app.command("train")(train_command)
 
 if __name__ == "__main__":
     app()

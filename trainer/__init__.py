@@ -1,6 +1,8 @@
-"""The megatron-core LoRA trainer for Inkling: `train(TrainJobConfig, TrainCallbacks) -> TrainResult`."""
+"""The megatron-core LoRA trainer for Inkling: `train(TrainJobConfig, TrainCallbacks) -> TrainResult`.
 
-from inkwell.trainer.api import load_job_config, parse_config, train
+`train` is imported on first use, so reading configs (the service, the CLI) does not load megatron-core.
+"""
+
 from inkwell.trainer.config import (
     TrainCallbacks,
     TrainConfigError,
@@ -8,6 +10,8 @@ from inkwell.trainer.config import (
     TrainingCancelled,
     TrainJobConfig,
     TrainResult,
+    load_job_config,
+    parse_config,
 )
 
 __all__ = [
@@ -21,3 +25,11 @@ __all__ = [
     "parse_config",
     "train",
 ]
+
+
+def __getattr__(name: str):
+    if name == "train":
+        from inkwell.trainer.api import train
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

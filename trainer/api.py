@@ -1,27 +1,12 @@
 """`train(job_config, callbacks) -> TrainResult`: the trainer's one entry point for the service and the CLI."""
 
 import os
-from pathlib import Path
 
-from pydantic import ValidationError
-
-from inkwell.trainer.config import TrainCallbacks, TrainConfigError, TrainJobConfig, TrainResult
+from inkwell.trainer.config import TrainCallbacks, TrainJobConfig, TrainResult, parse_config
 from inkwell.trainer.engine import Trainer
 from inkwell.trainer.launch import launch
 from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.prepare import prepare
-
-
-def parse_config(data: TrainJobConfig | dict) -> TrainJobConfig:
-    """A TrainJobConfig from a dict; the first invalid field becomes a TrainConfigError naming it."""
-    if isinstance(data, TrainJobConfig):
-        return data
-    try:
-        return TrainJobConfig.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
-        raise TrainConfigError(f"{field or 'config'}: {first['msg']}", field=field) from exc
 
 
 def run_in_process(config: TrainJobConfig, callbacks: TrainCallbacks) -> TrainResult | None:
@@ -45,22 +30,3 @@ def train(config: TrainJobConfig | dict, callbacks: TrainCallbacks | None = None
     result = run_in_process(config, callbacks)
     assert result is not None, "a single-process run always ends on rank 0"
     return result
-
-
-def load_job_config(path: Path) -> TrainJobConfig:
-    """A job config from a .json or .yaml file."""
-    import json
-
-    import yaml
-
-    if not path.is_file():
-        raise TrainConfigError(f"config: {path} does not exist", field="config")
-    text = path.read_text()
-    try:
-        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        kind = path.suffix[1:].upper()
-        raise TrainConfigError(f"config: {path} is not valid {kind} ({exc})", field="config") from exc
-    if not isinstance(data, dict):
-        raise TrainConfigError(f"config: {path} must hold a mapping of job fields", field="config")
-    return parse_config(data)

@@ -1,9 +1,11 @@
 """The contract between the service's job worker and the trainer: job config, events, result."""
 
+import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inkwell.adapters.spec import LoraSpec
 
@@ -108,3 +110,30 @@ class TrainCallbacks:
     def should_stop(self) -> bool:
         """Return True to cancel: training stops at the next step boundary and raises TrainingCancelled."""
         return False
+
+
+def parse_config(data: TrainJobConfig | dict) -> TrainJobConfig:
+    """A TrainJobConfig from a dict; the first invalid field becomes a TrainConfigError naming it."""
+    if isinstance(data, TrainJobConfig):
+        return data
+    try:
+        return TrainJobConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        raise TrainConfigError(f"{field or 'config'}: {first['msg']}", field=field) from exc
+
+
+def load_job_config(path: Path) -> TrainJobConfig:
+    """A job config from a .json or .yaml file."""
+    if not path.is_file():
+        raise TrainConfigError(f"config: {path} does not exist", field="config")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        kind = path.suffix[1:].upper()
+        raise TrainConfigError(f"config: {path} is not valid {kind} ({exc})", field="config") from exc
+    if not isinstance(data, dict):
+        raise TrainConfigError(f"config: {path} must hold a mapping of job fields", field="config")
+    return parse_config(data)

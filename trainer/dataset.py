@@ -17,6 +17,17 @@ from transformers import PreTrainedTokenizerFast
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.trainer.config import TrainConfigError
 
+BUNDLED = Path(__file__).parent / "data"
+
+
+def bundled_dataset(name: str) -> Path:
+    """A small SFT set shipped with the trainer (`uppercase`, `reverse`) for tests and demos."""
+    path = BUNDLED / f"{name}.jsonl"
+    if not path.is_file():
+        known = sorted(p.stem for p in BUNDLED.glob("*.jsonl"))
+        raise FileNotFoundError(f"no bundled dataset {name!r}; bundled: {', '.join(known)}")
+    return path
+
 
 @dataclass(frozen=True)
 class Example:

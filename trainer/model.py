@@ -61,6 +61,7 @@ def megatron_config(hf: InklingTextConfig, tp: int, ep: int, dtype: torch.dtype,
         use_cpu_initialization=device == "cpu",
         perform_initialization=False,
         sequence_parallel=False,
+        add_bias_linear=False,
     )
 
 

@@ -8,7 +8,7 @@ from inkwell.adapters.reference import apply_lora
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import load_base_config, load_base_model, load_base_weights
 from inkwell.tests.trainer.conftest import ALL_GROUPS, build_model, identity
-from inkwell.trainer.bridge import gather_state
+from inkwell.trainer.bridge import gather_state, is_lora, marked_tensors
 from inkwell.trainer.replay import record_routing, replay_routing
 
 # 70 tokens cross the sliding window (24), the relative extent (48) and the log-scaling floor (16).
@@ -94,3 +94,29 @@ def test_routing_replay_of_own_ids_reproduces_the_loss_exactly(tiny_model_dir, w
     assert lora_grads and any(g.abs().sum() > 0 for g in lora_grads)
     with pytest.raises(ValueError, match="routing replay ids"), replay_routing(model, {1: recorded[1][:5]}):
         loss()
+
+
+def test_lora_gradients_equal_the_reference(tiny_model_dir, world_of_one, token_ids):
+    """Backward too: every LoRA factor's gradient equals autograd through transformers + apply_lora."""
+    config = load_base_config(tiny_model_dir)
+    spec = LoraSpec(rank=4, alpha=8, targets=ALL_GROUPS)
+    adapter = init_adapter(config, spec, identity(tiny_model_dir), seed=1, b_std=0.02)
+    model = build_model(tiny_model_dir, spec, adapter.tensors)
+    for tensor in adapter.tensors.values():
+        tensor.requires_grad_(True)
+    hf = load_base_model(tiny_model_dir)
+    apply_lora(hf, adapter)
+
+    def next_token_loss(logits):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), token_ids[:, 1:].flatten())
+
+    next_token_loss(hf(token_ids).logits).backward()
+    next_token_loss(model(token_ids)).backward()
+    checked = 0
+    for tensor in marked_tensors(model):
+        if is_lora(tensor):
+            ref = adapter.tensors[tensor.hf_name].grad
+            assert ref.abs().max() > 0, tensor.hf_name
+            torch.testing.assert_close(tensor.grad, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+            checked += 1
+    assert checked == len(adapter.tensors)
