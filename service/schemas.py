@@ -108,10 +108,11 @@ class Hyperparameters(Schema):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: str = Field("cosine", description="a schedule the trainer knows, e.g. constant, linear, cosine")
     weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     seed: int = 0
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints uploaded to S3")
-    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="held out for eval when no eval dataset")
+    eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = at start and end only")
 
 
 class JobCreate(Schema):

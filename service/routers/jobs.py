@@ -3,10 +3,12 @@
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from inkwell.service.auth import Principal, current_principal
@@ -26,6 +28,7 @@ from inkwell.service.schemas import (
     JobState,
     Page,
 )
+from inkwell.trainer.config import TrainJobConfig
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 KEEPALIVE_SECONDS = 15.0
@@ -59,6 +62,25 @@ def event_view(row: JobEventRow) -> JobEvent:
     return JobEvent.model_validate(row)
 
 
+def check_trainable(body: JobCreate) -> None:
+    """Ask the trainer's own config model whether it would accept this job (e.g. batch_size
+    divisible by grad_accum) so a bad job fails now with 422 instead of later on a worker."""
+    try:
+        TrainJobConfig(
+            base_model_dir=Path("."),
+            dataset_path=Path("train.jsonl"),
+            output_dir=Path("out"),
+            lora=body.lora,
+            method=body.method,
+            adapter_name=body.adapter_name,
+            **body.hyperparameters.model_dump(),
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "hyperparameters"
+        raise APIError(422, "invalid_job", f"{where}: {first['msg']}", reason=first["msg"]) from exc
+
+
 def _own_job(s: Session, who: Principal, job_id: str) -> JobRow:
     row = repo.get_job(s, who.tenant_id, job_id)
     if row is None:
@@ -69,6 +91,7 @@ def _own_job(s: Session, who: Principal, job_id: str) -> JobRow:
 @router.post("", status_code=201, response_model=Job)
 def create_job(body: JobCreate, who: Principal = Depends(current_principal), s: Session = Depends(get_session)) -> Job:
     check_name(body.adapter_name)
+    check_trainable(body)
     require_base_model(s, body.base_model)
     for dataset_id in filter(None, (body.dataset_id, body.eval_dataset_id)):
         if repo.get_dataset(s, who.tenant_id, dataset_id) is None:

@@ -156,6 +156,16 @@ def test_job_bad_input(tenant):
     )
     assert "ffn" in err["message"]
     assert_error(client.post("/v1/jobs", json={**base, "hyperparameters": {"lr": 1}}), 422, "validation_error")
+    err = assert_error(
+        client.post("/v1/jobs", json={**base, "hyperparameters": {"batch_size": 3, "grad_accum": 2}}),
+        422,
+        "invalid_job",
+    )
+    assert "batch_size" in err["message"]
+    err = assert_error(
+        client.post("/v1/jobs", json={**base, "hyperparameters": {"lr_schedule": "zigzag"}}), 422, "invalid_job"
+    )
+    assert "lr_schedule" in err["message"]
     assert_error(
         client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}),
         422,

@@ -1,0 +1,328 @@
+"""The job worker: claim a job under a lease, train it, checkpoint to S3, publish the adapter.
+
+A claim is a lease (`lease_seconds`) renewed by a heartbeat thread. Every write about a running
+job is fenced on `worker_id`, so a worker that lost its lease (paused, partitioned) can no
+longer touch the job; the worker that re-claimed it downloads the last checkpoint from S3 and
+resumes there. Cancel is read by the heartbeat and stops training at the next step.
+"""
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from inkwell.service.db import repo
+from inkwell.service.db.models import JobRow, utcnow
+from inkwell.service.db.session import make_engine, make_sessionmaker
+from inkwell.service.registry import Publication, publish
+from inkwell.service.settings import Settings
+from inkwell.service.storage import ObjectStore, StorageUnavailable
+from inkwell.trainer import (
+    TrainCallbacks,
+    TrainConfigError,
+    TrainEvent,
+    TrainingCancelled,
+    TrainJobConfig,
+    TrainResult,
+    train,
+)
+
+log = logging.getLogger("inkwell.worker")
+MAX_ATTEMPTS = 5
+
+
+class LeaseLost(RuntimeError):
+    """Another worker owns the job now; stop without writing anything."""
+
+
+class _Job:
+    """One claimed job: its lease heartbeat, cancel/stop flags and fenced writes."""
+
+    def __init__(self, worker: "JobWorker", row: JobRow) -> None:
+        self.worker, self.row = worker, row
+        self.cancel = threading.Event()
+        self.lost = threading.Event()
+        self._stop_beat = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"heartbeat-{row.id}", daemon=True)
+
+    @property
+    def id(self) -> str:
+        return self.row.id
+
+    def __enter__(self) -> "_Job":
+        self._beat.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop_beat.set()
+        self._beat.join()
+
+    def _heartbeat(self) -> None:
+        w = self.worker
+        while not self._stop_beat.wait(w.settings.heartbeat_seconds):
+            try:
+                with w.sm() as s:
+                    row = repo.renew_lease(s, self.id, w.worker_id, w.lease)
+                    s.commit()
+            except OperationalError as exc:
+                log.warning("heartbeat for %s failed (will retry): %s", self.id, exc)
+                continue
+            if row is None:
+                log.warning("lost the lease on %s; stopping", self.id)
+                self.lost.set()
+                return
+            if row.cancel_requested:
+                self.cancel.set()
+
+    def write(self, event: tuple[str, str, dict] | None = None, state: str | None = None, **values) -> None:
+        """Update the job row (and add an event) only while this worker still holds it."""
+        with self.worker.sm() as s:
+            if values or state:
+                if state:
+                    values["state"] = state
+                if not repo.update_held_job(s, self.id, self.worker.worker_id, **values):
+                    self.lost.set()
+                    raise LeaseLost(self.id)
+            if event:
+                type_, message, data = event
+                repo.add_event(s, self.id, type_, message, data, state=state)
+            s.commit()
+
+
+class _Callbacks(TrainCallbacks):
+    def __init__(self, job: _Job, stopping: threading.Event) -> None:
+        self.job, self.stopping = job, stopping
+
+    def on_event(self, event: TrainEvent) -> None:
+        progress = {"step": event.step, "max_steps": event.total_steps, "loss": event.loss}
+        progress["tokens_per_s"] = event.tokens_per_s
+        data = event.model_dump(mode="json")
+        self.job.write(
+            ("progress", f"step {event.step}/{event.total_steps} loss {event.loss:.4f}", data), progress=progress
+        )
+        if event.eval_loss is not None:
+            data = {"step": event.step, "eval_loss": event.eval_loss}
+            self.job.write(("eval", f"eval loss {event.eval_loss:.4f}", data))
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        w, job = self.job.worker, self.job
+        prefix = f"checkpoints/{job.row.tenant_id}/{job.id}/{path.name}/"
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            w.store.put_file(prefix + file.relative_to(path).as_posix(), file, create_only=False)
+        job.write(
+            ("checkpoint", f"checkpoint at step {step} uploaded", {"step": step, "key": prefix}),
+            last_checkpoint_step=step,
+            last_checkpoint_key=prefix,
+        )
+
+    def should_stop(self) -> bool:
+        return self.job.cancel.is_set() or self.job.lost.is_set() or self.stopping.is_set()
+
+
+class JobWorker:
+    """Claims and runs jobs until `stopping` is set."""
+
+    def __init__(self, settings: Settings, worker_id: str | None = None, stopping: threading.Event | None = None):
+        if not settings.s3_endpoint:
+            raise ValueError("a job worker needs INKWELL_S3_ENDPOINT (the service's S3 store)")
+        self.settings = settings
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.stopping = stopping or threading.Event()
+        self.engine = make_engine(settings.resolved_database_url)
+        self.sm: sessionmaker[Session] = make_sessionmaker(self.engine)
+        self.store = ObjectStore(
+            settings.s3_endpoint, settings.bucket, settings.s3_region, settings.s3_access_key, settings.s3_secret_key
+        )
+        self.lease = timedelta(seconds=settings.lease_seconds)
+        self.scratch = settings.data_dir / "work" / self.worker_id.replace(":", "-").replace("/", "-")
+
+    def run_forever(self) -> None:
+        log.info("worker %s polling for jobs", self.worker_id)
+        while not self.stopping.is_set():
+            try:
+                ran = self.run_once()
+            except (OperationalError, StorageUnavailable) as exc:
+                log.warning("worker %s: %s; retrying", self.worker_id, exc)
+                ran = False
+            if not ran:
+                self.stopping.wait(self.settings.worker_poll_seconds)
+        self.engine.dispose()
+
+    def claim(self) -> JobRow | None:
+        with self.sm() as s:
+            row = repo.claim_job(s, self.worker_id, self.lease)
+            if row is not None:
+                resumed = row.last_checkpoint_step
+                message = f"claimed by {self.worker_id} (attempt {row.attempts})"
+                if resumed:
+                    message += f", resuming from checkpoint step {resumed}"
+                repo.add_event(
+                    s,
+                    row.id,
+                    "state",
+                    message,
+                    {"worker": self.worker_id, "attempt": row.attempts, "resume_step": resumed},
+                    state="running",
+                )
+            s.commit()
+            return row
+
+    def run_once(self) -> bool:
+        """Claim and run one job; False when there was none."""
+        row = self.claim()
+        if row is None:
+            return False
+        with _Job(self, row) as job:
+            try:
+                self._run(job)
+            except LeaseLost:
+                log.warning("job %s: lease lost; left to the worker that holds it", row.id)
+        return True
+
+    def _run(self, job: _Job) -> None:
+        row = job.row
+        with self.sm() as s:
+            published = repo.version_for_job(s, row.id)
+        if published is not None:  # a previous attempt died between publishing and finishing
+            job.write(
+                ("state", "job succeeded", {"version": published.version}),
+                state="succeeded",
+                adapter_version=published.version,
+                finished_at=utcnow(),
+                lease_expires_at=None,
+            )
+            return
+        if row.attempts > MAX_ATTEMPTS:
+            self._fail(job, "too_many_attempts", f"the job was started {MAX_ATTEMPTS} times without finishing")
+            return
+        work = self.scratch / row.id
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            try:
+                config = self._prepare(job, work)
+                result = train(config, _Callbacks(job, self.stopping))
+            except TrainingCancelled as exc:
+                self._stopped(job, exc.step)
+                return
+            except TrainConfigError as exc:
+                self._fail(job, "invalid_job", str(exc))
+                return
+            except (StorageUnavailable, OperationalError, LeaseLost):
+                raise
+            except Exception as exc:  # noqa: BLE001 - any trainer crash fails the job with its reason
+                log.error("job %s crashed:\n%s", row.id, traceback.format_exc())
+                self._fail(job, "training_error", f"{type(exc).__name__}: {exc}")
+                return
+            self._publish(job, result)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _prepare(self, job: _Job, work: Path) -> TrainJobConfig:
+        row = job.row
+        with self.sm() as s:
+            base = repo.get_base_model(s, row.base_model)
+            dataset = repo.get_dataset(s, row.tenant_id, row.dataset_id)
+            eval_ds = repo.get_dataset(s, row.tenant_id, row.eval_dataset_id) if row.eval_dataset_id else None
+        self.store.download_file(dataset.s3_key, work / "data" / "train.jsonl")
+        if eval_ds is not None:
+            self.store.download_file(eval_ds.s3_key, work / "data" / "eval.jsonl")
+        resume_from = None
+        if row.last_checkpoint_key:
+            name = row.last_checkpoint_key.rstrip("/").rsplit("/", 1)[-1]
+            resume_from = work / "resume" / name
+            for obj in self.store.list_objects(row.last_checkpoint_key):
+                self.store.download_file(obj.key, resume_from / obj.key[len(row.last_checkpoint_key) :])
+        hp = dict(row.hyperparameters)
+        return TrainJobConfig(
+            base_model_dir=Path(base.path),
+            dataset_path=work / "data" / "train.jsonl",
+            eval_dataset_path=work / "data" / "eval.jsonl" if eval_ds else None,
+            output_dir=work / "out",
+            lora=row.lora,
+            method=row.method,
+            resume_from=resume_from,
+            device=self.settings.train_device,
+            adapter_name=row.adapter_name,
+            **hp,
+        )
+
+    def _publish(self, job: _Job, result: TrainResult) -> None:
+        row = job.row
+        with self.sm() as s:
+            base = repo.get_base_model(s, row.base_model)
+        metrics = {
+            "steps": result.steps,
+            "tokens": result.tokens,
+            "first_loss": result.first_loss,
+            "final_loss": result.final_loss,
+            "initial_eval_loss": result.initial_eval_loss,
+            "final_eval_loss": result.final_eval_loss,
+            "seconds": result.seconds,
+            **result.metrics,
+        }
+        pub = Publication(
+            tenant_id=row.tenant_id,
+            name=row.adapter_name,
+            base_model=row.base_model,
+            base_config_sha256=base.config_sha256,
+            layout_dirs={k: Path(v) for k, v in result.adapter_dirs.items()},
+            lora=row.lora,
+            source="job",
+            actor=None,
+            job_id=row.id,
+            dataset_id=row.dataset_id,
+            metrics=metrics,
+        )
+        if job.lost.is_set():
+            raise LeaseLost(row.id)
+        version = publish(self.sm, self.store, pub)
+        job.write(("published", f"published {row.adapter_name}@{version.version}", {"version": version.version}))
+        job.write(
+            ("state", "job succeeded", {"version": version.version, **metrics}),
+            state="succeeded",
+            adapter_version=version.version,
+            finished_at=utcnow(),
+            lease_expires_at=None,
+            progress={
+                "step": result.metrics.get("resumed_from_step", 0) + result.steps,
+                "max_steps": row.hyperparameters.get("max_steps"),
+                "loss": result.final_loss,
+                "tokens_per_s": result.metrics.get("tokens_per_s"),
+            },
+        )
+
+    def _fail(self, job: _Job, code: str, message: str) -> None:
+        job.write(
+            ("state", f"job failed: {message}", {"code": code}),
+            state="failed",
+            error_code=code,
+            error_message=message,
+            finished_at=utcnow(),
+            lease_expires_at=None,
+        )
+
+    def _stopped(self, job: _Job, step: int) -> None:
+        if job.lost.is_set():
+            raise LeaseLost(job.id)
+        if job.cancel.is_set():
+            job.write(
+                ("state", f"job cancelled at step {step}", {"step": step}),
+                state="cancelled",
+                finished_at=utcnow(),
+                lease_expires_at=None,
+            )
+            return
+        # The worker is shutting down: hand the job back so another worker resumes it now.
+        job.write(
+            ("state", f"worker {self.worker_id} stopped at step {step}; job re-queued", {"step": step}),
+            state="queued",
+            worker_id=None,
+            lease_expires_at=None,
+        )

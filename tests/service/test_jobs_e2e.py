@@ -1,0 +1,198 @@
+"""The whole path on the real service, a real worker process and the real trainer (inkling-tiny):
+dataset -> job -> worker trains -> version published -> sha256-checked download -> alias moves ->
+delete audited. Plus cancel of a running job, and kill -9 of a worker mid-job."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from inkwell.tests.service.test_datasets_auth import jsonl, upload
+
+EXAMPLES = [
+    {"messages": [{"role": "user", "content": f"what is {i} plus {i}?"}, {"role": "assistant", "content": f"{2 * i}"}]}
+    for i in range(24)
+]
+LORA = {"rank": 2, "alpha": 4, "targets": ["attn", "mlp", "experts"]}
+
+
+def job_body(dataset_id: str, name: str, max_steps: int, checkpoint_every: int) -> dict:
+    return {
+        "base_model": "inkling-tiny",
+        "dataset_id": dataset_id,
+        "adapter_name": name,
+        "lora": LORA,
+        "hyperparameters": {
+            "max_steps": max_steps,
+            "batch_size": 2,
+            "seq_len": 64,
+            "learning_rate": 5e-3,
+            "checkpoint_every": checkpoint_every,
+            "eval_fraction": 0.1,
+            "warmup_steps": 0,
+        },
+    }
+
+
+def start_worker(service, log_path) -> subprocess.Popen:
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+    return subprocess.Popen(
+        [sys.executable, "-m", "inkwell.service.workers"],
+        env={**service.env(), "INKWELL_TRAIN_THREADS": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for(predicate, timeout: float, what: str, worker_log=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    tail = worker_log.read_text()[-3000:] if worker_log and worker_log.exists() else ""
+    raise AssertionError(f"timed out waiting for {what}\n{tail}")
+
+
+def test_dataset_job_worker_publish_download_alias_delete(service, tenant, tmp_path):
+    _, client = tenant
+    ds = upload(client, jsonl(EXAMPLES)).json()["id"]
+    job = client.post("/v1/jobs", json=job_body(ds, "e2e", max_steps=4, checkpoint_every=2)).json()
+    log = tmp_path / "worker.log"
+    worker = start_worker(service, log)
+    try:
+        events = []
+        with client.stream("GET", f"/v1/jobs/{job['id']}/events/stream", timeout=300) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        assert done["state"] == "succeeded", (done, log.read_text()[-3000:])
+    finally:
+        stop_worker(worker)
+    states = [e["state"] for e in events if e["type"] == "state"]
+    assert states == ["queued", "running", "succeeded"]
+    progress = [e["data"]["step"] for e in events if e["type"] == "progress"]
+    assert progress == [1, 2, 3, 4]
+    assert [e["data"]["step"] for e in events if e["type"] == "checkpoint"] == [2]
+    assert [e["data"]["version"] for e in events if e["type"] == "published"] == [1]
+    assert done["adapter_version"] == 1 and done["progress"]["step"] == 4 and done["attempts"] == 1
+    assert done["last_checkpoint_step"] == 2 and done["error"] is None
+
+    v1 = client.get("/v1/adapters/e2e/versions/1").json()
+    assert v1["lineage"] == {
+        "source": "job",
+        "job_id": job["id"],
+        "dataset_id": ds,
+        "base_model": "inkling-tiny",
+        "base_config_sha256": v1["lineage"]["base_config_sha256"],
+    }
+    assert v1["metrics"]["steps"] == 4 and v1["lora"]["rank"] == 2
+    assert {f["layout"] for f in v1["files"]} == {"sglang", "peft"}
+    downloaded = tmp_path / "dl"
+    downloaded.mkdir()
+    for f in client.get("/v1/adapters/e2e/versions/1/download", params={"layout": "sglang"}).json()["files"]:
+        body = client.get(f["download_path"]).content
+        assert hashlib.sha256(body).hexdigest() == f["sha256"]
+        (downloaded / f["path"]).write_bytes(body)
+    # The downloaded directory is a valid adapter: importing it makes version 2 of the same adapter.
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(downloaded.iterdir())]
+    v2 = client.post(
+        "/v1/adapters/import", data={"name": "e2e", "base_model": "inkling-tiny", "layout": "sglang"}, files=files
+    )
+    assert v2.status_code == 201, v2.text
+    assert v2.json()["version"] == 2
+    assert client.put("/v1/adapters/e2e/aliases/prod", json={"version": 1}).json()["version"] == 1
+    assert client.put("/v1/adapters/e2e/aliases/prod", json={"version": 2}).json()["version"] == 2
+    assert client.get("/v1/adapters/e2e/versions/prod").json()["version"] == 2
+    assert client.delete("/v1/adapters/e2e/versions/1").json()["deleted"] is True
+    audit = [(a["action"], a["target"]) for a in client.get("/v1/audit").json()["data"]]
+    assert audit[0] == ("adapter.version.delete", "e2e@1")
+    assert ("adapter.version.publish", "e2e@1") in audit and ("adapter.alias.set", "e2e@prod") in audit
+
+
+def test_cancel_stops_a_running_job(sqlite_service, tmp_path):
+    service = sqlite_service
+    _, key = service.new_tenant()
+    with service.client(key) as client:
+        ds = upload(client, jsonl(EXAMPLES)).json()["id"]
+        job = client.post("/v1/jobs", json=job_body(ds, "cancel-me", max_steps=2000, checkpoint_every=1000)).json()
+        log = tmp_path / "worker.log"
+        worker = start_worker(service, log)
+        try:
+            wait_for(
+                lambda: client.get(f"/v1/jobs/{job['id']}").json()["progress"]["step"] >= 2,
+                240,
+                "the job to make progress",
+                log,
+            )
+            assert client.post(f"/v1/jobs/{job['id']}/cancel").json()["cancel_requested"] is True
+            final = wait_for(
+                lambda: (j := client.get(f"/v1/jobs/{job['id']}").json())["state"] == "cancelled" and j,
+                60,
+                "the job to be cancelled",
+                log,
+            )
+        finally:
+            stop_worker(worker)
+        assert final["finished_at"] and final["adapter_version"] is None
+        assert final["progress"]["step"] < 2000
+        assert client.get("/v1/adapters").json()["data"] == []
+        states = [e["state"] for e in client.get(f"/v1/jobs/{job['id']}/events").json()["data"] if e["type"] == "state"]
+        assert states == ["queued", "running", "cancelled"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="kill -9")
+def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, tenant, tmp_path):
+    _, client = tenant
+    ds = upload(client, jsonl(EXAMPLES)).json()["id"]
+    job = client.post("/v1/jobs", json=job_body(ds, "survivor", max_steps=16, checkpoint_every=2)).json()
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = start_worker(service, log_a)
+    try:
+        step = wait_for(
+            lambda: client.get(f"/v1/jobs/{job['id']}").json()["last_checkpoint_step"], 240, "a first checkpoint", log_a
+        )
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+    finally:
+        stop_worker(a)
+    at_kill = client.get(f"/v1/jobs/{job['id']}").json()
+    assert at_kill["state"] == "running" and at_kill["progress"]["step"] < 16, at_kill
+    checkpoint_at_kill = at_kill["last_checkpoint_step"]
+    assert checkpoint_at_kill >= step
+    b = start_worker(service, log_b)
+    try:
+        final = wait_for(
+            lambda: (j := client.get(f"/v1/jobs/{job['id']}").json())["state"] in ("succeeded", "failed") and j,
+            300,
+            "the job to finish on worker B",
+            log_b,
+        )
+    finally:
+        stop_worker(b)
+    assert final["state"] == "succeeded", (final, log_b.read_text()[-3000:])
+    assert final["attempts"] == 2 and final["adapter_version"] == 1
+    events = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    claims = [e for e in events if e["type"] == "state" and e["state"] == "running"]
+    assert len(claims) == 2 and claims[1]["data"]["resume_step"] == checkpoint_at_kill
+    version = client.get("/v1/adapters/survivor/versions/1").json()
+    # Lost work is at most one checkpoint interval: B trained only the steps after the last checkpoint.
+    assert version["metrics"]["resumed_from_step"] == checkpoint_at_kill
+    assert version["metrics"]["steps"] == 16 - checkpoint_at_kill
