@@ -40,10 +40,17 @@ def padded_factors(
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    """Relative error per row, against the float64 reference; NaN never passes."""
+    """Error per row against the float64 reference, relative to the row's norm or the median row norm.
+
+    The floor matters: a rank-1 or rank-2 slot's shrink row can nearly cancel (norm 0.04 against a
+    median of 3), and the torch twin's own bf16 error on such a row is 5e-2 of it. A wrong or
+    unwritten row still errs by about its whole norm. NaN never passes.
+    """
     got, ref = got.detach().cpu().double(), ref.double()
     assert not torch.isnan(got).any(), f"{what}: NaN in output"
-    err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+    norms = ref.norm(dim=-1)
+    typical = float(norms[norms > 0].median()) if bool((norms > 0).any()) else 1.0
+    err = (got - ref).norm(dim=-1) / norms.clamp_min(typical)
     assert float(err.max()) <= TOLERANCE[dtype], f"{what}: worst row relative error {float(err.max()):.2e}"
 
 
