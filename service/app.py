@@ -2,7 +2,8 @@
 
 The lifespan owns what the process starts: the database (migrated to head), the object store
 (an embedded SeaweedFS when no endpoint is configured), base-model registration and the
-periodic orphan cleanup. `app.state` holds settings, engine, sessionmaker, store and metrics.
+periodic orphan cleanup. `app.state` holds settings, engine, sessionmaker (writes),
+read_sessionmaker (reads; on SQLite it never waits for the writer), store, s3_endpoint, metrics.
 
 Extensions: every module named in EXTENSION_MODULES that can be imported contributes its
 `router` (an APIRouter) and, optionally, `lifespan(app)` (an async context manager entered
@@ -90,7 +91,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     url = settings.resolved_database_url
     await asyncio.to_thread(upgrade_database, url)
     engine = make_engine(url)
-    sm = make_sessionmaker(engine)
+    read_engine = make_engine(url, write_intent=False) if url.startswith("sqlite") else engine
+    sm, read_sm = make_sessionmaker(engine), make_sessionmaker(read_engine)
     seaweed = None
     endpoint = settings.s3_endpoint
     if not endpoint:
@@ -98,8 +100,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         endpoint = await asyncio.to_thread(seaweed.start)
         log.info("embedded SeaweedFS serving S3 at %s", endpoint)
     store = ObjectStore(endpoint, settings.bucket, settings.s3_region, settings.s3_access_key, settings.s3_secret_key)
-    app.state.engine, app.state.sessionmaker, app.state.store, app.state.s3_endpoint = engine, sm, store, endpoint
-    app.state.metrics = Metrics(sm)
+    app.state.engine, app.state.sessionmaker, app.state.read_sessionmaker = engine, sm, read_sm
+    app.state.store, app.state.s3_endpoint = store, endpoint
+    app.state.metrics = Metrics(read_sm)
     cleanup = None
     try:
         await asyncio.to_thread(store.ensure_bucket)
@@ -116,6 +119,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if seaweed is not None:
             await asyncio.to_thread(seaweed.stop)
         engine.dispose()
+        read_engine.dispose()
 
 
 def create_app(settings: Settings | None = None, extension_modules: Sequence[str] = EXTENSION_MODULES) -> FastAPI:

@@ -26,7 +26,7 @@ def current_principal(
         raise APIError(401, "unauthorized", "missing API key: send the header `Authorization: Bearer <key>`")
     if credentials.scheme.lower() != "bearer" or not credentials.credentials.startswith(repo.KEY_PREFIX):
         raise APIError(401, "unauthorized", "malformed API key: inkwell keys start with 'ink_'")
-    with request.app.state.sessionmaker() as s:
+    with request.app.state.read_sessionmaker() as s:
         key = repo.find_api_key(s, credentials.credentials)
     if key is None:
         raise APIError(401, "unauthorized", "unknown or revoked API key; create one with `inkwell admin create-key`")

@@ -12,7 +12,9 @@ from inkwell.service.storage import ObjectStore
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessionmaker() as s:
+    """A session for this request: read-only engine for GET/HEAD, write-intent otherwise."""
+    sm = request.app.state.read_sessionmaker if request.method in ("GET", "HEAD") else request.app.state.sessionmaker
+    with sm() as s:
         yield s
 
 

@@ -2,13 +2,15 @@
 
 Several processes (the API and job workers) write one SQLite file; `BEGIN IMMEDIATE` takes the
 write lock up front so a read-then-write transaction never fails with SQLITE_BUSY half-way.
+Read-only work uses an engine with plain `BEGIN` (`write_intent=False`): WAL readers never
+wait for the writer, so GETs do not queue behind writes.
 """
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, write_intent: bool = True) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 60})
 
@@ -23,7 +25,7 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if write_intent else "BEGIN")
 
         return engine
     return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)

@@ -175,7 +175,7 @@ def download(
     store: ObjectStore = Depends(get_store),
     settings: Settings = Depends(get_settings),
 ) -> Download:
-    with request.app.state.sessionmaker() as s:
+    with request.app.state.read_sessionmaker() as s:
         row = _live(resolve(s, who.tenant_id, name, ref))
     files = []
     for f in row.files:
@@ -202,7 +202,7 @@ def download_file(
     who: Principal = Depends(current_principal),
     store: ObjectStore = Depends(get_store),
 ) -> StreamingResponse:
-    with request.app.state.sessionmaker() as s:
+    with request.app.state.read_sessionmaker() as s:
         row = _live(resolve(s, who.tenant_id, name, ref))
     entry = next((f for f in row.files if f["layout"] == layout and f["path"] == path), None)
     if entry is None:

@@ -13,7 +13,7 @@ router = APIRouter(tags=["health"])
 
 def _database_ok(request: Request) -> bool:
     try:
-        with request.app.state.sessionmaker() as s:
+        with request.app.state.read_sessionmaker() as s:
             s.execute(text("SELECT 1"))
         return True
     except Exception:  # noqa: BLE001 - any failure means "unavailable" here

@@ -182,7 +182,7 @@ def stream_events(
     who: Principal = Depends(current_principal),
 ) -> StreamingResponse:
     """Server-sent events until the job reaches a terminal state (no session is held while streaming)."""
-    sm = request.app.state.sessionmaker
+    sm = request.app.state.read_sessionmaker
     with sm() as s:
         _own_job(s, who, job_id)
     start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
