@@ -125,6 +125,8 @@ def load_checkpoint(path: Path, params: list[nn.Parameter], optimizer, scheduler
                 **{k: local_shard(v[p.hf_name], p).to(p.device).clone() for k, v in state["moments"].items()},
             }
     scheduler.load_state_dict(state["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr  # the scheduler's state does not reach the optimizer by itself
     rng_file = path / f"rng-{dist.get_rank()}.pt"
     if same_layout and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
