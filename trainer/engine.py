@@ -31,6 +31,8 @@ from inkwell.trainer.prepare import Prepared
 
 LAYOUTS = ("sglang", "peft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# eager is transformers' own arithmetic (the CPU reference); GPUs run the same math in fused SDPA kernels
+ATTENTION = {"cpu": "eager", "cuda": "sdpa"}
 
 
 def lr_lambda(config: TrainJobConfig):
@@ -66,7 +68,7 @@ class Trainer:
     def __post_init__(self):
         cfg, prep = self.config, self.prepared
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        self.model = InklingGPT(prep.hf_config, cfg.lora, DTYPES[cfg.dtype], cfg.device)
+        self.model = InklingGPT(prep.hf_config, cfg.lora, DTYPES[cfg.dtype], cfg.device, ATTENTION[cfg.device])
         load_state(self.model, load_base_weights(cfg.base_model_dir), lora=False)
         adapter = init_adapter(prep.hf_config, cfg.lora, prep.identity, seed=cfg.seed)
         load_state(self.model, adapter.tensors, lora=True)

@@ -36,6 +36,7 @@ class Build:
     tp: int = 1
     ep: int = 1
     ep_rank: int = 0
+    attention: str = "eager"
 
     def lora_for(self, group: str) -> LoraSettings | None:
         if self.lora is None or group not in self.lora.targets:
@@ -106,6 +107,7 @@ class InklingAttention(nn.Module):
         norm = {"eps": cfg.rms_norm_eps, "dtype": build.dtype, "device": build.device}
         self.q_norm = build_module(submodules.qk_norm, hd, hf_name=f"{prefix}.q_norm", **norm)
         self.k_norm = build_module(submodules.qk_norm, hd, hf_name=f"{prefix}.k_norm", **norm)
+        self.attend = ATTENTION[build.attention]
         self.rel_logits = build_module(
             submodules.rel_logits, cfg.d_rel, extent, f"{prefix}.rel_logits_proj", build.dtype, build.device
         )
@@ -125,7 +127,7 @@ class InklingAttention(nn.Module):
         allowed = packing.causal
         if self.window is not None:
             allowed = allowed & (packing.distance < self.window)
-        out = eager_attention(q, k, v, bias, allowed[:, None], 1.0 / self.head_dim)
+        out = self.attend(q, k, v, bias, allowed[:, None], 1.0 / self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -139,6 +141,19 @@ def eager_attention(q, k, v, bias, allowed, scaling: float) -> torch.Tensor:
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def sdpa_attention(q, k, v, bias, allowed, scaling: float) -> torch.Tensor:
+    """The same attention through torch's fused SDPA kernels, bias and mask passed as one float mask."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    mask = bias.masked_fill(~allowed, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+
+
+ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention}
 
 
 class DenseMLP(nn.Module):
@@ -209,7 +224,9 @@ def inkling_layer_spec(hf: InklingTextConfig, layer: int) -> ModuleSpec:
 class InklingGPT(nn.Module):
     """Embedding (vocab-parallel) + embed norm, decoder layers from specs, final norm, muP-scaled LM head."""
 
-    def __init__(self, hf: InklingTextConfig, lora: LoraSpec | None, dtype: torch.dtype, device: str):
+    def __init__(
+        self, hf: InklingTextConfig, lora: LoraSpec | None, dtype: torch.dtype, device: str, attention: str = "eager"
+    ):
         super().__init__()
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
         problem = layout_problem(hf, tp, ep)
@@ -217,7 +234,7 @@ class InklingGPT(nn.Module):
             raise ValueError(problem[1])
         mc = megatron_config(hf, tp, ep, dtype, device)
         dev = torch.device(device) if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
-        build = Build(hf, mc, lora, dtype, dev, tp, ep, ps.get_expert_model_parallel_rank())
+        build = Build(hf, mc, lora, dtype, dev, tp, ep, ps.get_expert_model_parallel_rank(), attention)
         self.config = hf
         self.embed_tokens = tensor_parallel.VocabParallelEmbedding(
             hf.vocab_size, hf.hidden_size, init_method=lambda _: None, config=mc

@@ -21,6 +21,23 @@ from inkwell.trainer.lora import LoraSettings, lora_dropout, lora_param, mark
 from inkwell.trainer.parallel import ep_group, gather_tokens, gather_tokens_nograd, scatter_tokens, tp_group
 
 
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row group g of x (rows offsets[g-1]:offsets[g]) times weight[g]^T, one grouped GEMM for all groups.
+
+    Grouped GEMM kernels want 16-byte aligned rows, so a small inner or outer size (a LoRA rank) is
+    zero-padded to a multiple of 8 and the padding is sliced off.
+    """
+    out_features, in_features = weight.shape[1], weight.shape[2]
+    pad_in, pad_out = -in_features % 8, -out_features % 8
+    if pad_in:
+        x = F.pad(x, (0, pad_in))
+        weight = F.pad(weight, (0, pad_in))
+    if pad_out:
+        weight = F.pad(weight, (0, 0, 0, pad_out))
+    y = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    return y[:, :out_features] if pad_out else y
+
+
 class TopKRouter(nn.Module):
     """transformers' InklingTopkRouter (frozen), with a routing replay hook."""
 
@@ -112,14 +129,14 @@ class ExpertBank(nn.Module):
         u = torch.cat([F.linear(xd, self.gate_A.to(x.dtype)), F.linear(xd, self.up_A.to(x.dtype))], dim=-1)
         return tensor_parallel.copy_to_tensor_model_parallel_region(u, group=tp_group())
 
-    def activation(self, e: int, h: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        """silu(gate) * up of local expert e, LoRA deltas included (u: its rows of lora_in)."""
-        gate = F.linear(h, self.gate[e])
-        up = F.linear(h, self.up[e])
+    def activation(self, x: torch.Tensor, u: torch.Tensor | None, offsets: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows grouped by local expert (offsets: cumulative group ends), LoRA included."""
+        gate = grouped_linear(x, self.gate, offsets)
+        up = grouped_linear(x, self.up, offsets)
         if u is not None:
             r, s = self.lora.rank, self.lora.scaling
-            gate = gate + s * F.linear(u[:, :r], self.gate_B[e].to(h.dtype))
-            up = up + s * F.linear(u[:, r:], self.up_B[e].to(h.dtype))
+            gate = gate + s * grouped_linear(u[:, :r], self.gate_B.to(x.dtype), offsets)
+            up = up + s * grouped_linear(u[:, r:], self.up_B.to(x.dtype), offsets)
         return F.silu(gate) * up
 
     def lora_out(self, v: torch.Tensor) -> torch.Tensor:
@@ -171,21 +188,26 @@ class InklingMoE(nn.Module):
         ids_all = gather_tokens_nograd(ids, epg)
         w_all = gather_tokens(weights, epg)
         u_all = gather_tokens(u, epg) if u is not None else None
+        rows, offsets = self._dispatch(ids_all)
+        tok = rows // ids_all.shape[1]
+        w = w_all.flatten()[rows].unsqueeze(-1)
+        act = bank.activation(x_all[tok], None if u_all is None else u_all[tok], offsets)
         out = torch.zeros(x_all.shape, dtype=torch.float32, device=x_all.device)
+        out.index_add_(0, tok, (grouped_linear(act, bank.down, offsets) * w).float())
         v = None
         if u is not None:
             v = torch.zeros((x_all.shape[0], bank.lora.rank), dtype=torch.float32, device=x_all.device)
-        for e in range(bank.local):
-            tok, slot = torch.where(ids_all == self.first_expert + e)
-            if tok.numel() == 0:
-                continue
-            act = bank.activation(e, x_all[tok], None if u_all is None else u_all[tok])
-            w = w_all[tok, slot, None]
-            out.index_add_(0, tok, (F.linear(act, bank.down[e]) * w).float())
-            if v is not None:
-                v.index_add_(0, tok, (F.linear(act, bank.down_A[e].to(act.dtype)) * w).float())
+            v.index_add_(0, tok, (grouped_linear(act, bank.down_A.to(act.dtype), offsets) * w).float())
         out = scatter_tokens(out, epg)
         return out, (scatter_tokens(v, epg) if v is not None else None)
+
+    def _dispatch(self, ids_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat (token, slot) indices routed to this rank's experts, sorted by expert, and group ends."""
+        local = ids_all.flatten() - self.first_expert
+        rows = ((local >= 0) & (local < self.experts.local)).nonzero().squeeze(1)
+        rows = rows[local[rows].argsort(stable=True)]
+        counts = torch.bincount(local[rows], minlength=self.experts.local)
+        return rows, counts.cumsum(0).to(torch.int32)
 
     def _shared(self, flat, x_tp, gammas):
         """All shared experts on every token, weighted by their sink gammas."""

@@ -19,9 +19,11 @@ def world_of_one():
         yield layout
 
 
-def build_model(model_dir, spec: LoraSpec | None, adapter_tensors: dict | None = None) -> InklingGPT:
+def build_model(
+    model_dir, spec: LoraSpec | None, adapter_tensors: dict | None = None, attention: str = "eager"
+) -> InklingGPT:
     config = load_base_config(model_dir)
-    model = InklingGPT(config, spec, torch.float32, "cpu")
+    model = InklingGPT(config, spec, torch.float32, "cpu", attention)
     load_state(model, load_base_weights(model_dir), lora=False)
     if adapter_tensors is not None:
         load_state(model, adapter_tensors, lora=True)

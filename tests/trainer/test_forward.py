@@ -96,12 +96,14 @@ def test_routing_replay_of_own_ids_reproduces_the_loss_exactly(tiny_model_dir, w
         loss()
 
 
-def test_lora_gradients_equal_the_reference(tiny_model_dir, world_of_one, token_ids):
-    """Backward too: every LoRA factor's gradient equals autograd through transformers + apply_lora."""
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_lora_gradients_equal_the_reference(tiny_model_dir, world_of_one, token_ids, attention):
+    """Backward too: every LoRA factor's gradient equals autograd through transformers + apply_lora
+    (the fused SDPA path, used on GPUs, included)."""
     config = load_base_config(tiny_model_dir)
     spec = LoraSpec(rank=4, alpha=8, targets=ALL_GROUPS)
     adapter = init_adapter(config, spec, identity(tiny_model_dir), seed=1, b_std=0.02)
-    model = build_model(tiny_model_dir, spec, adapter.tensors)
+    model = build_model(tiny_model_dir, spec, adapter.tensors, attention)
     for tensor in adapter.tensors.values():
         tensor.requires_grad_(True)
     hf = load_base_model(tiny_model_dir)
