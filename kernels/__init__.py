@@ -1,5 +1,19 @@
-"""Multi-LoRA ops over a per-token adapter slot index; pure-torch references (Triton twins match them)."""
+"""Multi-LoRA ops over a per-token adapter slot index: Triton kernels on CUDA, pure-torch references elsewhere."""
 
-from inkwell.kernels.torch_ops import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink
+from inkwell.kernels.dispatch import (
+    expert_lora_expand,
+    expert_lora_shrink,
+    lora_expand,
+    lora_expand_sliced,
+    lora_shrink,
+    lora_shrink_expand,
+)
 
-__all__ = ["expert_lora_expand", "expert_lora_shrink", "lora_expand", "lora_shrink"]
+__all__ = [
+    "expert_lora_expand",
+    "expert_lora_shrink",
+    "lora_expand",
+    "lora_expand_sliced",
+    "lora_shrink",
+    "lora_shrink_expand",
+]
