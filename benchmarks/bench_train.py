@@ -1,0 +1,220 @@
+"""LoRA SFT step time on one GPU: inkwell's megatron-core Inkling trainer vs transformers + peft.
+
+Both train the same randomly initialised `inkling-small` weights (bf16) on the same batch
+(--batch sequences x --seq tokens, next-token loss, AdamW), LoRA rank 16 / alpha 32 on attention,
+the dense MLP and the routed experts (peft: `target_modules` + `target_parameters`, the setup
+FACTS.md measured). Also: our full-parameter step (every base weight trainable) to report LoRA's
+step time as a fraction of it, peak GPU memory of each, and correctness checks run first: our
+logits vs transformers' eager logits, and our SDPA attention vs our eager attention (loss and
+LoRA gradients). Step times are medians over --steps timed steps after --warmup untimed ones.
+Run: python benchmarks/bench_train.py [--batch 4] [--seq 1024] [--steps 10] [--out results.json] [--md table.md]
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from transformers import InklingForCausalLM
+
+from inkwell.adapters.adapter import init_adapter
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import config_identity, preset_config
+from inkwell.trainer.bridge import is_lora, load_state
+from inkwell.trainer.model import ATTENTION, InklingGPT
+from inkwell.trainer.parallel import model_parallel
+
+GIB = 1024**3
+PEFT_MODULES = ["q_proj", "k_proj", "v_proj", "r_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEFT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def time_steps(step, steps: int, warmup: int) -> dict:
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / GIB if cuda else float("nan")
+    return {"ms": 1000 * statistics.median(times), "peak_gib": peak}
+
+
+def make_step(forward, params, ids, targets):
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+
+    def step():
+        loss = forward(ids, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench_peft(config, args, ids, targets, check_ids, results: dict):
+    """Time transformers + peft; return the base weights (CPU) and reference logits for our model."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.device(args.device):
+        hf = InklingForCausalLM(config).to(torch.bfloat16)
+    base_state = {k: v.detach().cpu().clone() for k, v in hf.state_dict().items()}
+    with torch.no_grad():
+        ref_logits = hf(check_ids).logits.float()
+    lora = LoraConfig(
+        r=args.rank, lora_alpha=2 * args.rank, target_modules=PEFT_MODULES, target_parameters=PEFT_PARAMETERS
+    )
+    peft_model = get_peft_model(hf, lora)
+
+    def peft_loss(x, y):
+        logits = peft_model(input_ids=x).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    results["peft_lora_params_m"] = sum(p.numel() for p in trainable) / 1e6
+    results["peft"] = time_steps(make_step(peft_loss, trainable, ids, targets), args.steps, args.warmup)
+    print("transformers+peft", results["peft"], flush=True)
+    return base_state, ref_logits
+
+
+def set_attention(model: InklingGPT, name: str) -> None:
+    for layer in model.layers:
+        layer.self_attn.attend = ATTENTION[name]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="inkling-small")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--md", type=Path)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = preset_config(args.preset)
+    config._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, config.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
+    targets = ids.roll(-1, dims=1)
+    check_ids = ids[:1, : min(512, args.seq)]
+    results = {
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "rank": args.rank,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+    }
+    base_state, ref_logits = bench_peft(config, args, ids, targets, check_ids, results)
+    results["parameters_b"] = sum(v.numel() for v in base_state.values()) / 1e9
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+    spec = LoraSpec(rank=args.rank, alpha=2 * args.rank, targets=["attn", "mlp", "experts"])
+    with model_parallel(tp=1, ep=1, device=args.device, seed=0):
+        model = InklingGPT(config, spec, torch.bfloat16, args.device, "sdpa")
+        load_state(model, base_state, lora=False)
+        adapter = init_adapter(config, spec, config_identity(config, args.preset), seed=0, b_std=1e-3)
+        load_state(model, adapter.tensors, lora=True)
+        del base_state
+        lora = [p for p in model.parameters() if is_lora(p)]
+        results["ours_lora_params_m"] = sum(p.numel() for p in lora) / 1e6
+
+        def ours_loss(x, y):
+            return vocab_parallel_cross_entropy(model(x).float(), y).mean()
+
+        with torch.no_grad():
+            ours_logits = model(check_ids).float()
+        results["logits_max_abs_diff_vs_transformers"] = (ours_logits - ref_logits).abs().max().item()
+        results["logits_max_abs"] = ref_logits.abs().max().item()
+
+        grads = {}
+        for name in ("eager", "sdpa"):
+            set_attention(model, name)
+            loss = ours_loss(check_ids, check_ids.roll(-1, dims=1))
+            loss.backward()
+            grads[name] = (loss.item(), [p.grad.float().clone() for p in lora])
+            model.zero_grad(set_to_none=True)
+        (le, ge), (ls, gs) = grads["eager"], grads["sdpa"]
+        results["sdpa_vs_eager_loss_diff"] = abs(le - ls)
+        results["sdpa_vs_eager_grad_rel_diff"] = max(
+            ((a - b).norm() / (a.norm() + 1e-12)).item() for a, b in zip(ge, gs, strict=True)
+        )
+        print({k: v for k, v in results.items() if "diff" in k}, flush=True)
+
+        for name in ("sdpa", "eager"):
+            set_attention(model, name)
+            results[f"ours_lora_{name}"] = time_steps(make_step(ours_loss, lora, ids, targets), args.steps, args.warmup)
+            print(f"ours lora {name}", results[f"ours_lora_{name}"], flush=True)
+        set_attention(model, "sdpa")
+        base = [p for p in model.parameters() if not is_lora(p)]
+        for p in base:
+            p.requires_grad_(True)
+        results["ours_full_sdpa"] = time_steps(make_step(ours_loss, base, ids, targets), args.steps, args.warmup)
+        print("ours full", results["ours_full_sdpa"], flush=True)
+
+    tokens = args.batch * args.seq
+    for key in ("peft", "ours_lora_sdpa", "ours_lora_eager", "ours_full_sdpa"):
+        results[key]["tokens_per_s"] = tokens / (results[key]["ms"] / 1000)
+    results["speedup_vs_peft"] = results["peft"]["ms"] / results["ours_lora_sdpa"]["ms"]
+    results["lora_over_full_step"] = results["ours_lora_sdpa"]["ms"] / results["ours_full_sdpa"]["ms"]
+    print(json.dumps(results, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if args.md:
+        args.md.write_text(markdown(results))
+
+
+def markdown(r: dict) -> str:
+    rows = [
+        ("transformers + peft LoRA (eager attention)", r["peft"]),
+        ("inkwell LoRA (megatron-core, SDPA attention)", r["ours_lora_sdpa"]),
+        ("inkwell LoRA (megatron-core, eager attention)", r["ours_lora_eager"]),
+        ("inkwell full-parameter (SDPA attention)", r["ours_full_sdpa"]),
+    ]
+    lines = [
+        f"## LoRA SFT training step: {r['preset']} ({r['parameters_b']:.2f}B), {r['gpu']}, {r['date']}",
+        "",
+        f"`python benchmarks/bench_train.py --batch {r['batch']} --seq {r['seq']} --rank {r['rank']}` "
+        f"(torch {r['torch']}, bf16, AdamW, batch {r['batch']} x {r['seq']} tokens, rank {r['rank']} on "
+        "attention + dense MLP + routed experts; median step of the timed steps)",
+        "",
+        "| trainer | ms / step | tokens / s | peak GiB |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {name} | {m['ms']:.1f} | {m['tokens_per_s']:,.0f} | {m['peak_gib']:.1f} |" for name, m in rows]
+    lines += [
+        "",
+        f"- Speed-up over transformers + peft: **{r['speedup_vs_peft']:.2f}x** (target: 2x).",
+        f"- LoRA step time / full-parameter step time: {r['lora_over_full_step']:.2f}.",
+        "- Checks: logits max |diff| vs transformers eager (bf16, 512 tokens) "
+        f"{r['logits_max_abs_diff_vs_transformers']:.3g} (logits up to {r['logits_max_abs']:.3g}); "
+        f"SDPA vs eager: loss diff {r['sdpa_vs_eager_loss_diff']:.2g}, "
+        f"LoRA grad relative diff {r['sdpa_vs_eager_grad_rel_diff']:.2g}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
