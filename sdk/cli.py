@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from inkwell.sdk.client import API_KEY_ENV, URL_ENV, Client
 from inkwell.sdk.errors import InkwellError
@@ -63,11 +64,25 @@ def _print_json(value: Any) -> None:
     out.print_json(json.dumps(plain(value), default=str))
 
 
+KEY_COLUMNS = ("id", "name", "source", "adapter")  # what users copy into the next command: never cut
+
+
 def _table(columns: list[str], rows: list[list[Any]]) -> None:
-    table = Table(*columns, box=None, header_style="bold")
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
+    cells = [["" if v is None else str(v) for v in row] for row in rows]
+    table = Table(box=None, header_style="bold")
+    for i, column in enumerate(columns):
+        if column in KEY_COLUMNS:
+            width = max([len(column)] + [len(row[i]) for row in cells])
+            table.add_column(column, no_wrap=True, min_width=width)
+        else:
+            table.add_column(column)
+    for row in cells:
+        table.add_row(*(Text(c) for c in row))  # plain text: server strings are not rich markup
     out.print(table)
+
+
+def _value(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _when(value: Any) -> str:
@@ -160,7 +175,7 @@ def jobs_events(
         if as_json:
             out.print(json.dumps(event.model_dump(mode="json")), highlight=False, soft_wrap=True)
             continue
-        data = " ".join(f"{k}={v}" for k, v in event.data.items())
+        data = " ".join(f"{k}={_value(v)}" for k, v in event.data.items() if v is not None)
         state = f"[{event.state}] " if event.state else ""
         line = f"{event.id:>6} {_when(event.created_at)} {event.type:<10} {state}{event.message} {data}"
         out.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)

@@ -100,10 +100,13 @@ class _ProgressBar:
         if self._bar is None:
             return
         if event.type == "state" and event.state:
+            if event.state == "running":
+                self._bar.reset(total=self._bar.total)  # time/step rates count from the claim, not the queue
             self._bar.set_description_str(f"{self._name} [{event.state}]")
         elif event.type == "progress" and isinstance(event.data.get("step"), int):
-            if event.data.get("max_steps"):
-                self._bar.total = event.data["max_steps"]
+            total = event.data.get("total_steps") or event.data.get("max_steps")
+            if isinstance(total, int) and total > 0:
+                self._bar.total = total
             self._bar.n = event.data["step"]
             postfix = {}
             if event.data.get("loss") is not None:
