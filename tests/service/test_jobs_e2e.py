@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from inkwell.service.registry import cleanup_orphans
 from inkwell.tests.service.test_datasets_auth import jsonl, upload
 
 EXAMPLES = [
@@ -95,6 +96,12 @@ def test_dataset_job_worker_publish_download_alias_delete(service, tenant, tmp_p
     assert done["adapter_version"] == 1 and done["progress"]["step"] == 4 and done["attempts"] == 1
     assert done["last_checkpoint_step"] == 2 and done["error"] is None
 
+    tenant_id = tenant[0]
+    checkpoints = f"checkpoints/{tenant_id}/{job['id']}/"
+    assert [o.key for o in service.store.list_objects(checkpoints)], "the step-2 checkpoint is in S3"
+    cleanup_orphans(service.sm, service.store, grace_seconds=3600)
+    assert service.store.list_objects(checkpoints) == []  # a finished job's checkpoints are garbage
+
     v1 = client.get("/v1/adapters/e2e/versions/1").json()
     assert v1["lineage"] == {
         "source": "job",
@@ -162,7 +169,7 @@ def test_cancel_stops_a_running_job(sqlite_service, tmp_path):
 def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, tenant, tmp_path):
     _, client = tenant
     ds = upload(client, jsonl(EXAMPLES)).json()["id"]
-    job = client.post("/v1/jobs", json=job_body(ds, "survivor", max_steps=120, checkpoint_every=5)).json()
+    job = client.post("/v1/jobs", json=job_body(ds, "survivor", max_steps=60, checkpoint_every=3)).json()
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
     a = start_worker(service, log_a)
     try:
@@ -174,7 +181,7 @@ def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, ten
     finally:
         stop_worker(a)
     at_kill = client.get(f"/v1/jobs/{job['id']}").json()
-    assert at_kill["state"] == "running" and at_kill["progress"]["step"] < 120, at_kill
+    assert at_kill["state"] == "running" and at_kill["progress"]["step"] < 60, at_kill
     checkpoint_at_kill = at_kill["last_checkpoint_step"]
     assert checkpoint_at_kill >= step
     b = start_worker(service, log_b)
@@ -195,4 +202,4 @@ def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, ten
     version = client.get("/v1/adapters/survivor/versions/1").json()
     # Lost work is at most one checkpoint interval: B trained only the steps after the last checkpoint.
     assert version["metrics"]["resumed_from_step"] == checkpoint_at_kill
-    assert version["metrics"]["steps"] == 120 - checkpoint_at_kill
+    assert version["metrics"]["steps"] == 60 - checkpoint_at_kill

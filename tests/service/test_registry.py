@@ -276,9 +276,10 @@ def test_crash_between_objects_and_row_leaves_nothing_visible_and_is_cleaned(ser
     with service.client(key) as c:
         assert_error(c.get("/v1/adapters/crashy/versions/1"), 404, "not_found")
         assert c.get("/v1/adapters").json()["data"] == []
-    assert cleanup_orphans(service.sm, service.store, grace_seconds=3600) == 0  # too young to be an orphan
+    cleanup_orphans(service.sm, service.store, grace_seconds=3600)
+    assert len(service.store.list_objects(prefix)) == 4  # too young to be an orphan yet
     removed = cleanup_orphans(service.sm, service.store, grace_seconds=0)
     assert removed >= 4 and service.store.list_objects(prefix) == []
     assert publish(service.sm, service.store, pub).version == 1  # the number is free again
-    assert cleanup_orphans(service.sm, service.store, grace_seconds=0) == 0  # published objects stay
+    cleanup_orphans(service.sm, service.store, grace_seconds=0)  # published objects stay
     assert len(service.store.list_objects(prefix)) == 4
