@@ -314,6 +314,24 @@ def all_version_prefixes(s: Session) -> set[tuple[str, str, int]]:
     return {(t, n, v) for t, n, v in rows}
 
 
+def summaries(s: Session, tenant_id: str, names: list[str]) -> dict[str, tuple[list[int], dict[str, int]]]:
+    """Live versions and aliases of several adapters in two queries (for list pages)."""
+    out: dict[str, tuple[list[int], dict[str, int]]] = {n: ([], {}) for n in names}
+    versions = select(AdapterVersionRow.name, AdapterVersionRow.version).where(
+        AdapterVersionRow.tenant_id == tenant_id,
+        AdapterVersionRow.name.in_(names),
+        AdapterVersionRow.deleted_at.is_(None),
+    )
+    for name, version in s.execute(versions.order_by(AdapterVersionRow.version)):
+        out[name][0].append(version)
+    aliases = select(AliasRow.name, AliasRow.alias, AliasRow.version).where(
+        AliasRow.tenant_id == tenant_id, AliasRow.name.in_(names)
+    )
+    for name, alias, version in s.execute(aliases.order_by(AliasRow.alias)):
+        out[name][1][alias] = version
+    return out
+
+
 def aliases_of(s: Session, tenant_id: str, name: str) -> dict[str, int]:
     q = select(AliasRow.alias, AliasRow.version).where(AliasRow.tenant_id == tenant_id, AliasRow.name == name)
     return dict(s.execute(q.order_by(AliasRow.alias)).all())

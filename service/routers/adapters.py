@@ -37,14 +37,13 @@ router = APIRouter(tags=["adapters"])
 log = logging.getLogger("inkwell.service.adapters")
 
 
-def adapter_view(s: Session, row: AdapterRow) -> Adapter:
-    live = repo.live_versions(s, row.tenant_id, row.name)
+def adapter_view(row: AdapterRow, live: list[int], aliases: dict[str, int]) -> Adapter:
     return Adapter(
         name=row.name,
         base_model=row.base_model,
         latest_version=live[-1] if live else None,
         num_versions=len(live),
-        aliases=repo.aliases_of(s, row.tenant_id, row.name),
+        aliases=aliases,
         created_at=row.created_at,
         updated_at=row.updated_at,
     )
@@ -96,7 +95,8 @@ def list_adapters(
     s: Session = Depends(get_session),
 ) -> Page[Adapter]:
     rows, cursor = repo.list_adapters(s, who.tenant_id, paging.limit, paging.cursor, base_model)
-    return Page[Adapter](data=[adapter_view(s, r) for r in rows], next_cursor=cursor)
+    info = repo.summaries(s, who.tenant_id, [r.name for r in rows])
+    return Page[Adapter](data=[adapter_view(r, *info[r.name]) for r in rows], next_cursor=cursor)
 
 
 @router.post("/v1/adapters/import", status_code=201, response_model=AdapterVersion)
@@ -140,7 +140,8 @@ def import_route(
 
 @router.get("/v1/adapters/{name}", response_model=Adapter)
 def get_adapter(name: str, who: Principal = Depends(current_principal), s: Session = Depends(get_session)) -> Adapter:
-    return adapter_view(s, _own_adapter(s, who, name))
+    row = _own_adapter(s, who, name)
+    return adapter_view(row, *repo.summaries(s, who.tenant_id, [name])[name])
 
 
 @router.get("/v1/adapters/{name}/versions", response_model=Page[AdapterVersion])
