@@ -31,7 +31,6 @@ from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, init_base_model, load_base_config
 
 REPO = Path(__file__).resolve().parents[1]
-START, END = "<!-- bench_registry:start -->", "<!-- bench_registry:end -->"
 
 
 def free_port() -> int:
@@ -180,7 +179,10 @@ def main() -> None:
             "|---|---|---|---|---|",
             *rows,
             "",
-            f"{total} requests in {wall:.1f} s ({total / wall:.0f} req/s), **{len(errors)} errors**.",
+            f"{total} requests in {wall:.1f} s ({total / wall:.0f} req/s), **{len(errors)} errors**. "
+            f"Machine: {os.cpu_count()} CPU cores shared with the clients and other work "
+            f"(1-min load average {os.getloadavg()[0]:.1f} at the end). With {args.clients} requests always in flight "
+            f"the latency is mostly queueing: clients / throughput = {args.clients / (total / wall) * 1000:.0f} ms.",
         ]
     )
     print(table)
@@ -188,10 +190,12 @@ def main() -> None:
         print("first errors:", errors[:5])
     if args.write:
         doc = REPO / "docs" / "benchmarks.md"
-        section = f"{START}\n## Registry load test (`benchmarks/bench_registry.py`)\n\n{table}\n{END}"
+        start, end = f"<!-- bench_registry:{backend}:start -->", f"<!-- bench_registry:{backend}:end -->"
+        title = f"## Registry load test, {backend} (`benchmarks/bench_registry.py`)"
+        section = f"{start}\n{title}\n\n{table}\n{end}"
         text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-        if START in text:
-            text = text[: text.index(START)] + section + text[text.index(END) + len(END) :]
+        if start in text:
+            text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
         else:
             text = text.rstrip("\n") + "\n\n" + section + "\n"
         doc.write_text(text)
