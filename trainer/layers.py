@@ -19,7 +19,6 @@ class Packing:
 
     positions: torch.Tensor  # [b, s] long
     segments: torch.Tensor  # [b, s] long
-    distance: torch.Tensor  # [b, s, s] long: positions[q] - positions[k]
     causal: torch.Tensor  # [b, s, s] bool: same segment and k <= q
     conv_masks: torch.Tensor  # [K, b, s, 1] float: token t-j is in t's segment
 
@@ -31,13 +30,19 @@ class Packing:
         starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
         start_pos = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)).expand(b, s), dim=1).values
         positions = idx - start_pos
-        distance = positions[:, :, None] - positions[:, None, :]
         same = segments[:, :, None] == segments[:, None, :]
         causal = same & (idx[None, :, None] >= idx[None, None, :])
         padded = torch.nn.functional.pad(segments, (conv_kernel - 1, 0), value=-1)
         masks = [(padded[:, conv_kernel - 1 - j : conv_kernel - 1 - j + s] == segments) for j in range(conv_kernel)]
         conv_masks = torch.stack(masks).unsqueeze(-1).float()
-        return cls(positions, segments, distance, causal, conv_masks)
+        return cls(positions, segments, causal, conv_masks)
+
+    def allowed(self, window: int | None) -> torch.Tensor:
+        """[b, 1, s, s] keys each query may attend: causal within its segment, and within `window` if given."""
+        if window is None:
+            return self.causal[:, None]
+        idx = torch.arange(self.causal.shape[-1], device=self.causal.device)
+        return (self.causal & (idx[:, None] - idx[None, :] < window))[:, None]
 
     @classmethod
     def single(cls, batch: int, seq: int, conv_kernel: int, device) -> "Packing":
@@ -86,8 +91,26 @@ class ShortConv(nn.Module):
         return (out + h).to(dtype)
 
 
+def causal_skew(rel: torch.Tensor) -> torch.Tensor:
+    """[..., s, s] by (query, distance) -> [..., s, s] by (query, key): out[q, k] = rel[q, q - k] for k <= q.
+
+    Pure data movement (flip, pad, reshape), so its backward is a copy too, unlike a gather whose
+    backward scatter-adds every masked pair onto one column. Entries with k > q hold other rows'
+    values; attention masks them.
+    """
+    s = rel.shape[-1]
+    flipped = torch.nn.functional.pad(rel.flip(-1), (0, 1))  # [..., s, s + 1], last column zero
+    flat = flipped.flatten(-2)
+    return flat[..., s - 1 : s - 1 + s * s].unflatten(-1, (s, s))
+
+
 class RelativeLogits(nn.Module):
-    """Per-head bias by causal distance within a sample, zero outside [0, extent)."""
+    """Per-head bias by causal distance, zero outside [0, extent).
+
+    Within a packed segment the distance of two tokens is the difference of their indices, so the
+    bias is the (query, distance) table skewed into (query, key) layout; pairs across segments are
+    masked by the attention.
+    """
 
     def __init__(self, d_rel: int, extent: int, hf_name: str, dtype: torch.dtype, device=None):
         super().__init__()
@@ -95,11 +118,11 @@ class RelativeLogits(nn.Module):
         self.proj = nn.Parameter(torch.zeros(d_rel, extent, dtype=dtype, device=device), requires_grad=False)
         mark(self.proj, f"{hf_name}.proj")
 
-    def forward(self, relative_states: torch.Tensor, packing: Packing) -> torch.Tensor:
-        # relative_states [b, s, h, d_rel] -> bias [b, h, s, s]
+    def forward(self, relative_states: torch.Tensor, tau: torch.Tensor | None = None) -> torch.Tensor:
+        """relative_states [b, s, h, d_rel], tau [b, 1, s, 1] (log scaling) -> bias [b, h, s, s]."""
         rel = (relative_states @ self.proj).transpose(1, 2)
-        b, h, s, _ = rel.shape
-        dist = packing.distance[:, None]
-        index = dist.clamp(0, self.extent - 1).expand(b, h, s, s)
-        bias = rel.gather(-1, index)
-        return bias.masked_fill((dist < 0) | (dist >= self.extent), 0.0)
+        if tau is not None:
+            rel = (rel.float() * tau).to(rel.dtype)
+        s = rel.shape[-2]
+        rel = rel[..., :s] if self.extent >= s else torch.nn.functional.pad(rel, (0, s - self.extent))
+        return causal_skew(rel)

@@ -118,16 +118,13 @@ class InklingAttention(nn.Module):
         k = self.k_sconv(self.k_proj(x), packing).view(b, s, self.kv_heads, self.head_dim)
         k = self.k_norm(k).transpose(1, 2)
         v = self.v_sconv(self.v_proj(x), packing).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        bias = self.rel_logits(self.r_proj(x).view(b, s, self.heads, -1), packing)
+        tau = None
         if self.log_floor is not None:
             n = (packing.positions + 1).float()
             tau = (1.0 + self.log_alpha * torch.log((n / self.log_floor).clamp(min=1.0)))[:, None, :, None]
             q = (q.float() * tau).to(q.dtype)
-            bias = (bias.float() * tau).to(bias.dtype)
-        allowed = packing.causal
-        if self.window is not None:
-            allowed = allowed & (packing.distance < self.window)
-        out = self.attend(q, k, v, bias, allowed[:, None], 1.0 / self.head_dim)
+        bias = self.rel_logits(self.r_proj(x).view(b, s, self.heads, -1), tau)
+        out = self.attend(q, k, v, bias, packing.allowed(self.window), 1.0 / self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
