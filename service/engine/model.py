@@ -8,6 +8,7 @@ adapter in the batch. Attention and ShortConv read and update each sequence's st
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,8 @@ from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.state import StatePool
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
+# transformers < 5.19 saved the embedding norm beside the embedding rather than inside it.
+RENAMED = {"model.embed_norm.weight": "model.embed_tokens.embed_norm.weight"}
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,44 @@ class Segment:
     length: int
 
 
+@dataclass(frozen=True)
+class Singles:
+    """The one-token segments of a batch (decode steps), handled together: rows, state slots, positions."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    max_position: int
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] long
     lora_slots: torch.Tensor  # [T] long, -1 = base model
     segments: list[Segment]  # in the order of their tokens in input_ids
     logit_rows: torch.Tensor  # [N] long: rows whose next-token logits are returned
+
+    @cached_property
+    def split(self) -> tuple[Singles | None, list[tuple[int, Segment]]]:
+        """One-token segments as one vectorized group, and (first row, segment) of every longer chunk."""
+        rows, singles, chunks, row = [], [], [], 0
+        for seg in self.segments:
+            if seg.length == 1:
+                rows.append(row)
+                singles.append(seg)
+            else:
+                chunks.append((row, seg))
+            row += seg.length
+        if not singles:
+            return None, chunks
+        device = self.input_ids.device
+        group = Singles(
+            rows=torch.tensor(rows, device=device),
+            slots=torch.tensor([s.seq_slot for s in singles], device=device),
+            positions=torch.tensor([s.start for s in singles], device=device),
+            max_position=max(s.start for s in singles),
+        )
+        return group, chunks
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,6 +95,7 @@ class InklingModel:
         self.w: dict[str, torch.Tensor] = {}
         f = config.moe_intermediate_size
         for name, tensor in weights.items():
+            name = RENAMED.get(name, name)
             keep_fp32 = any(f".{conv}." in name for conv in CONV_NAMES)
             tensor = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else dtype)
             if name.endswith("mlp.experts.gate_up_proj"):  # gate rows first, then up
@@ -84,16 +120,19 @@ class InklingModel:
     def _sconv(self, x: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         """Causal depthwise conv over each sequence's chunk continuing its saved inputs, plus the residual (fp32)."""
         weight = self.w[f"model.layers.{layer}.{CONV_NAMES[site]}.conv1d.weight"]
+        saved = state.conv[layer][site]
         xf = x.float()
         out = torch.empty_like(xf)
         keep = weight.shape[-1] - 1
-        row = 0
-        for seg in batch.segments:
-            saved = state.conv[layer][site][seg.seq_slot]
-            seq = torch.cat([saved, xf[row : row + seg.length].t()], dim=-1)
+        singles, chunks = batch.split
+        if singles is not None:
+            seq = torch.cat([saved[singles.slots], xf[singles.rows, :, None]], dim=-1)  # [D, C, kernel]
+            out[singles.rows] = F.conv1d(seq, weight, groups=seq.shape[1])[:, :, 0]
+            saved[singles.slots] = seq[:, :, 1:]
+        for row, seg in chunks:
+            seq = torch.cat([saved[seg.seq_slot], xf[row : row + seg.length].t()], dim=-1)
             out[row : row + seg.length] = F.conv1d(seq[None], weight, groups=seq.shape[0])[0].t()
-            saved.copy_(seq[:, seq.shape[1] - keep :])
-            row += seg.length
+            saved[seg.seq_slot] = seq[:, seq.shape[1] - keep :]
         return (out + xf).to(x.dtype)
 
     def _attend(
@@ -105,33 +144,56 @@ class InklingModel:
         rel: torch.Tensor,
         q_pos: torch.Tensor,
         k_pos: torch.Tensor,
+        valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Eager attention of one chunk: q [L,h,d], keys/values [P,kv,d], rel [L,h,d_rel] -> [L,h,d]."""
+        """Eager attention: q [B,L,h,d], keys/values [B,P,kv,d], rel [B,L,h,d_rel], positions [B,L] and [B,P],
+        `valid` [B,P] marks real keys among padding. Returns [B,L,h,d]."""
         cfg = self.config
         sliding = cfg.layer_types[layer] == "hybrid_sliding"
-        heads, head_dim = q.shape[1], q.shape[2]
-        groups = heads // keys.shape[1]
-        qh = q.transpose(0, 1)
-        kh = keys.transpose(0, 1).repeat_interleave(groups, dim=0)
-        vh = values.transpose(0, 1).repeat_interleave(groups, dim=0)
+        heads, head_dim = q.shape[2], q.shape[3]
+        groups = heads // keys.shape[2]
+        qh = q.transpose(1, 2)
+        kh = keys.transpose(1, 2).repeat_interleave(groups, dim=1)
+        vh = values.transpose(1, 2).repeat_interleave(groups, dim=1)
         proj = self.w[f"model.layers.{layer}.self_attn.rel_logits_proj.proj"]
         extent = proj.shape[1]
-        rel_logits = (rel @ proj).transpose(0, 1)  # [h, L, extent]
-        distance = q_pos[:, None] - k_pos[None, :]
-        bias = rel_logits.gather(-1, distance.clamp(0, extent - 1).expand(heads, -1, -1))
-        bias = bias.masked_fill((distance < 0) | (distance >= extent), 0.0)
+        rel_logits = (rel @ proj).transpose(1, 2)  # [B, h, L, extent]
+        distance = q_pos[:, :, None] - k_pos[:, None, :]  # [B, L, P]
+        index = distance.clamp(0, extent - 1)[:, None].expand(-1, heads, -1, -1)
+        bias = rel_logits.gather(-1, index).masked_fill(((distance < 0) | (distance >= extent))[:, None], 0.0)
         if not sliding and cfg.log_scaling_n_floor is not None:
             n = ((q_pos + 1).float() / cfg.log_scaling_n_floor).clamp(min=1.0)
-            tau = (1.0 + cfg.log_scaling_alpha * torch.log(n)).view(1, -1, 1)
+            tau = (1.0 + cfg.log_scaling_alpha * torch.log(n))[:, None, :, None]
             qh = (qh.float() * tau).to(qh.dtype)
             bias = (bias.float() * tau).to(bias.dtype)
-        scores = torch.matmul(qh, kh.transpose(1, 2)) * (1.0 / head_dim) + bias
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * (1.0 / head_dim) + bias
         allowed = distance >= 0
         if sliding:
             allowed &= distance < cfg.sliding_window_size
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if valid is not None:
+            allowed &= valid[:, None, :]
+        scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
-        return torch.matmul(probs, vh).transpose(0, 1)
+        return torch.matmul(probs, vh).transpose(1, 2)
+
+    def _attend_singles(self, layer: int, q, k, v, r, singles: Singles, state: StatePool) -> torch.Tensor:
+        """One query per sequence, all sequences at once, over keys padded to the longest history."""
+        slots, pos = singles.slots, singles.positions
+        if state.sliding[layer]:
+            window = state.window
+            state.keys[layer][slots, pos % window] = k
+            state.values[layer][slots, pos % window] = v
+            keys, values = state.keys[layer][slots], state.values[layer][slots]
+            ring = torch.arange(window, device=pos.device)
+            k_pos = pos[:, None] - (pos[:, None] - ring[None]) % window
+        else:
+            state.keys[layer][slots, pos] = k
+            state.values[layer][slots, pos] = v
+            length = singles.max_position + 1
+            keys, values = state.keys[layer][slots, :length], state.values[layer][slots, :length]
+            k_pos = torch.arange(length, device=pos.device)[None].expand(len(pos), -1)
+        out = self._attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)
+        return out[:, 0]
 
     def _attention(
         self, h: torch.Tensor, layer: int, batch: ForwardBatch, state: StatePool, lora: LoraSlots | None
@@ -151,16 +213,19 @@ class InklingModel:
         v = v.view(tokens, -1, head_dim)
         r = r.view(tokens, q.shape[1], -1)
         out = torch.empty_like(q)
-        row = 0
-        for seg in batch.segments:
+        singles, chunks = batch.split
+        if singles is not None:
+            rows = singles.rows
+            out[rows] = self._attend_singles(layer, q[rows], k[rows], v[rows], r[rows], singles, state)
+        for row, seg in chunks:
             rows = slice(row, row + seg.length)
             past_k, past_v, past_pos = state.history(layer, seg.seq_slot, seg.start)
             new_pos = torch.arange(seg.start, seg.start + seg.length, device=h.device)
-            keys = torch.cat([past_k, k[rows]])
-            values = torch.cat([past_v, v[rows]])
+            keys = torch.cat([past_k, k[rows]])[None]
+            values = torch.cat([past_v, v[rows]])[None]
             state.store(layer, seg.seq_slot, seg.start, k[rows], v[rows])
-            out[rows] = self._attend(layer, q[rows], keys, values, r[rows], new_pos, torch.cat([past_pos, new_pos]))
-            row += seg.length
+            k_pos = torch.cat([past_pos, new_pos])[None]
+            out[rows] = self._attend(layer, q[rows][None], keys, values, r[rows][None], new_pos[None], k_pos)[0]
         return self._linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
 
     # ---- MLPs --------------------------------------------------------------------------------

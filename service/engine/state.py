@@ -34,7 +34,7 @@ class StatePool:
         for sliding in self.sliding:
             kv_heads = config.swa_num_key_value_heads if sliding else config.num_key_value_heads
             head_dim = config.swa_head_dim if sliding else config.head_dim
-            length = min(self.window, max_context) if sliding else max_context
+            length = self.window if sliding else max_context
             shape = (max_seqs, length, kv_heads, head_dim)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))

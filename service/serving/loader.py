@@ -35,15 +35,14 @@ def loader_main(model_dir: str, dtype: str, device: str, inbox, worker_inbox) ->
             _, key, source, pinned = msg
             try:
                 adapter = load_adapter(source.fetch(scratch), config)
-                if adapter.base.config_sha256 != identity.config_sha256:
-                    raise ValueError(
-                        f"adapter {key!r} belongs to base {adapter.base.name!r}, not {identity.name!r} "
-                        "(its base config differs)"
-                    )
-                staged[key] = pack(adapter, getattr(torch, dtype), device)
             except Exception as exc:  # every failure goes back to the request that asked for the load
-                worker_inbox.put(("adapter_failed", key, f"{type(exc).__name__}: {exc}"))
+                worker_inbox.put(("adapter_failed", key, "adapter_load_failed", f"{type(exc).__name__}: {exc}"))
                 continue
+            if adapter.base.config_sha256 != identity.config_sha256:
+                why = f"adapter {key!r} was trained on {adapter.base.name!r}, whose config is not {identity.name!r}'s"
+                worker_inbox.put(("adapter_failed", key, "adapter_incompatible", why))
+                continue
+            staged[key] = pack(adapter, getattr(torch, dtype), device)
             worker_inbox.put(("adapter", key, staged[key], pinned))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -9,8 +9,6 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from inkwell.service.storage import ObjectStore
-
 
 class SourceError(RuntimeError):
     """An adapter's files could not be fetched intact."""
@@ -40,6 +38,8 @@ class S3Source:
     secret_key: str | None = None
 
     def fetch(self, scratch: Path) -> Path:
+        from inkwell.service.storage import ObjectStore  # boto3 only where S3 is used (not on a GPU box)
+
         store = ObjectStore(self.endpoint, self.bucket, self.region, self.access_key, self.secret_key)
         directory = scratch / hashlib.sha256(self.prefix.encode()).hexdigest()[:16]
         for path, sha256 in self.files:

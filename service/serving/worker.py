@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
@@ -31,8 +32,10 @@ from inkwell.service.engine import (
 )
 from inkwell.service.engine.engine import StepOutput
 from inkwell.service.serving.loader import loader_main
-from inkwell.service.serving.sources import AdapterSource
 from inkwell.service.serving.transfer import unpack
+
+if TYPE_CHECKING:  # sources import boto3, which a GPU worker that never reads S3 need not have
+    from inkwell.service.serving.sources import AdapterSource
 
 log = logging.getLogger("inkwell.serving")
 
@@ -143,7 +146,7 @@ class _WorkerLoop:
         elif kind == "adapter":
             self._register(*msg[1:])
         elif kind == "adapter_failed":
-            self.outbox.put(("loaded", msg[1], ("adapter_load_failed", msg[2])))
+            self.outbox.put(("loaded", msg[1], (msg[2], msg[3])))
         elif kind == "unload":
             try:
                 engine.remove_adapter(msg[1])
@@ -274,7 +277,7 @@ class WorkerHandle:
 
     # -- adapters --
 
-    async def load_adapter(self, key: str, source: AdapterSource, pinned: bool = False) -> None:
+    async def load_adapter(self, key: str, source: "AdapterSource", pinned: bool = False) -> None:
         """Have the loader fetch `source` and the worker register it as `key` (concurrent calls share one load)."""
         if key in self.adapters:
             return

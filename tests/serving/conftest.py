@@ -1,6 +1,7 @@
 """Adapters for the serving tests: five distinct ones on inkling-tiny, of different ranks and targets."""
 
 import pytest
+import torch
 
 from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.spec import LoraSpec
@@ -21,3 +22,13 @@ def tiny_adapters(tiny_model_dir):
     config = load_base_config(tiny_model_dir)
     identity = base_model_identity(tiny_model_dir)
     return [init_adapter(config, spec, identity, seed=i + 1, b_std=0.05) for i, spec in enumerate(SPECS)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's ops are too small to split: a second thread only spins, and on a busy box
+    it turns milliseconds into seconds. Restored afterwards for the other test areas."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
