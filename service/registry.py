@@ -166,8 +166,8 @@ def resolve(s: Session, tenant_id: str, name: str, ref: str | int | None = None)
 
 
 def cleanup_orphans(sm: sessionmaker[Session], store: ObjectStore, grace_seconds: float) -> int:
-    """Delete objects of versions that have no row and are older than the grace period
-    (crashed or lost publishes), and checkpoints of finished jobs. Returns objects removed."""
+    """Delete objects of versions and datasets that have no row and are older than the grace
+    period (crashed or lost writes), and checkpoints of finished jobs. Returns objects removed."""
     cutoff = utcnow() - timedelta(seconds=grace_seconds)
     groups: dict[tuple[str, str, int], list] = defaultdict(list)
     for obj in store.list_objects("adapters/"):
@@ -177,12 +177,14 @@ def cleanup_orphans(sm: sessionmaker[Session], store: ObjectStore, grace_seconds
     with sm() as s:
         published = repo.all_version_prefixes(s)
         finished_jobs = repo.finished_job_ids(s)
+        dataset_keys = repo.all_dataset_keys(s)
     doomed = [
         o.key
         for version, objs in groups.items()
         if version not in published and max(o.last_modified for o in objs) < cutoff
         for o in objs
     ]
+    doomed += [o.key for o in store.list_objects("datasets/") if o.key not in dataset_keys and o.last_modified < cutoff]
     for obj in store.list_objects("checkpoints/"):
         parts = obj.key.split("/")
         if len(parts) >= 3 and parts[2] in finished_jobs:

@@ -26,7 +26,11 @@ class Settings(BaseSettings):
     orphan_grace_seconds: float = Field(3600.0, ge=0, description="objects without a row older than this are removed")
     presign_seconds: int = Field(3600, ge=1)
     base_models: list[str] = Field(["inkling-tiny"], description="presets registered (and created) on first start")
-    train_device: str = "cpu"
+    train_device: str = Field("cpu", description="cpu | cuda")
+    train_dtype: str = Field("float32", description="float32 | bfloat16")
+    train_nproc: int = Field(1, ge=1, description="processes per job (torchrun when > 1)")
+    train_tp: int = Field(1, ge=1, description="tensor-parallel size")
+    train_ep: int = Field(1, ge=1, description="expert-parallel size")
     train_threads: int = Field(2, ge=1, description="torch threads a job worker trains with")
 
     @property

@@ -374,5 +374,9 @@ def touch(row: AdapterRow, when: datetime | None = None) -> None:
     row.updated_at = when or utcnow()
 
 
+def all_dataset_keys(s: Session) -> set[str]:
+    return set(s.scalars(select(DatasetRow.s3_key)))
+
+
 def finished_job_ids(s: Session) -> set[str]:
     return set(s.scalars(select(JobRow.id).where(JobRow.state.in_(("succeeded", "failed", "cancelled")))))

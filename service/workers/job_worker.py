@@ -249,6 +249,10 @@ class JobWorker:
             method=row.method,
             resume_from=resume_from,
             device=self.settings.train_device,
+            dtype=self.settings.train_dtype,
+            nproc=self.settings.train_nproc,
+            tp=self.settings.train_tp,
+            ep=self.settings.train_ep,
             adapter_name=row.adapter_name,
             **hp,
         )

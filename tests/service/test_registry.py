@@ -278,8 +278,15 @@ def test_crash_between_objects_and_row_leaves_nothing_visible_and_is_cleaned(ser
         assert c.get("/v1/adapters").json()["data"] == []
     cleanup_orphans(service.sm, service.store, grace_seconds=3600)
     assert len(service.store.list_objects(prefix)) == 4  # too young to be an orphan yet
+    with service.client(key) as c:  # a dataset whose row was never written, beside a real one
+        real = c.post("/v1/datasets", files={"file": ("d.jsonl", b'{"prompt": "a", "completion": "b"}\n')}).json()
+    stray = f"datasets/{tenant_id}/ds_{'0' * 24}.jsonl"
+    service.store.put_bytes(stray, b"{}\n")
     removed = cleanup_orphans(service.sm, service.store, grace_seconds=0)
-    assert removed >= 4 and service.store.list_objects(prefix) == []
+    assert removed >= 5 and service.store.list_objects(prefix) == []
+    assert [o.key for o in service.store.list_objects(f"datasets/{tenant_id}/")] == [
+        f"datasets/{tenant_id}/{real['id']}.jsonl"
+    ]
     assert publish(service.sm, service.store, pub).version == 1  # the number is free again
     cleanup_orphans(service.sm, service.store, grace_seconds=0)  # published objects stay
     assert len(service.store.list_objects(prefix)) == 4
