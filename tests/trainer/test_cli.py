@@ -1,0 +1,49 @@
+"""`inkwell train --config job.yaml` as a real subprocess: bad config exits 2 naming the field; a run exports."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from inkwell.trainer.dataset import bundled_dataset
+
+
+def inkwell(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "inkwell.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_bad_job_file_exits_2_naming_the_field(tmp_path, tiny_model_dir):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"base_model_dir": str(tiny_model_dir), "output_dir": str(tmp_path / "o")}))
+    result = inkwell("train", "--config", str(job))
+    assert result.returncode == 2
+    assert "dataset_path" in result.stdout
+
+
+def test_train_command_runs_a_job_and_exports_both_layouts(tmp_path, tiny_model_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(bundled_dataset("reverse").read_text().splitlines(keepends=True)[:16]))
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "base_model_dir": str(tiny_model_dir),
+                "dataset_path": str(data),
+                "output_dir": str(tmp_path / "out"),
+                "lora": {"rank": 2, "alpha": 4},
+                "max_steps": 2,
+                "batch_size": 2,
+                "seq_len": 64,
+                "checkpoint_every": 1,
+            }
+        )
+    )
+    result = inkwell("train", "--config", str(job))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step 1: checkpoint" in result.stdout
+    for layout in ("sglang", "peft"):
+        assert (tmp_path / "out" / "adapters" / layout / "adapter_model.safetensors").is_file()
+        assert f"adapter ({layout})" in result.stdout
