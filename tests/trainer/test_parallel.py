@@ -5,7 +5,7 @@ import torch
 
 from inkwell.adapters.io import load_adapter
 from inkwell.models import load_base_config
-from inkwell.trainer import TrainCallbacks, train
+from inkwell.trainer import TrainCallbacks, TrainingCancelled, train
 from inkwell.trainer.dataset import bundled_dataset
 
 
@@ -66,3 +66,31 @@ def test_two_process_layout_matches_single_process(reference, tiny_model_dir, la
     # one lr step (5e-3) either way, so factors agree to 2% of a step, not to float epsilon.
     for name in ref:
         torch.testing.assert_close(ours[name], ref[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_cancel_reaches_torchrun_workers(tmp_path, tiny_model_dir):
+    """should_stop() in the parent becomes a stop file; both ranks stop at the same step boundary."""
+
+    class StopAfterFirst(Losses):
+        def should_stop(self):
+            return bool(self.losses)
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(bundled_dataset("reverse").read_text().splitlines(keepends=True)[:40]))
+    recorder = StopAfterFirst()
+    job = {
+        "base_model_dir": str(tiny_model_dir),
+        "dataset_path": str(data),
+        "output_dir": str(tmp_path / "cancelled"),
+        "lora": {"rank": 2, "alpha": 4},
+        "max_steps": 200,
+        "batch_size": 2,
+        "seq_len": 64,
+        "ep": 2,
+        "nproc": 2,
+    }
+    with pytest.raises(TrainingCancelled) as info:
+        train(job, recorder)
+    assert 1 <= info.value.step < 200
+    assert len(recorder.losses) == info.value.step, "every step before the stop was relayed"
+    assert not (tmp_path / "cancelled" / "adapters").exists()
