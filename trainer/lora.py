@@ -53,8 +53,14 @@ def lora_param(shape: tuple[int, ...], name: str, tp_dim: int | None = None, ep_
     return mark(p, name, tp_dim=tp_dim, ep_dim=ep_dim)
 
 
-def lora_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    return F.dropout(x, p=p, training=training) if p > 0 else x
+def lora_dropout(x: torch.Tensor, p: float, training: bool, sharded: bool = False) -> torch.Tensor:
+    """Dropout on a LoRA input; a TP-sharded input draws from megatron's model-parallel RNG stream."""
+    if p <= 0 or not training:
+        return x
+    if not sharded:
+        return F.dropout(x, p=p)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        return F.dropout(x, p=p)
 
 
 def _noinit(_: torch.Tensor) -> None:
@@ -111,7 +117,7 @@ class ParallelLinear(nn.Module):
         if self.lora is None:
             return y
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        u = F.linear(lora_dropout(x, self.lora.dropout, self.training), a)
+        u = F.linear(lora_dropout(x, self.lora.dropout, self.training, sharded=self.parallel == "row"), a)
         if self.parallel == "column":
             u = tensor_parallel.copy_to_tensor_model_parallel_region(u, group=tp_group())
         else:

@@ -1,4 +1,4 @@
-"""TP=2 and EP=2 (two gloo processes under torchrun, launched by train()) equal TP=1 over 3 steps."""
+"""TP=2, EP=2 and DP=2 (two gloo processes under torchrun, launched by train()) equal TP=1 over 3 steps."""
 
 import pytest
 import torch
@@ -48,7 +48,9 @@ def reference(tmp_path_factory, tiny_model_dir):
     return tmp, run(tmp, tiny_model_dir, "tp1")
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "nproc": 2}, {"ep": 2, "nproc": 2}], ids=["tp2", "ep2"])
+@pytest.mark.parametrize(
+    "layout", [{"tp": 2, "nproc": 2}, {"ep": 2, "nproc": 2}, {"nproc": 2}], ids=["tp2", "ep2", "dp2"]
+)
 def test_two_process_layout_matches_single_process(reference, tiny_model_dir, layout):
     tmp, (ref_losses, ref_result) = reference
     losses, result = run(tmp, tiny_model_dir, "-".join(f"{k}{v}" for k, v in layout.items()), **layout)
