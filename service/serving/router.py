@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from inkwell.service.engine import SamplingParams
 from inkwell.service.serving.sources import AdapterSource
-from inkwell.service.serving.worker import RequestStream, WorkerHandle
+from inkwell.service.serving.worker import RequestStream, WorkerDiedError, WorkerHandle
 
 
 class QueueFullError(RuntimeError):
@@ -63,8 +63,13 @@ class ServingRouter:
         return worker.inflight + self._reserved.get(id(worker), 0)
 
     def pick(self, workers: list[WorkerHandle], key: str | None) -> WorkerHandle:
-        """Least loaded live worker holding `key`, else least loaded live worker; QueueFullError if all are full."""
-        open_ = [w for w in workers if w.alive and self._load(w) < self.max_inflight]
+        """Least loaded live worker holding `key`, else the least loaded live worker.
+
+        QueueFullError when every live worker is full; WorkerDiedError when none is alive."""
+        live = [w for w in workers if w.alive]
+        if not live:
+            raise WorkerDiedError(f"none of the {len(workers)} workers of this base model is running")
+        open_ = [w for w in live if self._load(w) < self.max_inflight]
         if not open_:
             raise QueueFullError(
                 f"all {len(workers)} workers have {self.max_inflight} requests in flight; retry shortly",

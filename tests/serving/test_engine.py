@@ -18,6 +18,7 @@ from inkwell.service.engine import (
     SamplingError,
     SamplingParams,
 )
+from inkwell.service.engine.text import TextTracker
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(10, 40))  # 30 tokens: greedy decoding to 62 crosses the window (24) and rel_extent (48)
@@ -183,3 +184,18 @@ def test_bad_requests_and_adapters_are_refused(engine, tiny_model_dir, tiny_adap
     with pytest.raises(AdapterIncompatibleError, match="max_lora_rank"):
         engine.add_adapter("big", too_big)
     assert not engine.has_work()
+
+
+def test_streamed_text_never_shows_what_a_stop_string_removes(engine):
+    """Fed one token at a time, the tracker holds back a possible stop prefix and partial UTF-8."""
+    tokenizer = engine.tokenizer
+    ids = tokenizer.encode("caf\u00e9 is wonderful", add_special_tokens=False)
+    tracker = TextTracker(tokenizer, ("wond",))
+    shown, stopped = "", False
+    for i in range(1, len(ids) + 1):
+        delta, stopped = tracker.update(ids[:i], final=False)
+        shown += delta
+        assert "\ufffd" not in shown and "won" not in shown
+        if stopped:
+            break
+    assert stopped and shown == "caf\u00e9 is "

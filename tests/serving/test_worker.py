@@ -134,6 +134,8 @@ def test_router_prefers_the_holder_then_the_least_loaded_and_bounds_in_flight(wo
             stream.cancel()
         await asyncio.sleep(0.2)
         assert all(w.inflight == 0 for w in workers)
+        await holder.unload_adapter(fresh.key)  # idle now, so it can go
+        assert fresh.key not in holder.adapters
 
     asyncio.run(go())
 
