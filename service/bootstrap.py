@@ -4,6 +4,7 @@ and make sure a tenant with a key exists for the embedded single-user default.""
 import logging
 from pathlib import Path
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from inkwell.models import PRESETS, base_model_identity, init_base_model, load_base_config
@@ -35,7 +36,10 @@ def ensure_preset_models(sm: sessionmaker[Session], presets: list[str], models_d
             init_base_model(preset, model_dir, seed=0, name=preset)
         with sm() as s:
             register_base_model(s, preset, model_dir)
-            s.commit()
+            try:
+                s.commit()
+            except IntegrityError:  # another API process registered it first
+                s.rollback()
 
 
 def ensure_local_key(sm: sessionmaker[Session]) -> str | None:

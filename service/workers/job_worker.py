@@ -7,6 +7,7 @@ resumes there. Cancel is read by the heartbeat and stops training at the next st
 """
 
 import logging
+import math
 import os
 import shutil
 import socket
@@ -36,6 +37,11 @@ from inkwell.trainer import (
 
 log = logging.getLogger("inkwell.worker")
 MAX_ATTEMPTS = 5
+
+
+def _finite(data: dict) -> dict:
+    """NaN/inf become None: JSON columns (PostgreSQL's above all) refuse them."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in data.items()}
 
 
 class LeaseLost(RuntimeError):
@@ -101,14 +107,15 @@ class _Callbacks(TrainCallbacks):
         self.job, self.stopping = job, stopping
 
     def on_event(self, event: TrainEvent) -> None:
-        progress = {"step": event.step, "max_steps": event.total_steps, "loss": event.loss}
-        progress["tokens_per_s"] = event.tokens_per_s
-        data = event.model_dump(mode="json")
+        progress = _finite(
+            {"step": event.step, "max_steps": event.total_steps, "loss": event.loss, "tokens_per_s": event.tokens_per_s}
+        )
+        data = _finite(event.model_dump(mode="json"))
         self.job.write(
             ("progress", f"step {event.step}/{event.total_steps} loss {event.loss:.4f}", data), progress=progress
         )
         if event.eval_loss is not None:
-            data = {"step": event.step, "eval_loss": event.eval_loss}
+            data = _finite({"step": event.step, "eval_loss": event.eval_loss})
             self.job.write(("eval", f"eval loss {event.eval_loss:.4f}", data))
 
     def on_checkpoint(self, step: int, path: Path) -> None:
@@ -261,16 +268,18 @@ class JobWorker:
         row = job.row
         with self.sm() as s:
             base = repo.get_base_model(s, row.base_model)
-        metrics = {
-            "steps": result.steps,
-            "tokens": result.tokens,
-            "first_loss": result.first_loss,
-            "final_loss": result.final_loss,
-            "initial_eval_loss": result.initial_eval_loss,
-            "final_eval_loss": result.final_eval_loss,
-            "seconds": result.seconds,
-            **result.metrics,
-        }
+        metrics = _finite(
+            {
+                "steps": result.steps,
+                "tokens": result.tokens,
+                "first_loss": result.first_loss,
+                "final_loss": result.final_loss,
+                "initial_eval_loss": result.initial_eval_loss,
+                "final_eval_loss": result.final_eval_loss,
+                "seconds": result.seconds,
+                **result.metrics,
+            }
+        )
         pub = Publication(
             tenant_id=row.tenant_id,
             name=row.adapter_name,
