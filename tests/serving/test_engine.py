@@ -199,3 +199,18 @@ def test_streamed_text_never_shows_what_a_stop_string_removes(engine):
         if stopped:
             break
     assert stopped and shown == "caf\u00e9 is "
+
+
+def test_queueing_and_a_five_token_budget_still_match_full_forward(tiny_model_dir):
+    """More requests than sequence slots, prefill chunked to 5 tokens per step shared with decodes,
+    one-token prompts: every chosen token's logprob equals transformers' over the whole sequence."""
+    eng = Engine(tiny_model_dir, EngineConfig(max_batch_tokens=5, max_seqs=3))
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = {"a": [1], "b": [1, *range(5, 15)], "c": [1, 2], "d": [1] + [9] * 6}
+    got = eng.run([Request(k, p, params) for k, p in prompts.items()])
+    model = load_base_model(tiny_model_dir)
+    for key, prompt in prompts.items():
+        choice = got[key][0]
+        ids = prompt + choice.token_ids
+        want = reference_prompt_logprobs(model, ids)[len(prompt) - 1 :]
+        assert (torch.tensor([s.logprob for s in choice.logprobs]) - want).abs().max().item() < 1e-4, key
