@@ -1,5 +1,6 @@
 """Serving-tier configuration from the environment (prefix INKWELL_SERVING_)."""
 
+import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -9,9 +10,8 @@ from inkwell.service.engine import EngineConfig
 class ServingSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INKWELL_SERVING_", extra="ignore")
 
-    workers_per_base: int = Field(1, ge=1, description="worker processes per base model (one per device)")
-    devices: list[str] = Field(["cpu"], description="device of worker i is devices[i % len(devices)]")
-    dtype: str = "float32"
+    devices: list[str] | None = Field(None, description="one worker per device; default: every GPU, else the CPU")
+    dtype: str = Field("auto", description="float32 | bfloat16 | auto (bfloat16 on GPUs, float32 on the CPU)")
     threads: int = Field(1, ge=1, description="torch threads per CPU worker")
     max_loras_per_batch: int = Field(4, ge=1)
     max_lora_rank: int = Field(64, ge=1)
@@ -22,7 +22,17 @@ class ServingSettings(BaseSettings):
     max_inflight_per_worker: int = Field(64, ge=1, description="beyond this on every worker: 429")
     start_timeout: float = Field(300.0, gt=0)
 
+    def worker_devices(self) -> list[str]:
+        if self.devices:
+            return list(self.devices)
+        if torch.cuda.is_available():
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        return ["cpu"]
+
     def engine_config(self, device: str) -> EngineConfig:
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
         return EngineConfig(
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,
@@ -30,6 +40,6 @@ class ServingSettings(BaseSettings):
             max_seqs=self.max_seqs,
             max_batch_tokens=self.max_batch_tokens,
             max_context=self.max_context,
-            dtype=self.dtype,
+            dtype=dtype,
             device=device,
         )

@@ -1,6 +1,7 @@
 """The serving tier as the service holds it: resolver, router and per-base tokenizers and limits."""
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -22,20 +23,22 @@ class ServingTier:
         self.router = ServingRouter(self._start_workers, self.settings.max_inflight_per_worker)
 
     def _start_workers(self, base: str) -> list[WorkerHandle]:
+        """One worker per device for `base`, started in parallel; all or none."""
         model_dir = self.resolver.base_dir(base)
-        handles = []
-        try:
-            for i in range(self.settings.workers_per_base):
-                device = self.settings.devices[i % len(self.settings.devices)]
-                config = WorkerConfig(
+        handles = [
+            WorkerHandle(
+                WorkerConfig(
                     model_dir=str(model_dir),
                     engine=self.settings.engine_config(device),
                     threads=self.settings.threads,
                     name=f"{base}-{i}",
                 )
-                handle = WorkerHandle(config)
-                handles.append(handle)
-                handle.start(self.settings.start_timeout)
+            )
+            for i, device in enumerate(self.settings.worker_devices())
+        ]
+        try:
+            with ThreadPoolExecutor(len(handles)) as pool:
+                list(pool.map(lambda h: h.start(self.settings.start_timeout), handles))
         except BaseException:
             for handle in handles:
                 handle.close()
