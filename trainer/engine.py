@@ -19,7 +19,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from inkwell.adapters.adapter import Adapter, init_adapter
-from inkwell.adapters.io import save_adapter
+from inkwell.adapters.io import LAYOUTS, save_adapter
 from inkwell.models import load_base_weights
 from inkwell.trainer import checkpoint as ckpt
 from inkwell.trainer.bridge import gather_state, is_lora, load_state
@@ -29,7 +29,6 @@ from inkwell.trainer.model import InklingGPT
 from inkwell.trainer.parallel import Layout, all_reduce_
 from inkwell.trainer.prepare import Prepared
 
-LAYOUTS = ("sglang", "peft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # eager is transformers' own arithmetic (the CPU reference); GPUs run the same math in fused SDPA kernels
 ATTENTION = {"cpu": "eager", "cuda": "sdpa"}
