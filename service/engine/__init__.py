@@ -9,10 +9,12 @@ from inkwell.service.engine.engine import (
     StepOutput,
     TokenLogprob,
 )
+from inkwell.service.engine.interface import ENGINES, ServingEngine, make_engine
 from inkwell.service.engine.lora import AdapterIncompatibleError, NoFreeSlotError
 from inkwell.service.engine.sampling import SamplingError, SamplingParams
 
 __all__ = [
+    "ENGINES",
     "AdapterIncompatibleError",
     "Choice",
     "Engine",
@@ -22,6 +24,8 @@ __all__ = [
     "Request",
     "SamplingError",
     "SamplingParams",
+    "ServingEngine",
     "StepOutput",
     "TokenLogprob",
+    "make_engine",
 ]

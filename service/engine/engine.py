@@ -51,7 +51,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    adapter: str | None = None  # key of an adapter added with `add_adapter`; None = base model
+    adapter: str | None = None  # key of an adapter added with `load_adapter`; None = base model
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Engine:
 
     # ---- adapters ----------------------------------------------------------------------------
 
-    def add_adapter(self, key: str, adapter: Adapter, pinned: bool = False) -> None:
+    def load_adapter(self, key: str, adapter: Adapter, pinned: bool = False) -> None:
         """Make `adapter` servable under `key` (a new key per version); pinned adapters keep their slot."""
         self.lora.check(adapter)
         if key in self.adapters:
@@ -157,9 +157,9 @@ class Engine:
                     f"{len(self.adapters)} adapters are loaded and all are pinned or in use "
                     "(raise max_loaded_adapters)",
                 )
-            self.remove_adapter(idle[0])
+            self.unload_adapter(idle[0])
 
-    def remove_adapter(self, key: str) -> None:
+    def unload_adapter(self, key: str) -> None:
         if key not in self.adapters:
             raise EngineError("adapter_not_loaded", f"adapter {key!r} is not loaded")
         if self._in_use(key):
@@ -341,7 +341,7 @@ class Engine:
 
     # ---- convenience -------------------------------------------------------------------------
 
-    def run(self, requests: list[Request]) -> dict[str, list["Choice"]]:
+    def generate(self, requests: list[Request]) -> dict[str, list["Choice"]]:
         """Add `requests`, step until all finish, and gather each request's choices (by index)."""
         for request in requests:
             self.add_request(request)

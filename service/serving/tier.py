@@ -32,6 +32,7 @@ class ServingTier:
                     engine=self.settings.engine_config(device),
                     threads=self.settings.threads,
                     name=f"{base}-{i}",
+                    engine_kind=self.settings.engine,
                 )
             )
             for i, device in enumerate(self.settings.worker_devices())

@@ -23,7 +23,6 @@ import torch.multiprocessing as mp
 
 from inkwell.service.engine import (
     AdapterIncompatibleError,
-    Engine,
     EngineConfig,
     EngineError,
     Request,
@@ -31,6 +30,7 @@ from inkwell.service.engine import (
     SamplingParams,
 )
 from inkwell.service.engine.engine import StepOutput
+from inkwell.service.engine.interface import make_engine
 from inkwell.service.serving.loader import loader_main
 from inkwell.service.serving.transfer import unpack
 
@@ -46,6 +46,7 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     threads: int = 1
     name: str = "worker"
+    engine_kind: str = "native"  # a key of inkwell.service.engine.interface.ENGINES
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class WorkerDiedError(RuntimeError):
 
 class _WorkerLoop:
     def __init__(self, config: WorkerConfig, inbox, outbox):
-        self.engine = Engine(config.model_dir, config.engine)
+        self.engine = make_engine(config.engine_kind, config.model_dir, config.engine)
         self.inbox, self.outbox = inbox, outbox
         ctx = mp.get_context("spawn")
         self.loader_inbox = ctx.Queue()
@@ -149,7 +150,7 @@ class _WorkerLoop:
             self.outbox.put(("loaded", msg[1], (msg[2], msg[3])))
         elif kind == "unload":
             try:
-                engine.remove_adapter(msg[1])
+                engine.unload_adapter(msg[1])
                 self.outbox.put(("unloaded", msg[1], None))
             except EngineError as exc:
                 self.outbox.put(("unloaded", msg[1], (exc.code, str(exc))))
@@ -159,7 +160,7 @@ class _WorkerLoop:
             packed.flat = packed.flat.clone()
         before = set(self.engine.adapters)
         try:
-            self.engine.add_adapter(key, unpack(packed), pinned=pinned)
+            self.engine.load_adapter(key, unpack(packed), pinned=pinned)
             error = None
         except AdapterIncompatibleError as exc:
             error = ("adapter_incompatible", str(exc))

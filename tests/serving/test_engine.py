@@ -28,7 +28,7 @@ PROMPT = list(range(10, 40))  # 30 tokens: greedy decoding to 62 crosses the win
 def engine(tiny_model_dir, tiny_adapters):
     eng = Engine(tiny_model_dir, EngineConfig(max_loras_per_batch=5, max_lora_rank=16, max_batch_tokens=40))
     for i, adapter in enumerate(tiny_adapters):
-        eng.add_adapter(f"a{i}", adapter)
+        eng.load_adapter(f"a{i}", adapter)
     return eng
 
 
@@ -56,17 +56,19 @@ def reference_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_greedy_with_adapter_equals_transformers_merged_and_is_batch_invariant(engine, tiny_model_dir, tiny_adapters):
-    alone = engine.run([Request("x", PROMPT, GREEDY, "a0")])["x"][0]
+    alone = engine.generate([Request("x", PROMPT, GREEDY, "a0")])["x"][0]
     assert len(alone.token_ids) == 32 and alone.finish_reason == "length"
     assert alone.token_ids == reference_greedy(merged_model(tiny_model_dir, tiny_adapters[0]), PROMPT, 32)
 
     others = [Request(f"o{i}", list(range(20 + i, 45 + 4 * i)), GREEDY, f"a{i}") for i in range(1, 5)]
-    mixed = engine.run([*others[:2], Request("x", PROMPT, GREEDY, "a0"), *others[2:], Request("b", PROMPT, GREEDY)])
+    mixed = engine.generate(
+        [*others[:2], Request("x", PROMPT, GREEDY, "a0"), *others[2:], Request("b", PROMPT, GREEDY)]
+    )
     assert mixed["x"][0].token_ids == alone.token_ids
     # The base request in the same batch is the plain model; the adapters really changed the output.
     assert mixed["b"][0].token_ids == reference_greedy(load_base_model(tiny_model_dir), PROMPT, 32)
     assert mixed["b"][0].token_ids != alone.token_ids
-    assert mixed["o4"][0].token_ids == engine.run([others[3]])["o4"][0].token_ids
+    assert mixed["o4"][0].token_ids == engine.generate([others[3]])["o4"][0].token_ids
 
 
 @pytest.mark.parametrize("adapter_index", [None, 0])
@@ -75,7 +77,7 @@ def test_prompt_logprobs_match_transformers(engine, tiny_model_dir, tiny_adapter
     ids = [1] + [7 + (i * 37) % 250 for i in range(109)]  # 110 tokens, prefilled in 40-token chunks
     key = None if adapter_index is None else f"a{adapter_index}"
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
-    got = engine.run([Request("p", ids, params, key)])["p"][0].prompt_logprobs
+    got = engine.generate([Request("p", ids, params, key)])["p"][0].prompt_logprobs
     model = load_base_model(tiny_model_dir) if key is None else merged_model(tiny_model_dir, tiny_adapters[0])
     assert got[0] is None and len(got) == len(ids)
     diff = (torch.tensor(got[1:]) - reference_prompt_logprobs(model, ids)).abs().max().item()
@@ -86,7 +88,9 @@ def test_decode_across_window_edge_matches_full_forward(tiny_model_dir):
     """Decoding one token at a time from a 20-token prompt to 64 tokens: ring cache and conv state."""
     eng = Engine(tiny_model_dir, EngineConfig(max_batch_tokens=8))
     prompt = [1] + list(range(50, 69))
-    out = eng.run([Request("d", prompt, SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True, logprobs=0))])
+    out = eng.generate(
+        [Request("d", prompt, SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True, logprobs=0))]
+    )
     choice = out["d"][0]
     ids = prompt + choice.token_ids
     ref = reference_prompt_logprobs(load_base_model(tiny_model_dir), ids)[len(prompt) - 1 :]
@@ -96,17 +100,19 @@ def test_decode_across_window_edge_matches_full_forward(tiny_model_dir):
 
 def test_seeded_sampling_is_reproducible_in_any_batch(engine):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
-    alone = engine.run([Request("s", PROMPT, params, "a1")])["s"][0].token_ids
-    batch = engine.run([Request("t", PROMPT[:9], GREEDY, "a2"), Request("s", PROMPT, params, "a1")])
+    alone = engine.generate([Request("s", PROMPT, params, "a1")])["s"][0].token_ids
+    batch = engine.generate([Request("t", PROMPT[:9], GREEDY, "a2"), Request("s", PROMPT, params, "a1")])
     assert batch["s"][0].token_ids == alone
     other_seed = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=43, ignore_eos=True)
-    assert engine.run([Request("s", PROMPT, other_seed, "a1")])["s"][0].token_ids != alone
+    assert engine.generate([Request("s", PROMPT, other_seed, "a1")])["s"][0].token_ids != alone
 
 
 def test_n_choices_logprobs_and_tiny_top_p(engine):
     params = SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, n=3, seed=1, logprobs=3, ignore_eos=True)
-    choices = engine.run([Request("n", PROMPT, params, "a3")])["n"]
-    greedy = engine.run([Request("g", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), "a3")])
+    choices = engine.generate([Request("n", PROMPT, params, "a3")])["n"]
+    greedy = engine.generate(
+        [Request("g", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), "a3")]
+    )
     assert [c.token_ids for c in choices] == [greedy["g"][0].token_ids] * 3  # top_p -> only the argmax survives
     for step in choices[0].logprobs:
         assert len(step.top) == 3 and step.top[0][0] == step.token_id
@@ -114,50 +120,54 @@ def test_n_choices_logprobs_and_tiny_top_p(engine):
 
 
 def test_stop_string_cuts_text_and_stop_token_ends(engine):
-    full = engine.run([Request("f", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])["f"][0]
+    full = engine.generate([Request("f", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])[
+        "f"
+    ][0]
     assert len(full.text) >= 6
     stop = full.text[3:5]
-    cut = engine.run([Request("c", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop=(stop,)))])["c"][0]
+    cut = engine.generate([Request("c", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop=(stop,)))])["c"][0]
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
     first = full.token_ids[2]
-    by_id = engine.run([Request("i", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(first,)))])
+    by_id = engine.generate(
+        [Request("i", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(first,)))]
+    )
     assert by_id["i"][0].token_ids == full.token_ids[:3] and by_id["i"][0].finish_reason == "stop"
 
 
 def test_slots_evict_least_recently_used_and_pins_stay(tiny_model_dir, tiny_adapters):
     short_greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eng = Engine(tiny_model_dir, EngineConfig(max_loras_per_batch=2, max_lora_rank=16))
-    eng.add_adapter("pinned", tiny_adapters[3], pinned=True)
-    eng.add_adapter("b", tiny_adapters[1])
-    eng.add_adapter("c", tiny_adapters[2])
+    eng.load_adapter("pinned", tiny_adapters[3], pinned=True)
+    eng.load_adapter("b", tiny_adapters[1])
+    eng.load_adapter("c", tiny_adapters[2])
     short = SamplingParams(max_tokens=2, temperature=0.0)
-    eng.run([Request("1", PROMPT, short, "b")])
+    eng.generate([Request("1", PROMPT, short, "b")])
     assert set(eng.lora.resident()) == {"pinned", "b"}
-    eng.run([Request("2", PROMPT, short, "c")])
+    eng.generate([Request("2", PROMPT, short, "c")])
     assert set(eng.lora.resident()) == {"pinned", "c"}
     # Three adapters wanted at once with two slots: the third waits for a slot and still gets its own output.
     reqs = [Request(k, PROMPT, short_greedy, k) for k in ("b", "c")] + [Request("p", PROMPT, short_greedy, "pinned")]
-    got = eng.run(reqs)
+    got = eng.generate(reqs)
     alone = Engine(tiny_model_dir, EngineConfig(max_lora_rank=16))
-    alone.add_adapter("b", tiny_adapters[1])
-    assert got["b"][0].token_ids == alone.run([Request("b", PROMPT, short_greedy, "b")])["b"][0].token_ids
+    alone.load_adapter("b", tiny_adapters[1])
+    assert got["b"][0].token_ids == alone.generate([Request("b", PROMPT, short_greedy, "b")])["b"][0].token_ids
 
 
 def test_new_version_is_a_new_key_and_running_requests_keep_theirs(engine, tiny_model_dir, tiny_adapters):
     config = load_base_config(tiny_model_dir)
     v2 = init_adapter(config, LoraSpec(rank=8), base_model_identity(tiny_model_dir), seed=99, b_std=0.05)
     short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    old = engine.run([Request("v1", PROMPT, short, "a1")])["v1"][0].token_ids
+    old = engine.generate([Request("v1", PROMPT, short, "a1")])["v1"][0].token_ids
     engine.add_request(Request("v1-running", PROMPT, short, "a1"))
     outputs = engine.step()
-    engine.add_adapter("a1@2", v2)
+    engine.load_adapter("a1@2", v2)
     engine.add_request(Request("v2", PROMPT, short, "a1@2"))
     while engine.has_work():
         outputs += engine.step()
     tokens = {rid: [t for o in outputs if o.request_id == rid for t in o.token_ids] for rid in ("v1-running", "v2")}
     assert tokens["v1-running"] == old
     assert len(tokens["v2"]) == 12 and tokens["v2"] != old
-    engine.remove_adapter("a1@2")
+    engine.unload_adapter("a1@2")
 
 
 def test_bad_requests_and_adapters_are_refused(engine, tiny_model_dir, tiny_adapters):
@@ -179,10 +189,10 @@ def test_bad_requests_and_adapters_are_refused(engine, tiny_model_dir, tiny_adap
     config = load_base_config(tiny_model_dir)
     other_base = init_adapter(config, LoraSpec(rank=4), BaseModelIdentity("other", "0" * 64), seed=1)
     with pytest.raises(AdapterIncompatibleError, match="other"):
-        engine.add_adapter("o", other_base)
+        engine.load_adapter("o", other_base)
     too_big = init_adapter(config, LoraSpec(rank=32), base_model_identity(tiny_model_dir), seed=1)
     with pytest.raises(AdapterIncompatibleError, match="max_lora_rank"):
-        engine.add_adapter("big", too_big)
+        engine.load_adapter("big", too_big)
     assert not engine.has_work()
 
 
@@ -207,7 +217,7 @@ def test_queueing_and_a_five_token_budget_still_match_full_forward(tiny_model_di
     eng = Engine(tiny_model_dir, EngineConfig(max_batch_tokens=5, max_seqs=3))
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = {"a": [1], "b": [1, *range(5, 15)], "c": [1, 2], "d": [1] + [9] * 6}
-    got = eng.run([Request(k, p, params) for k, p in prompts.items()])
+    got = eng.generate([Request(k, p, params) for k, p in prompts.items()])
     model = load_base_model(tiny_model_dir)
     for key, prompt in prompts.items():
         choice = got[key][0]

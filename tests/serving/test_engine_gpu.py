@@ -29,18 +29,18 @@ def exact_fp32():
 def cuda_engine(model_dir, adapters, dtype: str) -> Engine:
     engine = Engine(model_dir, EngineConfig(max_loras_per_batch=6, max_lora_rank=16, dtype=dtype, device="cuda"))
     for i, adapter in enumerate(adapters):
-        engine.add_adapter(f"a{i}", adapter)
+        engine.load_adapter(f"a{i}", adapter)
     return engine
 
 
 def test_fp32_on_cuda_matches_transformers_on_cpu(tiny_model_dir, tiny_adapters):
     engine = cuda_engine(tiny_model_dir, tiny_adapters, "float32")
     model = merged_model(tiny_model_dir, tiny_adapters[0])
-    got = engine.run([Request("x", PROMPT, GREEDY, "a0")])["x"][0].token_ids
+    got = engine.generate([Request("x", PROMPT, GREEDY, "a0")])["x"][0].token_ids
     assert got == reference_greedy(model, PROMPT, 32)
     ids = PROMPT + got
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
-    lp = engine.run([Request("p", ids, params, "a0")])["p"][0].prompt_logprobs
+    lp = engine.generate([Request("p", ids, params, "a0")])["p"][0].prompt_logprobs
     assert (torch.tensor(lp[1:]) - reference_prompt_logprobs(model, ids)).abs().max().item() < 1e-4
 
 
@@ -50,7 +50,7 @@ def test_bf16_mixed_batch_stays_close_to_fp32(tiny_model_dir, tiny_adapters):
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
     reqs = [Request(f"r{i}", PROMPT[: 20 + 2 * i], params, f"a{i}") for i in range(5)]
     reqs.append(Request("base", PROMPT, params))
-    exact, low = fp32.run(reqs), bf16.run(reqs)
+    exact, low = fp32.generate(reqs), bf16.generate(reqs)
     for r in reqs:
         a = torch.tensor(exact[r.request_id][0].prompt_logprobs[1:])
         b = torch.tensor(low[r.request_id][0].prompt_logprobs[1:])
@@ -74,4 +74,4 @@ def test_cuda_worker_takes_adapters_through_cuda_ipc(tiny_model_dir, tiny_adapte
     finally:
         worker.close()
     engine = cuda_engine(tiny_model_dir, tiny_adapters, "float32")
-    assert got == engine.run([Request("x", PROMPT, GREEDY, "a1")])["x"][0].token_ids
+    assert got == engine.generate([Request("x", PROMPT, GREEDY, "a1")])["x"][0].token_ids

@@ -105,12 +105,12 @@ def served(tmp_path_factory, tiny_adapters):
 def reference(served, tiny_adapters):
     engine = Engine(served.model_dir, EngineConfig(max_lora_rank=16))
     for i, adapter in enumerate(tiny_adapters):
-        engine.add_adapter(f"a{i}", adapter)
+        engine.load_adapter(f"a{i}", adapter)
     tokenizer = engine.tokenizer
 
     def text(adapter: str | None, prompt_ids: list[int], max_tokens: int) -> str:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        return engine.run([Request("r", prompt_ids, params, adapter)])["r"][0].text
+        return engine.generate([Request("r", prompt_ids, params, adapter)])["r"][0].text
 
     text.tokenizer = tokenizer
     return text

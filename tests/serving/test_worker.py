@@ -46,10 +46,10 @@ def workers(tiny_model_dir):
 def reference(tiny_model_dir, tiny_adapters):
     engine = Engine(tiny_model_dir, ENGINE)
     for i, adapter in enumerate(tiny_adapters):
-        engine.add_adapter(f"a{i}", adapter)
+        engine.load_adapter(f"a{i}", adapter)
 
     def tokens(adapter: str | None, params: SamplingParams = GREEDY, prompt=PROMPT) -> list[int]:
-        return engine.run([Request("r", prompt, params, adapter)])["r"][0].token_ids
+        return engine.generate([Request("r", prompt, params, adapter)])["r"][0].token_ids
 
     return tokens
 
