@@ -88,9 +88,9 @@ def test_dataset_job_worker_publish_download_alias_delete(service, tenant, tmp_p
     finally:
         stop_worker(worker)
     states = [e["state"] for e in events if e["type"] == "state"]
-    assert states == ["queued", "running", "succeeded"]
+    assert states == ["queued", "running", "succeeded"], events
     progress = [e["data"]["step"] for e in events if e["type"] == "progress"]
-    assert progress == [1, 2, 3, 4]
+    assert progress == [1, 2, 3, 4], events
     assert [e["data"]["step"] for e in events if e["type"] == "checkpoint"] == [2]
     assert [e["data"]["version"] for e in events if e["type"] == "published"] == [1]
     assert done["adapter_version"] == 1 and done["progress"]["step"] == 4 and done["attempts"] == 1
