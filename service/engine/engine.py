@@ -33,6 +33,20 @@ class EngineError(ValueError):
         self.param = param
 
 
+def context_error(prompt_len: int, max_tokens: int | None, max_context: int) -> EngineError | None:
+    """Why a prompt and max_tokens do not fit the context (None: they fit; max_tokens None takes the rest)."""
+    needed = prompt_len + (1 if max_tokens is None else max_tokens)
+    if needed <= max_context and prompt_len <= max_context:
+        return None
+    prompt_alone = prompt_len + (0 if max_tokens == 0 else 1) > max_context
+    return EngineError(
+        "context_length_exceeded",
+        f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}; together they must fit the "
+        f"model's context of {max_context} tokens (shorten the prompt or lower max_tokens)",
+        "prompt" if prompt_alone else "max_tokens",
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_loras_per_batch: int = 4
@@ -73,7 +87,8 @@ class StepOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs: list[float | None] | None = None  # first output only; [0] is None (no context)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # with SamplingParams.logprobs = k
 
 
 @dataclass
@@ -87,6 +102,7 @@ class _Sequence:
     seq_slot: int = -1
     lora_slot: int = -1
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=lambda: [[]])
     pending: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     text_delta: str = ""
@@ -182,15 +198,9 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise EngineError("invalid_token", f"prompt token ids must be in [0, {vocab})", "prompt")
-        prompt_len = len(request.prompt_ids)
-        room = self.max_context - prompt_len
-        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-            raise EngineError(
-                "context_length_exceeded",
-                f"the prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}; together they "
-                f"must fit the model's context of {self.max_context} tokens (shorten the prompt or lower max_tokens)",
-                "max_tokens" if room >= 1 else "prompt",
-            )
+        error = context_error(len(request.prompt_ids), params.max_tokens, self.max_context)
+        if error is not None:
+            raise error
         if params.n > self.config.max_seqs:
             raise EngineError("invalid_n", f"n must be at most {self.config.max_seqs} on this engine", "n")
         for index in range(params.n):
@@ -288,6 +298,10 @@ class Engine:
                 self._record_prompt_logprobs(seq, logits, [row_of[r] for r in range(first, first + length)], start)
             if seq.computed < len(seq.tokens):
                 continue
+            if seq.request.params.max_tokens == 0:  # scoring the prompt only
+                self._finish(seq)
+                outputs.append(self._output(seq, "length"))
+                continue
             out = self._advance(seq, logits[row_of[first + length - 1]])
             if out is not None:
                 outputs.append(out)
@@ -295,10 +309,13 @@ class Engine:
 
     def _record_prompt_logprobs(self, seq: _Sequence, logits: torch.Tensor, rows: list[int], start: int) -> None:
         log_probs = torch.log_softmax(logits[rows], dim=-1)
+        top = seq.request.params.logprobs
         for i in range(len(rows)):
             target = start + i + 1
             if target < seq.num_prompt:
-                seq.prompt_logprobs.append(float(log_probs[i, seq.tokens[target]]))
+                chosen, best = token_logprobs(log_probs[i], seq.tokens[target], top)
+                seq.prompt_logprobs.append(chosen)
+                seq.prompt_top_logprobs.append(best)
 
     def _advance(self, seq: _Sequence, logits: torch.Tensor) -> StepOutput | None:
         params = seq.request.params
@@ -335,6 +352,7 @@ class Engine:
             prompt_tokens=seq.num_prompt,
             completion_tokens=len(seq.generated),
             prompt_logprobs=seq.prompt_logprobs,
+            prompt_top_logprobs=seq.prompt_top_logprobs if seq.prompt_logprobs is not None else None,
         )
         seq.pending, seq.pending_logprobs, seq.prompt_logprobs = [], [], None
         return out
@@ -363,6 +381,7 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def extend(self, out: StepOutput) -> None:
         self.token_ids += out.token_ids
@@ -371,4 +390,4 @@ class Choice:
         self.finish_reason = out.finish_reason or self.finish_reason
         self.prompt_tokens = out.prompt_tokens
         if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs

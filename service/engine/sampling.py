@@ -34,8 +34,11 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise SamplingError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs else 1):
+            raise SamplingError(
+                "max_tokens",
+                f"max_tokens must be at least 1, got {self.max_tokens} (0 only scores the prompt: echo with logprobs)",
+            )
         if not 0.0 <= self.temperature <= 2.0:
             raise SamplingError("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -12,6 +12,7 @@ serving tier on `app.state.serving` (workers start on the first request for a ba
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
 from inkwell.service.engine import EngineError, SamplingError, SamplingParams
+from inkwell.service.engine.engine import context_error
 from inkwell.service.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +33,8 @@ from inkwell.service.serving.protocol import (
     completion_logprobs,
     envelope,
     error_body,
+    join_logprobs,
+    step_logprobs,
     usage,
 )
 from inkwell.service.serving.resolve import ModelMismatchError, ModelNotFoundError, RegistryResolver, ResolvedModel
@@ -102,16 +106,10 @@ def _check(params: SamplingParams, prompts: list[list[int]], max_context: int, p
         params.validate()
     except SamplingError as exc:
         raise OpenAIError(400, "invalid_parameter", str(exc), exc.param) from exc
-    longest = max(len(p) for p in prompts)
-    room = max_context - longest
-    if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-        raise OpenAIError(
-            400,
-            "context_length_exceeded",
-            f"the prompt has {longest} tokens and max_tokens is {params.max_tokens}; the model's context is "
-            f"{max_context} tokens (shorten the prompt or lower max_tokens)",
-            prompt_param if room < 1 else "max_tokens",
-        )
+    error = context_error(max(len(p) for p in prompts), params.max_tokens, max_context)
+    if error is not None:
+        param = prompt_param if error.param == "prompt" else error.param
+        raise OpenAIError(400, error.code, str(error), param)
     return params
 
 
@@ -147,6 +145,8 @@ async def _collect(streams: list[RequestStream], n: int) -> dict[int, dict]:
         for p, stream in enumerate(streams):
             async for out in stream:
                 c = choices.setdefault(p * n + out.index, {"text": "", "steps": [], "finish": None, "tokens": 0})
+                if out.prompt_logprobs is not None:
+                    c["prompt"] = (out.prompt_logprobs, out.prompt_top_logprobs)
                 c["text"] += out.text
                 c["steps"] += out.logprobs
                 c["finish"] = out.finish_reason or c["finish"]
@@ -202,41 +202,52 @@ async def completions(request: Request, tenant: str = Depends(tenant_id)):
 
 async def _completions(request: Request, tenant: str):
     body = await _parse(request, CompletionRequest)
-    if body.echo:
-        raise OpenAIError(400, "unsupported_parameter", "echo is not supported", "echo")
     tier, resolved = await _resolve(request, tenant, body.model)
     tokenizer = tier.tokenizer(resolved.model_dir)
     vocab = len(tokenizer)
-    prompts = []
+    prompts, texts = [], []
     for prompt in body.prompts():
         if isinstance(prompt, str):
             prompts.append(encode_prompt_completion(tokenizer, prompt)[0])
+            texts.append(prompt)
         elif all(0 <= t < vocab for t in prompt):
             prompts.append(list(prompt))
+            texts.append(tokenizer.decode(prompt, skip_special_tokens=True))
         else:
             raise OpenAIError(400, "invalid_parameter", f"prompt token ids must be in [0, {vocab})", "prompt")
     if not prompts:
         raise OpenAIError(400, "invalid_parameter", "prompt is empty", "prompt")
-    params = _check(
-        body.sampling(body.max_tokens, body.logprobs), prompts, tier.max_context(resolved.model_dir), "prompt"
-    )
+    params = body.sampling(body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:  # score the prompt too (max_tokens 0: only the prompt)
+        params = dataclasses.replace(params, prompt_logprobs=True)
+    params = _check(params, prompts, tier.max_context(resolved.model_dir), "prompt")
     streams = await _start(tier, resolved, prompts, params)
     rid, created, n = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.n
     prompt_tokens = sum(len(p) for p in prompts)
-    offsets: dict[int, int] = {}
 
-    def logprobs_of(index: int, out) -> dict | None:
-        if body.logprobs is None:
-            return None
-        result = completion_logprobs(tokenizer, out.logprobs, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in result["tokens"])
-        return result
+    def echoed(index: int, prompt_lps) -> tuple[str, dict | None]:
+        """The prompt's text and, with logprobs, its logprobs object (first token: no context, null)."""
+        if not body.echo:
+            return "", None
+        lps = None
+        if body.logprobs is not None and prompt_lps is not None:
+            chosen, tops = prompt_lps
+            lps = completion_logprobs(tokenizer, prompts[index // n], chosen, [None, *tops[1:]], 0)
+        return texts[index // n], lps
 
     if body.stream:
+        offsets: dict[int, int] = {}
 
         def chunk(index: int, out) -> dict:
-            choice = {"index": index, "text": out.text, "logprobs": logprobs_of(index, out)}
-            choice["finish_reason"] = out.finish_reason
+            text, lps = "", None
+            if index not in offsets:
+                text, lps = echoed(index, (out.prompt_logprobs, out.prompt_top_logprobs))
+                offsets[index] = len(text)
+            if body.logprobs is not None:
+                mine = step_logprobs(tokenizer, out.logprobs, offsets[index])
+                lps = mine if lps is None else join_logprobs(lps, mine)
+            offsets[index] += len(out.text)
+            choice = {"index": index, "text": text + out.text, "logprobs": lps, "finish_reason": out.finish_reason}
             return envelope("text_completion", rid, body.model, [choice], created)
 
         head = envelope("text_completion", rid, body.model, [], created) if body.include_usage else None
@@ -245,8 +256,11 @@ async def _completions(request: Request, tenant: str):
     data = []
     for index in sorted(choices):
         c = choices[index]
-        lp = completion_logprobs(tokenizer, c["steps"], 0) if body.logprobs is not None else None
-        data.append({"index": index, "text": c["text"], "logprobs": lp, "finish_reason": c["finish"]})
+        text, lps = echoed(index, c.get("prompt"))
+        if body.logprobs is not None:
+            mine = step_logprobs(tokenizer, c["steps"], len(text))
+            lps = mine if lps is None else join_logprobs(lps, mine)
+        data.append({"index": index, "text": text + c["text"], "logprobs": lps, "finish_reason": c["finish"]})
     result = envelope("text_completion", rid, body.model, data, created)
     result["usage"] = usage(prompt_tokens, sum(c["tokens"] for c in choices.values()))
     return JSONResponse(result)

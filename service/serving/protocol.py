@@ -87,19 +87,31 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, steps: list[TokenLogprob], offset: int) -> dict:
-    """The legacy completions `logprobs` object for these tokens; text offsets start at `offset`."""
-    tokens = [token_text(tokenizer, s.token_id) for s in steps]
-    offsets = []
-    for tok in tokens:
+def completion_logprobs(
+    tokenizer, ids: list[int], logprobs: list, tops: list[list[tuple[int, float]] | None], offset: int
+) -> dict:
+    """The completions `logprobs` object for these tokens; their text starts at character `offset`."""
+    tokens, offsets = [], []
+    for token_id in ids:
         offsets.append(offset)
-        offset += len(tok)
+        tokens.append(token_text(tokenizer, token_id))
+        offset += len(tokenizer.decode([token_id], skip_special_tokens=True))
     return {
         "tokens": tokens,
-        "token_logprobs": [s.logprob for s in steps],
-        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in s.top} for s in steps],
+        "token_logprobs": list(logprobs),
+        "top_logprobs": [None if top is None else {token_text(tokenizer, t): lp for t, lp in top} for top in tops],
         "text_offset": offsets,
     }
+
+
+def step_logprobs(tokenizer, steps: list[TokenLogprob], offset: int) -> dict:
+    return completion_logprobs(
+        tokenizer, [s.token_id for s in steps], [s.logprob for s in steps], [s.top for s in steps], offset
+    )
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:

@@ -76,8 +76,11 @@ def test_prompt_logprobs_match_transformers(engine, tiny_model_dir, tiny_adapter
     """Past the sliding window (24) and the relative extent (48), with and without an adapter."""
     ids = [1] + [7 + (i * 37) % 250 for i in range(109)]  # 110 tokens, prefilled in 40-token chunks
     key = None if adapter_index is None else f"a{adapter_index}"
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
-    got = engine.generate([Request("p", ids, params, key)])["p"][0].prompt_logprobs
+    params = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=True, logprobs=2)  # score only
+    choice = engine.generate([Request("p", ids, params, key)])["p"][0]
+    got = choice.prompt_logprobs
+    assert choice.token_ids == [] and choice.finish_reason == "length"
+    assert choice.prompt_top_logprobs[0] == [] and all(len(t) == 2 for t in choice.prompt_top_logprobs[1:])
     model = load_base_model(tiny_model_dir) if key is None else merged_model(tiny_model_dir, tiny_adapters[0])
     assert got[0] is None and len(got) == len(ids)
     diff = (torch.tensor(got[1:]) - reference_prompt_logprobs(model, ids)).abs().max().item()

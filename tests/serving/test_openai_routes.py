@@ -113,6 +113,7 @@ def reference(served, tiny_adapters):
         return engine.generate([Request("r", prompt_ids, params, adapter)])["r"][0].text
 
     text.tokenizer = tokenizer
+    text.engine = engine
     return text
 
 
@@ -174,6 +175,26 @@ def test_chat_versions_aliases_n_and_logprobs(served, reference):
     lp = completion.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == completion.usage.completion_tokens
     assert all(len(top) <= 3 for top in lp.top_logprobs)
+
+
+def test_echo_scores_the_prompt(served, reference):
+    """echo + logprobs + max_tokens 0, as evaluation harnesses ask: the prompt's own logprobs."""
+    client = served.client()
+    resp = client.completions.create(
+        model="inkling-tiny:alpha", prompt="The cat sat", max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = resp.choices[0]
+    prompt_ids = encode_prompt_completion(reference.tokenizer, "The cat sat")[0]
+    assert choice.text == "The cat sat" and resp.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(prompt_ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    params = SamplingParams(max_tokens=0, prompt_logprobs=True)
+    want = reference.engine.generate([Request("e", prompt_ids, params, "a0")])["e"][0].prompt_logprobs
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-5)
+    assert lp.text_offset[-1] == len("The cat sa")
+    more = client.completions.create(model="inkling-tiny:alpha", prompt="The cat sat", max_tokens=4, echo=True)
+    assert more.choices[0].text.startswith("The cat sat")
 
 
 def test_seeded_sampling_is_repeatable(served):
