@@ -51,16 +51,16 @@ def test_sft_on_bundled_data_learns(tmp_path, tiny_model_dir):
             "output_dir": str(tmp_path / "run"),
             "lora": {"rank": 16, "alpha": 32, "targets": ["attn", "mlp", "experts", "shared_experts", "lm_head"]},
             "learning_rate": 5e-3,
-            "max_steps": 24,
+            "max_steps": 16,
             "batch_size": 8,
             "seq_len": 128,
-            "warmup_steps": 4,
-            "eval_every": 12,
+            "warmup_steps": 3,
+            "eval_every": 8,
         },
         recorder,
     )
-    assert [e.step for e in recorder.events] == list(range(1, 25))
-    assert recorder.events[11].eval_loss is not None and recorder.events[0].eval_loss is None
+    assert [e.step for e in recorder.events] == list(range(1, 17))
+    assert recorder.events[7].eval_loss is not None and recorder.events[0].eval_loss is None
     assert result.final_loss < 0.6 * result.first_loss, (result.first_loss, result.final_loss)
     assert result.final_eval_loss < 0.7 * result.initial_eval_loss, (result.initial_eval_loss, result.final_eval_loss)
     assert result.tokens > 0 and all(e.tokens_per_s > 0 for e in recorder.events)
