@@ -46,7 +46,11 @@ class ServingRouter:
         self._reserved: dict[int, int] = {}
 
     async def workers_for(self, base: str) -> list[WorkerHandle]:
-        """The workers of `base`, started (once, off the event loop) by the first request that needs them."""
+        """The workers of `base`, started (once, off the event loop) by the first request that needs them,
+        and started afresh when every one of them has died."""
+        if base in self.workers and not any(w.alive for w in self.workers[base]):
+            for worker in self.workers.pop(base):
+                worker.close()
         if base not in self.workers:
             task = self._starting.get(base)
             if task is None:

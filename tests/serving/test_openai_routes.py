@@ -277,3 +277,31 @@ def test_full_workers_answer_429_with_retry_after(served):
             assert time.monotonic() < deadline, "closed streams never freed the worker"
             time.sleep(0.2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_dead_worker_fails_its_requests_with_503_and_is_restarted(served):
+    client = served.client()
+    client.completions.create(model="inkling-tiny", prompt="x", max_tokens=1)  # the worker is up
+    router = served.app.state.serving.router
+    (worker,) = router.workers["inkling-tiny"]
+    errors: list[Exception] = []
+
+    def long_request():
+        try:
+            client.completions.create(model="inkling-tiny", prompt="x", max_tokens=900, temperature=0)
+        except openai.APIStatusError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while worker.inflight == 0:
+        assert time.monotonic() < deadline, "the request never reached the worker"
+        time.sleep(0.05)
+    worker.process.kill()  # the worker process this service started
+    thread.join(60)
+    assert len(errors) == 1 and errors[0].status_code == 503
+    assert errors[0].body["code"] == "worker_unavailable"
+    again = client.completions.create(model="inkling-tiny:alpha", prompt="x", max_tokens=3, temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length")
+    assert router.workers["inkling-tiny"][0] is not worker
