@@ -202,12 +202,20 @@ class InklingMoE(nn.Module):
         return out, (scatter_tokens(v, epg) if v is not None else None)
 
     def _dispatch(self, ids_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat (token, slot) indices routed to this rank's experts, sorted by expert, and group ends."""
+        """Flat (token, slot) indices routed to this rank's experts, sorted by expert, and group ends.
+
+        Without expert parallelism every choice is local and nothing waits on the device; with it,
+        selecting this rank's share costs one synchronising `nonzero`.
+        """
         local = ids_all.flatten() - self.first_expert
-        rows = ((local >= 0) & (local < self.experts.local)).nonzero().squeeze(1)
-        rows = rows[local[rows].argsort(stable=True)]
-        counts = torch.bincount(local[rows], minlength=self.experts.local)
-        return rows, counts.cumsum(0).to(torch.int32)
+        if self.experts.local == self.router.num_experts:
+            rows = local.argsort(stable=True)
+        else:
+            rows = ((local >= 0) & (local < self.experts.local)).nonzero().squeeze(1)
+            rows = rows[local[rows].argsort(stable=True)]
+        counts = torch.zeros(self.experts.local, dtype=torch.int32, device=ids_all.device)
+        counts.scatter_add_(0, local[rows], torch.ones_like(rows, dtype=torch.int32))
+        return rows, counts.cumsum(0, dtype=torch.int32)
 
     def _shared(self, flat, x_tp, gammas):
         """All shared experts on every token, weighted by their sink gammas."""
