@@ -246,6 +246,7 @@ class Engine:
                     continue
                 self.lora.place(key, self.adapters[key])
                 seq.lora_slot = self.lora.acquire(key)
+                self.adapters.move_to_end(key)  # host copies are evicted least recently used first
             seq.seq_slot = self.state.acquire()
             self.running.append(seq)
         self.waiting.extendleft(reversed(blocked))
