@@ -217,11 +217,11 @@ def renew_lease(s: Session, job_id: str, worker_id: str, lease: timedelta) -> Jo
     return s.scalar(select(JobRow).where(JobRow.id == job_id).execution_options(populate_existing=True))
 
 
-def update_held_job(s: Session, job_id: str, worker_id: str, **values: Any) -> bool:
-    """Change a running job only while `worker_id` holds it (fencing against a stale worker)."""
+def update_held_job(s: Session, job_id: str, holder: str, **values: Any) -> bool:
+    """Change a running job only while worker `holder` holds it (fencing against a stale worker)."""
     res = s.execute(
         update(JobRow)
-        .where(JobRow.id == job_id, JobRow.worker_id == worker_id, JobRow.state == "running")
+        .where(JobRow.id == job_id, JobRow.worker_id == holder, JobRow.state == "running")
         .values(**values)
     )
     return res.rowcount == 1

@@ -134,35 +134,44 @@ def test_dataset_job_worker_publish_download_alias_delete(service, tenant, tmp_p
     assert ("adapter.version.publish", "e2e@1") in audit and ("adapter.alias.set", "e2e@prod") in audit
 
 
-def test_cancel_stops_a_running_job(sqlite_service, tmp_path):
+def test_sigterm_requeues_the_job_and_cancel_stops_it_on_the_next_worker(sqlite_service, tmp_path):
     service = sqlite_service
     _, key = service.new_tenant()
     with service.client(key) as client:
         ds = upload(client, jsonl(EXAMPLES)).json()["id"]
-        job = client.post("/v1/jobs", json=job_body(ds, "cancel-me", max_steps=2000, checkpoint_every=1000)).json()
-        log = tmp_path / "worker.log"
-        worker = start_worker(service, log)
+        job = client.post("/v1/jobs", json=job_body(ds, "cancel-me", max_steps=2000, checkpoint_every=3)).json()
+        url = f"/v1/jobs/{job['id']}"
+        log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+        a = start_worker(service, log_a)
         try:
-            wait_for(
-                lambda: client.get(f"/v1/jobs/{job['id']}").json()["progress"]["step"] >= 2,
-                240,
-                "the job to make progress",
-                log,
-            )
-            assert client.post(f"/v1/jobs/{job['id']}/cancel").json()["cancel_requested"] is True
+            wait_for(lambda: (client.get(url).json()["last_checkpoint_step"] or 0) >= 3, 240, "a checkpoint", log_a)
+            a.send_signal(signal.SIGTERM)  # graceful stop: the job goes back to the queue at once
+            assert a.wait(60) == 0, log_a.read_text()[-4000:]
+        finally:
+            stop_worker(a)
+        requeued = client.get(url).json()
+        assert requeued["state"] == "queued" and requeued["cancel_requested"] is False, requeued
+        b = start_worker(service, log_b)
+        try:
+            wait_for(lambda: client.get(url).json()["attempts"] == 2, 240, "worker B to claim the job", log_b)
+            assert client.post(f"{url}/cancel").json()["cancel_requested"] is True
             final = wait_for(
-                lambda: (j := client.get(f"/v1/jobs/{job['id']}").json())["state"] == "cancelled" and j,
+                lambda: (j := client.get(url).json())["state"] == "cancelled" and j,
                 60,
                 "the job to be cancelled",
-                log,
+                log_b,
             )
         finally:
-            stop_worker(worker)
+            stop_worker(b)
         assert final["finished_at"] and final["adapter_version"] is None
         assert final["progress"]["step"] < 2000
         assert client.get("/v1/adapters").json()["data"] == []
-        states = [e["state"] for e in client.get(f"/v1/jobs/{job['id']}/events").json()["data"] if e["type"] == "state"]
-        assert states == ["queued", "running", "cancelled"]
+        events = client.get(f"{url}/events").json()["data"]
+        states = [(e["state"], e["message"]) for e in events if e["type"] == "state"]
+        assert [s for s, _ in states] == ["queued", "running", "queued", "running", "cancelled"], states
+        assert "re-queued" in states[2][1]
+        claims = [e for e in events if e["type"] == "state" and e["state"] == "running"]
+        assert claims[1]["data"]["resume_step"] == requeued["last_checkpoint_step"]
 
 
 @pytest.mark.skipif(os.name != "posix", reason="kill -9")
