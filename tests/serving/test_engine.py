@@ -227,3 +227,17 @@ def test_queueing_and_a_five_token_budget_still_match_full_forward(tiny_model_di
         ids = prompt + choice.token_ids
         want = reference_prompt_logprobs(model, ids)[len(prompt) - 1 :]
         assert (torch.tensor([s.logprob for s in choice.logprobs]) - want).abs().max().item() < 1e-4, key
+
+
+def test_host_copies_beyond_max_loaded_adapters_go_least_recently_used(tiny_model_dir, tiny_adapters):
+    eng = Engine(tiny_model_dir, EngineConfig(max_lora_rank=16, max_loaded_adapters=2))
+    eng.load_adapter("a", tiny_adapters[1])
+    eng.load_adapter("b", tiny_adapters[2])
+    eng.generate([Request("r", PROMPT, SamplingParams(max_tokens=1), "a")])  # "a" is now the more recent
+    eng.load_adapter("c", tiny_adapters[3])
+    assert set(eng.adapters) == {"a", "c"}
+    eng.load_adapter("p", tiny_adapters[4], pinned=True)
+    eng.add_request(Request("busy", PROMPT, SamplingParams(max_tokens=1), "c"))  # queued: "c" stays
+    with pytest.raises(EngineError, match="pinned or in use"):
+        eng.load_adapter("d", tiny_adapters[0])
+    assert set(eng.adapters) == {"c", "p"}
