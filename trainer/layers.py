@@ -8,6 +8,7 @@ no attention crosses a segment boundary.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from inkwell.trainer.lora import mark
@@ -20,7 +21,7 @@ class Packing:
     positions: torch.Tensor  # [b, s] long
     segments: torch.Tensor  # [b, s] long
     causal: torch.Tensor  # [b, s, s] bool: same segment and k <= q
-    conv_masks: torch.Tensor  # [K, b, s, 1] float: token t-j is in t's segment
+    leaks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, t, j): a conv tap t-j in an earlier sample
 
     @classmethod
     def build(cls, segments: torch.Tensor, conv_kernel: int) -> "Packing":
@@ -32,10 +33,10 @@ class Packing:
         positions = idx - start_pos
         same = segments[:, :, None] == segments[:, None, :]
         causal = same & (idx[None, :, None] >= idx[None, None, :])
-        padded = torch.nn.functional.pad(segments, (conv_kernel - 1, 0), value=-1)
-        masks = [(padded[:, conv_kernel - 1 - j : conv_kernel - 1 - j + s] == segments) for j in range(conv_kernel)]
-        conv_masks = torch.stack(masks).unsqueeze(-1).float()
-        return cls(positions, segments, causal, conv_masks)
+        taps = torch.arange(1, conv_kernel, device=segments.device)[:, None, None]
+        leaking = (positions[None] < taps) & (idx[None, None] >= taps)  # [K-1, b, s]
+        j, row, t = leaking.nonzero(as_tuple=True)
+        return cls(positions, segments, causal, (row, t, j + 1))
 
     def allowed(self, window: int | None) -> torch.Tensor:
         """[b, 1, s, s] keys each query may attend: causal within its segment, and within `window` if given."""
@@ -79,15 +80,14 @@ class ShortConv(nn.Module):
         mark(self.weight, f"{hf_name}.conv1d.weight", tp_dim=0 if shard_tp else None)
 
     def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
-        dtype = x.dtype
+        """transformers' causal conv1d over the whole row, minus the taps that reach into an earlier sample."""
+        dtype, s, k = x.dtype, x.shape[1], self.kernel
         h = x.float()
-        s = h.shape[1]
-        padded = torch.nn.functional.pad(h, (0, 0, self.kernel - 1, 0))
-        w = self.weight[:, 0, :]  # [C, K]; out[t] = sum_j w[K-1-j] * x[t-j]
-        out = torch.zeros_like(h)
-        for j in range(self.kernel):
-            shifted = padded[:, self.kernel - 1 - j : self.kernel - 1 - j + s]
-            out = out + shifted * packing.conv_masks[j] * w[:, self.kernel - 1 - j]
+        out = F.conv1d(h.transpose(1, 2), self.weight, padding=k - 1, groups=h.shape[-1])[..., :s].transpose(1, 2)
+        row, t, j = packing.leaks
+        if row.numel():
+            taps = self.weight[:, 0, :].t()[k - 1 - j]  # out[t] = sum_j w[k-1-j] * x[t-j]
+            out = out.index_put((row, t), -(h[row, t - j] * taps), accumulate=True)
         return (out + h).to(dtype)
 
 
