@@ -59,6 +59,8 @@ def token_losses(model: InklingGPT, rows: Rows) -> torch.Tensor:
 
 @dataclass
 class Trainer:
+    """One rank's model, adapter optimizer, data stream and loop; built inside `model_parallel`."""
+
     config: TrainJobConfig
     prepared: Prepared
     layout: Layout
