@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from inkwell.tests.service.conftest import free_port
+from inkwell.tests.service.helpers import free_port
 
 INKWELL = [sys.executable, "-m", "inkwell.cli"]
 

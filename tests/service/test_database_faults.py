@@ -5,13 +5,12 @@ import secrets
 
 import pytest
 
-from inkwell.tests.service.conftest import _pg_connect, make_settings, start_service
-from inkwell.tests.service.test_datasets_auth import assert_error
+from inkwell.tests.service.helpers import assert_error, make_settings, pg_connect, start_service
 
 
 @pytest.fixture
 def own_database():
-    conn, user = _pg_connect()
+    conn, user = pg_connect()
     conn.autocommit = True
     name = f"inkwell_dbfault_{secrets.token_hex(5)}"
     with conn.cursor() as cur:

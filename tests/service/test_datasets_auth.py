@@ -2,25 +2,7 @@
 
 import json
 
-CHAT = [
-    {"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}!"}]} for i in range(5)
-]
-
-
-def jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()
-
-
-def upload(client, data: bytes, name: str = "train.jsonl"):
-    return client.post("/v1/datasets", files={"file": (name, data, "application/jsonl")})
-
-
-def assert_error(resp, status: int, code: str) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"} and body["error"]["code"] == code, body
-    assert body["error"]["message"]
-    return body["error"]
+from inkwell.tests.service.helpers import CHAT, assert_error, jsonl, upload
 
 
 def test_models_lists_the_embedded_tiny_model(tenant):

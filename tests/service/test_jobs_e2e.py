@@ -13,7 +13,7 @@ import time
 import pytest
 
 from inkwell.service.registry import cleanup_orphans
-from inkwell.tests.service.test_datasets_auth import jsonl, upload
+from inkwell.tests.service.helpers import jsonl, upload
 
 EXAMPLES = [
     {"messages": [{"role": "user", "content": f"what is {i} plus {i}?"}, {"role": "assistant", "content": f"{2 * i}"}]}

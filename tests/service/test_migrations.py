@@ -5,10 +5,11 @@ import secrets
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect
 
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.models import Base
+from inkwell.tests.service.helpers import pg_connect
 
 
 def _diff(url: str) -> list:
@@ -27,26 +28,31 @@ def test_upgrade_head_equals_models(backend, tmp_path, request):
     if backend == "sqlite":
         url = f"sqlite:///{tmp_path / 'fresh.db'}"
     else:
-        base = request.getfixturevalue("pg_database")
-        # A second throwaway database: the session one may already hold the service's tables.
-        import psycopg2
-
-        from inkwell.tests.service.conftest import _pg_connect
-
-        conn, user = _pg_connect()
-        conn.autocommit = True
+        admin, user = pg_connect()
+        admin.autocommit = True
         name = f"inkwell_mig_{secrets.token_hex(5)}"
-        with conn.cursor() as cur:
+        with admin.cursor() as cur:
             cur.execute(f'CREATE DATABASE "{name}"')
-        url = base.rsplit("/", 1)[0] + f"/{name}"
-        request.addfinalizer(lambda: _drop(conn, name, psycopg2))
+        url = f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
+        request.addfinalizer(lambda: _drop(admin, name))
     upgrade_database(url)
     assert _diff(url) == []
     upgrade_database(url)  # idempotent: already at head
     assert _diff(url) == []
+    # The comparison itself sees drift: a model with one more column and table differs.
+    probe = MetaData()
+    for table in Base.metadata.tables.values():
+        table.to_metadata(probe)
+    probe.tables["jobs"].append_column(Column("surprise", Integer))
+    Table("extra", probe, Column("id", Integer, primary_key=True))
+    engine = create_engine(url)
+    with engine.connect() as probe_conn:
+        drift = compare_metadata(MigrationContext.configure(probe_conn, opts={"compare_type": True}), probe)
+    engine.dispose()
+    assert {d[0] for d in drift} == {"add_table", "add_column"}
 
 
-def _drop(conn, name: str, psycopg2) -> None:
+def _drop(conn, name: str) -> None:
     with conn.cursor() as cur:
         cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
         cur.execute(f'DROP DATABASE IF EXISTS "{name}"')

@@ -5,45 +5,15 @@ import hashlib
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from safetensors.torch import save_file
 
-from inkwell.adapters.adapter import init_adapter
-from inkwell.adapters.io import save_adapter
-from inkwell.adapters.spec import LoraSpec
-from inkwell.models import BaseModelIdentity, load_base_config
+from inkwell.models import BaseModelIdentity
 from inkwell.service.db import repo
 from inkwell.service.registry import Publication, VersionExists, cleanup_orphans, publish, version_prefix
-from inkwell.tests.service.test_datasets_auth import assert_error
-
-SPEC = LoraSpec(rank=2, alpha=4, targets=("attn", "experts"))
-
-
-def tiny_base(service):
-    with service.sm() as s:
-        row = repo.get_base_model(s, "inkling-tiny")
-    return Path(row.path), BaseModelIdentity("inkling-tiny", row.config_sha256)
-
-
-def make_adapter_dir(service, out: Path, layout: str, seed: int = 0, manifest: bool = True, base=None) -> Path:
-    path, identity = tiny_base(service)
-    config = load_base_config(path)
-    adapter = init_adapter(config, SPEC, base or identity, seed=seed, b_std=0.01)
-    directory = save_adapter(adapter, out, layout, config)
-    if not manifest:
-        (directory / "manifest.json").unlink()
-    return directory
-
-
-def import_dir(client, directory: Path, name: str, layout: str, version: int | None = None):
-    files = [("files", (p.name, p.read_bytes())) for p in sorted(directory.iterdir())]
-    data = {"name": name, "base_model": "inkling-tiny", "layout": layout}
-    if version is not None:
-        data["version"] = str(version)
-    return client.post("/v1/adapters/import", data=data, files=files)
+from inkwell.tests.service.helpers import assert_error, import_dir, make_adapter_dir
 
 
 def test_import_both_layouts_download_verifies_sha256(service, tenant, tmp_path):

@@ -7,9 +7,16 @@ import pytest
 
 from inkwell.service.registry import cleanup_orphans, version_prefix
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
-from inkwell.tests.service.conftest import make_settings, start_service
-from inkwell.tests.service.test_datasets_auth import CHAT, assert_error, jsonl, upload
-from inkwell.tests.service.test_registry import import_dir, make_adapter_dir
+from inkwell.tests.service.helpers import (
+    CHAT,
+    assert_error,
+    import_dir,
+    jsonl,
+    make_adapter_dir,
+    make_settings,
+    start_service,
+    upload,
+)
 
 
 @pytest.fixture

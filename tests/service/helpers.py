@@ -1,0 +1,163 @@
+"""Helpers shared by the service tests: a running API in a thread, PostgreSQL access, request
+shortcuts and adapter directories made with inkwell.adapters."""
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg2
+import uvicorn
+
+from inkwell.adapters.adapter import init_adapter
+from inkwell.adapters.io import save_adapter
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import BaseModelIdentity, load_base_config
+from inkwell.service.app import create_app
+from inkwell.service.db import repo
+from inkwell.service.settings import Settings
+from inkwell.service.storage import ObjectStore
+
+
+def pg_connect(dbname: str = "test"):
+    last = None
+    for user in ("postgres", "root"):
+        try:
+            return psycopg2.connect(host="127.0.0.1", port=5432, dbname=dbname, user=user, connect_timeout=3), user
+        except psycopg2.OperationalError as exc:
+            last = exc
+    raise last
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    """A running API: its URL, settings, and direct DB/S3 handles for setup and assertions."""
+
+    url: str
+    settings: Settings
+    app: object
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def sm(self):
+        return self.app.state.sessionmaker
+
+    @property
+    def store(self) -> ObjectStore:
+        return self.app.state.store
+
+    def new_tenant(self, prefix: str = "t") -> tuple[str, str]:
+        """(tenant_id, api key) of a fresh tenant."""
+        with self.sm() as s:
+            tenant = repo.create_tenant(s, f"{prefix}-{secrets.token_hex(4)}")
+            _, key = repo.create_api_key(s, tenant.id)
+            s.commit()
+            return tenant.id, key
+
+    def client(self, key: str | None, timeout: float = 60.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def env(self) -> dict[str, str]:
+        """Environment for a worker subprocess that talks to the same DB and S3."""
+        env = dict(os.environ)
+        env.update(
+            INKWELL_DATA_DIR=str(self.settings.data_dir),
+            INKWELL_DATABASE_URL=self.settings.resolved_database_url,
+            INKWELL_S3_ENDPOINT=self.app.state.s3_endpoint,
+            INKWELL_BUCKET=self.settings.bucket,
+            INKWELL_LEASE_SECONDS=str(self.settings.lease_seconds),
+            INKWELL_WORKER_POLL_SECONDS="0.2",
+            OMP_NUM_THREADS="1",
+        )
+        return env
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def start_service(settings: Settings) -> Service:
+    app = create_app(settings)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the service did not start; see the log above")
+        time.sleep(0.05)
+    return Service(f"http://127.0.0.1:{port}", settings, app, server, thread)
+
+
+def make_settings(data_dir: Path, database_url: str | None, endpoint: str, **overrides) -> Settings:
+    return Settings(
+        data_dir=data_dir,
+        database_url=database_url,
+        s3_endpoint=endpoint,
+        bucket=f"b{secrets.token_hex(6)}",
+        lease_seconds=overrides.pop("lease_seconds", 4.0),
+        **overrides,
+    )
+
+
+CHAT = [
+    {"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}!"}]} for i in range(5)
+]
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def upload(client, data: bytes, name: str = "train.jsonl"):
+    return client.post("/v1/datasets", files={"file": (name, data, "application/jsonl")})
+
+
+def assert_error(resp, status: int, code: str) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and body["error"]["code"] == code, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+SPEC = LoraSpec(rank=2, alpha=4, targets=("attn", "experts"))
+
+
+def tiny_base(service):
+    with service.sm() as s:
+        row = repo.get_base_model(s, "inkling-tiny")
+    return Path(row.path), BaseModelIdentity("inkling-tiny", row.config_sha256)
+
+
+def make_adapter_dir(service, out: Path, layout: str, seed: int = 0, manifest: bool = True, base=None) -> Path:
+    path, identity = tiny_base(service)
+    config = load_base_config(path)
+    adapter = init_adapter(config, SPEC, base or identity, seed=seed, b_std=0.01)
+    directory = save_adapter(adapter, out, layout, config)
+    if not manifest:
+        (directory / "manifest.json").unlink()
+    return directory
+
+
+def import_dir(client, directory: Path, name: str, layout: str, version: int | None = None):
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(directory.iterdir())]
+    data = {"name": name, "base_model": "inkling-tiny", "layout": layout}
+    if version is not None:
+        data["version"] = str(version)
+    return client.post("/v1/adapters/import", data=data, files=files)
