@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import InklingTextConfig
 
-from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink
+from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink, lora_shrink_expand
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.state import StatePool
 
@@ -111,8 +111,8 @@ class InklingModel:
     def _linear(self, x: torch.Tensor, module: str, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         y = F.linear(x, self.w[f"{module}.weight"])
         buf = lora.buffers.get(module) if lora is not None else None
-        if buf is not None:
-            lora_expand(lora_shrink(x, buf.a, slots), buf.b, slots, buf.scalings, y)
+        if buf is not None:  # one fused launch on CUDA at decode sizes
+            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, y)
         return y
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
