@@ -115,7 +115,7 @@ def test_swap_while_others_stream_does_not_stall_them(workers, adapter_dirs, ref
 
 def test_router_prefers_the_holder_then_the_least_loaded_and_bounds_in_flight(workers, adapter_dirs):
     router = ServingRouter(lambda base: workers)
-    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)  # still running at the end
 
     async def go():
         first = await router.submit("tiny", PROMPT, long, None)  # both idle: the first worker
