@@ -16,6 +16,7 @@ from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import MAX_RANK, TARGET_GROUPS, LoraSpec
 from inkwell.adapters.targets import model_targets
 from inkwell.models.base import BaseModelIdentity
+from inkwell.service.engine.slot_copy import write_slot
 
 
 class AdapterIncompatibleError(ValueError):
@@ -126,20 +127,7 @@ class LoraSlots:
         return slot
 
     def _write(self, slot: int, adapter: Adapter) -> None:
-        for buf in self.buffers.values():
-            buf.scalings[slot] = 0.0
-        for target in model_targets(self.config, adapter.spec):
-            buf = self.buffers[target.module]
-            a, b = adapter.factors(target)
-            r = adapter.spec.rank_for(target.group)
-            buf.a[slot].zero_()
-            buf.b[slot].zero_()
-            if target.kind == "expert_out":  # A [E, r, in]
-                buf.a[slot, :, :r].copy_(a, non_blocking=True)
-            else:
-                buf.a[slot, :r].copy_(a, non_blocking=True)
-            buf.b[slot, ..., :r].copy_(b, non_blocking=True)
-            buf.scalings[slot] = adapter.scaling(target)
+        write_slot(self, slot, adapter)  # multi-tensor launches: a swap costs about one copy of its bytes
 
     def evict(self, key: str) -> int:
         """Free `key`'s slot (it must be idle); returns the slot number."""

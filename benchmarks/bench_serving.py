@@ -1,0 +1,418 @@
+"""Serving on one GPU: the native engine's mixed-adapter batches vs a per-adapter loop vs transformers +
+peft, and adapter hot-swap through CUDA IPC vs loading from disk vs a plain device copy.
+
+Throughput: a batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each, with
+no adapter and with 1, 4 and 8 distinct rank-16 adapters (request i uses adapter i mod n). Prefill =
+the first step (every prompt in one forward, which also yields the first token); decode = the rest.
+  engine   one mixed batch through the native engine (per-token LoRA slots, inkwell.kernels)
+  loop     the same requests, one engine batch per adapter, run one after the other
+  peft     transformers' InklingForCausalLM (eager) + peft, one mixed batch via `adapter_names`
+           (no adapter: the plain transformers model); prefill = generate(1 token), decode = the rest
+Swap (one rank-16 adapter over every target group):
+  d2d      a device-to-device copy of the adapter's bytes (CUDA events, and host clock with sync)
+  disk     safetensors -> Adapter -> slot (what a worker without the loader would do)
+  ipc      the loader process reads, verifies and stages the adapter on the GPU and sends it through
+           torch.multiprocessing (a CUDA IPC handle); the worker takes its own copy and writes the slot
+           (worker-side latency from the message's arrival; end to end from the load request)
+  stall    decode steps of 7 other adapters' requests, and the step right after each swap
+Run: python benchmarks/bench_serving.py [--preset inkling-small] [--out serving.json]
+CPU smoke run: python benchmarks/bench_serving.py --preset inkling-tiny --device cpu --dtype float32 --prompt 16 --new 4
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from inkwell.adapters.adapter import Adapter, init_adapter
+from inkwell.adapters.io import load_adapter, save_adapter
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import base_model_identity, init_base_model, load_base_config, load_base_model
+from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+from inkwell.service.serving.loader import loader_main
+from inkwell.service.serving.sources import DirectorySource
+from inkwell.service.serving.transfer import unpack
+
+COUNTS = (0, 1, 4, 8)
+RANK = 16
+SWAPS = 5
+# peft 0.21 mixes adapters in one batch only on linear modules (its expert ParamWrapper refuses)
+PEFT_MIXABLE = ("attn", "mlp", "lm_head")
+
+
+class Clock:
+    """Host wall clock that first waits for the device, so it brackets finished work."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def make_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 259, (batch, length), generator=gen).tolist()
+
+
+def adapter_keys(n: int, batch: int) -> list[str | None]:
+    return [None if n == 0 else f"a{i % n}" for i in range(batch)]
+
+
+def engine_batch(engine: Engine, clock: Clock, prompts: list[list[int]], keys: list[str | None], new: int) -> dict:
+    """Seconds and tokens of the prefill step and of the decode steps of one batch."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True)):
+        engine.add_request(Request(f"r{i}", prompt, params, key))
+    t0 = clock()
+    engine.step()
+    t1 = clock()
+    while engine.has_work():
+        engine.step()
+    t2 = clock()
+    return {
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "prefill_tokens": len(prompts) * len(prompts[0]),
+        "decode_tokens": len(prompts) * (new - 1),
+    }
+
+
+def add_runs(runs: list[dict]) -> dict:
+    return {k: sum(r[k] for r in runs) for k in runs[0]}
+
+
+def rates(run: dict) -> dict:
+    return {
+        "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
+        "decode_tok_s": run["decode_tokens"] / run["decode_s"] if run["decode_s"] > 0 else None,
+        **run,
+    }
+
+
+def bench_engine(engine: Engine, clock: Clock, prompts, new: int) -> dict:
+    """Mixed batches and per-adapter loops for each adapter count (each timed after a warm-up run)."""
+    out: dict = {}
+    for n in COUNTS:
+        keys = adapter_keys(n, len(prompts))
+        engine_batch(engine, clock, prompts, keys, new)  # warm-up: Triton compiles, allocator settles
+        out[f"engine_{n}"] = rates(engine_batch(engine, clock, prompts, keys, new))
+        if n == 0:
+            continue
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        runs = [
+            engine_batch(engine, clock, [prompts[i] for i in idx], [key] * len(idx), new) for key, idx in groups.items()
+        ]
+        out[f"loop_{n}"] = rates(add_runs(runs))
+        decode = out[f"engine_{n}"]["decode_tok_s"], out[f"loop_{n}"]["decode_tok_s"]
+        print(f"engine n={n}: {decode[0]:.0f} decode tok/s, loop {decode[1]:.0f}", flush=True)
+    return out
+
+
+def bench_linear(engine: Engine, clock: Clock, prompts, new: int) -> dict:
+    """The engine on peft's targets (adapters p0..p7): the row to set beside peft's mixed batches."""
+    out = {}
+    for n in COUNTS[1:]:
+        keys = [f"p{i % n}" for i in range(len(prompts))]
+        engine_batch(engine, clock, prompts, keys, new)
+        out[f"engine_lin_{n}"] = rates(engine_batch(engine, clock, prompts, keys, new))
+    return out
+
+
+def bench_peft(model_dir: Path, adapters: list[Adapter], tmp: Path, args, clock: Clock, prompts) -> dict:
+    """transformers + peft generation, the plain model for no adapter and `adapter_names` batches otherwise."""
+    import peft
+
+    config = load_base_config(model_dir)
+    device = torch.device(args.device)
+    model = load_base_model(model_dir, getattr(torch, args.dtype), device)
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def run(gen_model, names: list[str] | None) -> dict:
+        extra = {} if names is None else {"adapter_names": names}
+
+        def generate(n: int) -> None:
+            gen_model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra
+            )
+
+        generate(2)  # warm-up
+        t0 = clock()
+        generate(1)
+        t1 = clock()
+        generate(args.new)
+        t2 = clock()
+        prefill = t1 - t0
+        return rates(
+            {
+                "prefill_s": prefill,
+                "decode_s": (t2 - t1) - prefill,
+                "prefill_tokens": ids.numel(),
+                "decode_tokens": ids.shape[0] * (args.new - 1),
+            }
+        )
+
+    out = {"peft_0": run(model, None)}
+    dirs = [save_adapter(a, tmp / f"peft{i}", "peft", config) for i, a in enumerate(adapters)]
+    wrapped = peft.PeftModel.from_pretrained(model, str(dirs[0]), adapter_name="a0")
+    for i, d in enumerate(dirs[1:], start=1):
+        wrapped.load_adapter(str(d), adapter_name=f"a{i}")
+    wrapped.eval()
+    for n in COUNTS[1:]:
+        out[f"peft_{n}"] = run(wrapped, adapter_keys(n, len(prompts)))
+        print(f"peft n={n}: {out[f'peft_{n}']['decode_tok_s']:.0f} decode tok/s", flush=True)
+    return out
+
+
+def median_us(fn: Callable[[], float], reps: int) -> float:
+    return statistics.median(fn() for _ in range(reps)) * 1e6
+
+
+def bench_d2d(nbytes_elems: int, dtype: torch.dtype, device: torch.device, clock: Clock) -> dict:
+    """A plain device copy of the adapter's bytes: CUDA-event time and host-clock time (with sync)."""
+    src = torch.randn(nbytes_elems, device=device).to(dtype)
+    dst = torch.empty_like(src)
+
+    def wall() -> float:
+        t0 = clock()
+        dst.copy_(src)
+        return clock() - t0
+
+    out = {"d2d_wall_us": median_us(wall, 30)}
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def event() -> float:
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        out["d2d_event_us"] = median_us(event, 30)
+    return out
+
+
+def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, args, clock: Clock, prompts) -> dict:
+    config = engine.model_config
+    dtype = getattr(torch, args.dtype)
+    directory = save_adapter(adapter, tmp / "swap", "sglang", config)
+    elems = adapter.num_parameters
+    out: dict = {"adapter_bytes": elems * dtype.itemsize, "adapter_tensors": len(adapter.tensors)}
+    out.update(bench_d2d(elems, dtype, engine.device, clock))
+
+    disk = []
+    for k in range(SWAPS):
+        t0 = clock()
+        engine.load_adapter(f"disk{k}", load_adapter(directory, config), pinned=True)
+        disk.append(clock() - t0)
+        engine.unload_adapter(f"disk{k}")
+    out["disk_us"] = statistics.median(disk) * 1e6
+
+    ctx = mp.get_context("spawn")
+    inbox, arrived = ctx.Queue(), ctx.Queue()
+    loader = ctx.Process(
+        target=loader_main, args=(str(model_dir), args.dtype, args.device, inbox, arrived), daemon=True
+    )
+    loader.start()
+    try:
+        take, write, end_to_end = [], [], []
+
+        def receive(key: str) -> tuple:
+            msg = arrived.get(timeout=300)
+            if msg[0] != "adapter" or msg[1] != key:
+                raise RuntimeError(f"loader answered {msg[:2]} for {key}: {msg[2:]}")
+            return msg[2]
+
+        def register(key: str, packed) -> tuple[float, float]:
+            """What the worker does with an arriving adapter: own copy of the bytes, then the slot."""
+            t0 = clock()
+            if packed.flat.is_cuda:
+                packed.flat = packed.flat.clone()
+            t1 = clock()
+            engine.load_adapter(key, unpack(packed), pinned=True)
+            t2 = clock()
+            inbox.put(("release", key))
+            return t1 - t0, t2 - t1
+
+        for k in range(SWAPS + 1):  # the first one warms the loader up
+            key = f"ipc{k}"
+            t0 = time.perf_counter()
+            inbox.put(("load", key, DirectorySource(str(directory)), True))
+            packed = receive(key)
+            t_take, t_write = register(key, packed)
+            t1 = time.perf_counter()
+            engine.unload_adapter(key)
+            if k:
+                take.append(t_take)
+                write.append(t_write)
+                end_to_end.append(t1 - t0)
+        out["ipc_take_us"] = statistics.median(take) * 1e6
+        out["ipc_slot_write_us"] = statistics.median(write) * 1e6
+        out["ipc_worker_us"] = statistics.median(a + b for a, b in zip(take, write, strict=True)) * 1e6
+        out["ipc_end_to_end_us"] = statistics.median(end_to_end) * 1e6
+
+        # Decode of 7 other adapters' requests while adapters are swapped in between their steps.
+        for k in range(SWAPS):
+            inbox.put(("load", f"stall{k}", DirectorySource(str(directory)), True))
+        staged = [receive(f"stall{k}") for k in range(SWAPS)]
+        params = SamplingParams(max_tokens=8 + 4 * SWAPS + 8, temperature=0.0, ignore_eos=True)
+        for i in range(7):
+            engine.add_request(Request(f"s{i}", prompts[i], params, f"a{i}"))
+        engine.step()  # prefill
+        plain, swapped = [], []
+        step = 0
+        while engine.has_work():
+            t0 = clock()
+            if step >= 8 and step % 4 == 0 and step // 4 - 2 < SWAPS:
+                k = step // 4 - 2
+                register(f"stall{k}", staged[k])
+                engine.step()
+                swapped.append(clock() - t0)
+                engine.unload_adapter(f"stall{k}")  # frees the one spare slot for the next swap
+            else:
+                engine.step()
+                plain.append(clock() - t0)
+            step += 1
+        median_step = statistics.median(plain)
+        out["decode_step_ms"] = median_step * 1e3
+        out["decode_step_with_swap_ms"] = max(swapped) * 1e3
+        out["stall_steps"] = (max(swapped) - median_step) / median_step
+    finally:
+        inbox.put(("stop",))
+        loader.join(30)
+        if loader.is_alive():
+            loader.kill()
+    return out
+
+
+def section(results: dict, name: str, fn: Callable[[], dict]) -> None:
+    """Run one part of the benchmark; a failure is recorded and printed, the other parts still run."""
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as exc:
+        traceback.print_exc()
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"[{name}] {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def table(results: dict) -> str:
+    tp = {**results.get("engine", {}), **results.get("engine_peft_targets", {}), **results.get("peft", {})}
+    kinds = ("engine", "loop", "engine_lin", "peft")
+    lines = [
+        "| adapters | engine prefill | engine decode | loop prefill | loop decode | engine (peft targets) prefill "
+        "| engine (peft targets) decode | peft prefill | peft decode | engine/peft decode (same targets) "
+        "| engine n / engine 0 decode |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def get(kind: str, n: int, what: str) -> float | None:
+        return tp.get(f"{kind}_{n}", {}).get(f"{what}_tok_s")
+
+    def fmt(v: float | None, digits: int = 0) -> str:
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    base = get("engine", 0, "decode")
+    for n in COUNTS:
+        e, lin, p = get("engine", n, "decode"), get("engine_lin", n, "decode"), get("peft", n, "decode")
+        cells = [get(k, n, w) for k in kinds for w in ("prefill", "decode")]
+        ratio = (lin if n else e) / p if (lin if n else e) and p else None
+        vs_base = e / base if e and base else None
+        lines.append(f"| {n} | " + " | ".join(fmt(c) for c in cells) + f" | {fmt(ratio, 2)} | {fmt(vs_base, 3)} |")
+    swap = results.get("swap", {})
+    if "ipc_worker_us" in swap:
+        lines.append("")
+        lines.append("| swap | µs |")
+        lines.append("|---|---|")
+        for key in sorted(k for k in swap if k.endswith("_us")):
+            lines.append(f"| {key[:-3]} | {swap[key]:.0f} |")
+        lines.append(
+            f"\nadapter {swap['adapter_bytes'] / 2**20:.1f} MiB in {swap['adapter_tensors']} tensors; "
+            f"decode step {swap['decode_step_ms']:.2f} ms, with a swap {swap['decode_step_with_swap_ms']:.2f} ms "
+            f"(stall {swap['stall_steps']:.2f} steps)"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="inkling-small")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--no-peft", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    clock = Clock(device)
+    results: dict = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp_name:
+        tmp = Path(tmp_name)
+        t0 = time.perf_counter()
+        model_dir = init_base_model(args.preset, tmp / args.preset, seed=0)
+        config = load_base_config(model_dir)
+        identity = base_model_identity(model_dir)
+        spec = LoraSpec(rank=RANK, alpha=2 * RANK)
+        adapters = [init_adapter(config, spec, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
+        linear = LoraSpec(rank=RANK, alpha=2 * RANK, targets=PEFT_MIXABLE)
+        linear_adapters = [init_adapter(config, linear, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
+        engine = Engine(
+            model_dir,
+            EngineConfig(
+                max_loras_per_batch=max(COUNTS),
+                max_lora_rank=RANK,
+                max_loaded_adapters=64,
+                max_seqs=args.batch,
+                max_batch_tokens=args.batch * args.prompt,
+                dtype=args.dtype,
+                device=args.device,
+            ),
+        )
+        for i, adapter in enumerate(adapters):
+            engine.load_adapter(f"a{i}", adapter, pinned=True)
+        print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
+        prompts = make_prompts(args.batch, args.prompt)
+        section(results, "engine", partial(bench_engine, engine, clock, prompts, args.new))
+        engine.unload_adapter(f"a{max(COUNTS) - 1}")  # a free slot for the swaps
+        section(results, "swap", partial(bench_swap, engine, adapters[-1], model_dir, tmp, args, clock, prompts))
+        for i, adapter in enumerate(linear_adapters):  # peft's targets, for the row beside peft's
+            if f"a{i}" in engine.adapters:
+                engine.unload_adapter(f"a{i}")
+            engine.load_adapter(f"p{i}", adapter, pinned=True)
+        section(results, "engine_peft_targets", partial(bench_linear, engine, clock, prompts, args.new))
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not args.no_peft:
+            section(results, "peft", partial(bench_peft, model_dir, linear_adapters, tmp, args, clock, prompts))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
