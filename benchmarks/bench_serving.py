@@ -37,11 +37,13 @@ import torch.multiprocessing as mp
 from inkwell.adapters.adapter import Adapter, init_adapter
 from inkwell.adapters.io import load_adapter, save_adapter
 from inkwell.adapters.spec import LoraSpec
+from inkwell.adapters.targets import model_targets
 from inkwell.models import base_model_identity, init_base_model, load_base_config, load_base_model
 from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+from inkwell.service.engine.slot_copy import write_slot
 from inkwell.service.serving.loader import loader_main
 from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.transfer import unpack
+from inkwell.service.serving.transfer import pack, unpack
 
 COUNTS = (0, 1, 4, 8)
 RANK = 16
@@ -208,6 +210,42 @@ def bench_d2d(nbytes_elems: int, dtype: torch.dtype, device: torch.device, clock
     return out
 
 
+def per_tensor_write(slots, slot: int, adapter: Adapter) -> None:
+    """The slot write before `write_slot`: four launches per target (the baseline for its gain)."""
+    for buf in slots.buffers.values():
+        buf.scalings[slot] = 0.0
+    for target in model_targets(slots.config, adapter.spec):
+        buf = slots.buffers[target.module]
+        a, b = adapter.factors(target)
+        r = adapter.spec.rank_for(target.group)
+        buf.a[slot].zero_()
+        buf.b[slot].zero_()
+        (buf.a[slot, :, :r] if target.kind == "expert_out" else buf.a[slot, :r]).copy_(a)
+        buf.b[slot, ..., :r].copy_(b)
+        buf.scalings[slot] = adapter.scaling(target)
+
+
+def bench_slot_write(engine: Engine, adapter: Adapter, clock: Clock) -> dict:
+    """One device-resident adapter written into the free slot: multi-tensor launches vs per-tensor copies."""
+    dtype = engine.lora.buffers[next(iter(engine.lora.buffers))].a.dtype
+    resident = unpack(pack(adapter, dtype, engine.device))
+    slot = min(set(range(engine.lora.max_loras)) - {engine.lora.slot_of(k) for k in engine.lora.resident()})
+    out = {}
+    for name, fn in (("slot_write_foreach", write_slot), ("slot_write_per_tensor", per_tensor_write)):
+
+        def once(fn=fn) -> float:
+            t0 = clock()
+            fn(engine.lora, slot, resident)
+            return clock() - t0
+
+        once()
+        out[f"{name}_us"] = median_us(once, 10)
+    write_slot(engine.lora, slot, resident)
+    for buf in engine.lora.buffers.values():  # leave the free slot inert, as evict does
+        buf.scalings[slot] = 0.0
+    return out
+
+
 def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, args, clock: Clock, prompts) -> dict:
     config = engine.model_config
     dtype = getattr(torch, args.dtype)
@@ -215,6 +253,7 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
     elems = adapter.num_parameters
     out: dict = {"adapter_bytes": elems * dtype.itemsize, "adapter_tensors": len(adapter.tensors)}
     out.update(bench_d2d(elems, dtype, engine.device, clock))
+    out.update(bench_slot_write(engine, adapter, clock))
 
     disk = []
     for k in range(SWAPS):
