@@ -340,8 +340,9 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
     return out
 
 
-def section(results: dict, name: str, fn: Callable[[], dict]) -> None:
-    """Run one part of the benchmark; a failure is recorded and printed, the other parts still run."""
+def section(results: dict, name: str, fn: Callable[[], dict], out: Path | None) -> None:
+    """Run one part of the benchmark; a failure is recorded and printed, the other parts still run.
+    Results so far are written after every part, so a run cut short keeps what it measured."""
     t0 = time.perf_counter()
     try:
         results[name] = fn()
@@ -349,6 +350,8 @@ def section(results: dict, name: str, fn: Callable[[], dict]) -> None:
         traceback.print_exc()
         results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     print(f"[{name}] {time.perf_counter() - t0:.1f}s", flush=True)
+    if out is not None:
+        out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def table(results: dict) -> str:
@@ -435,21 +438,21 @@ def main() -> None:
             engine.load_adapter(f"a{i}", adapter, pinned=True)
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
         prompts = make_prompts(args.batch, args.prompt)
-        section(results, "engine", partial(bench_engine, engine, clock, prompts, args.new))
+        section(results, "engine", partial(bench_engine, engine, clock, prompts, args.new), args.out)
         engine.unload_adapter(f"a{max(COUNTS) - 1}")  # a free slot for the swaps
-        section(results, "swap", partial(bench_swap, engine, adapters[-1], model_dir, tmp, args, clock, prompts))
+        swap = partial(bench_swap, engine, adapters[-1], model_dir, tmp, args, clock, prompts)
+        section(results, "swap", swap, args.out)
         for i, adapter in enumerate(linear_adapters):  # peft's targets, for the row beside peft's
             if f"a{i}" in engine.adapters:
                 engine.unload_adapter(f"a{i}")
             engine.load_adapter(f"p{i}", adapter, pinned=True)
-        section(results, "engine_peft_targets", partial(bench_linear, engine, clock, prompts, args.new))
+        section(results, "engine_peft_targets", partial(bench_linear, engine, clock, prompts, args.new), args.out)
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if not args.no_peft:
-            section(results, "peft", partial(bench_peft, model_dir, linear_adapters, tmp, args, clock, prompts))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+            hf = partial(bench_peft, model_dir, linear_adapters, tmp, args, clock, prompts)
+            section(results, "peft", hf, args.out)
     print(table(results))
 
 
