@@ -1,4 +1,4 @@
-"""`inkwell serve` (embedded default in one command) and `inkwell admin` as a user runs them."""
+"""`inkwell serve` (embedded default in one command) in a subprocess; `inkwell admin` in-process."""
 
 import os
 import re
@@ -8,7 +8,9 @@ import sys
 import time
 
 import httpx
+from typer.testing import CliRunner
 
+from inkwell import cli
 from inkwell.tests.service.helpers import free_port
 
 INKWELL = [sys.executable, "-m", "inkwell.cli"]
@@ -46,17 +48,16 @@ def test_serve_embedded_default_prints_a_working_key_and_admin_adds_tenants(tmp_
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["inkling-tiny"]
 
-        admin = subprocess.run(
-            [*INKWELL, "admin", "create-tenant", "acme"], env=env, capture_output=True, text=True, timeout=120
-        )
-        assert admin.returncode == 0, admin.stderr
-        acme_key = re.search(r"(ink_[A-Za-z0-9_-]{20,})", admin.stdout).group(1)
+        runner = CliRunner()
+        admin = runner.invoke(cli.app, ["admin", "create-tenant", "acme"], env=env)
+        assert admin.exit_code == 0, admin.output
+        acme_key = re.search(r"(ink_[A-Za-z0-9_-]{20,})", admin.output).group(1)
         acme = httpx.get(f"http://127.0.0.1:{port}/v1/datasets", headers={"Authorization": f"Bearer {acme_key}"})
         assert acme.status_code == 200 and acme.json()["data"] == []
-        missing = subprocess.run(
-            [*INKWELL, "admin", "create-key", "nobody"], env=env, capture_output=True, text=True, timeout=120
-        )
-        assert missing.returncode == 1 and "create-tenant" in missing.stdout
+        again = runner.invoke(cli.app, ["admin", "create-tenant", "acme"], env=env)
+        assert again.exit_code == 1 and "already exists" in again.output
+        missing = runner.invoke(cli.app, ["admin", "create-key", "nobody"], env=env)
+        assert missing.exit_code == 1 and "create-tenant" in missing.output
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
