@@ -188,10 +188,12 @@ def stream_events(
     start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
 
     def poll(cursor: int) -> tuple[list[JobEvent], str]:
+        # State first: a terminal state is committed with its events, so reading the events after
+        # it can never miss them (under READ COMMITTED the reverse order could end the stream early).
         with sm() as fresh:
+            state = repo.get_job(fresh, who.tenant_id, job_id).state
             events = [event_view(e) for e in repo.list_events(fresh, job_id, cursor, 500)]
-            job = repo.get_job(fresh, who.tenant_id, job_id)
-            return events, job.state
+            return events, state
 
     async def stream() -> AsyncIterator[str]:
         cursor, idle = start, 0.0
