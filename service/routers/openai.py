@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
@@ -29,6 +29,7 @@ from inkwell.service.engine.engine import context_error
 from inkwell.service.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    OpenAIRequest,
     chat_logprobs,
     completion_logprobs,
     envelope,
@@ -77,17 +78,21 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 # ---- request handling shared by both routes ----------------------------------------------------
 
 
-async def _parse[T: BaseModel](request: Request, model: type[T]) -> T:
+async def _parse[T: OpenAIRequest](request: Request, model: type[T]) -> T:
     try:
         data = await request.json()
     except ValueError as exc:
         raise OpenAIError(400, "invalid_json", f"the request body is not valid JSON ({exc})") from exc
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise OpenAIError(400, "invalid_parameter", f"{param}: {first['msg']}", param) from exc
+    unsupported = body.unsupported()
+    if unsupported:
+        raise OpenAIError(400, "unsupported_parameter", f"{unsupported} is not supported; leave it unset", unsupported)
+    return body
 
 
 async def _resolve(request: Request, tenant: str, model: str) -> tuple[ServingTier, ResolvedModel]:

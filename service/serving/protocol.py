@@ -13,7 +13,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -24,6 +24,15 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first parameter set to something this server does not do (rather than silently ignore it)."""
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
+        return "logit_bias" if self.logit_bias else None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -46,7 +55,7 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -72,7 +81,7 @@ class ChatMessage(BaseModel):
         return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

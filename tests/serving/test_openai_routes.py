@@ -233,6 +233,8 @@ def test_bad_models_are_4xx_openai_errors(served, model, status, code):
         ({"max_tokens": 2000}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "x" * 1100}, "prompt", "context_length_exceeded"),
         ({"max_tokens": "many"}, "max_tokens", "invalid_parameter"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+        ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),
     ],
 )
 def test_bad_parameters_are_400(served, kwargs, param, code):
