@@ -1,0 +1,214 @@
+"""inkwell end to end on one machine: train two LoRA adapters, publish them, serve them mixed.
+
+Starts the embedded service (SQLite + SeaweedFS + a job worker + the CPU serving tier) in a
+fresh data directory, then uses only the public SDK and the `openai` client: trains one adapter
+per task on `inkling-tiny`, waits with progress bars, and sends held-out prompts for both tasks
+to the base model and to each adapter in one mixed batch. It prints a per-task accuracy table,
+writes a loss-curve PNG per job, and stops everything it started on exit, Ctrl-C included.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from openai import OpenAI  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tasks import TASKS, Example, is_correct, make_split  # noqa: E402
+
+from inkwell import sdk  # noqa: E402
+
+BASE = "inkling-tiny"
+console = Console()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedService:
+    """`inkwell serve` in its own process group; stop() ends it and everything it started."""
+
+    def __init__(self, data_dir: Path, port: int, log_path: Path) -> None:
+        self.data_dir, self.port, self.log_path = data_dir, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180.0) -> str:
+        """Start the service and return the local API key it printed."""
+        cli = Path(sys.executable).with_name("inkwell")
+        log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            [str(cli), "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        deadline = time.monotonic() + timeout
+        key = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the service exited with code {self.proc.returncode}; see {self.log_path}")
+            match = re.search(r"INKWELL_API_KEY=(\S+)", self.log_path.read_text())
+            key = key or (match.group(1) if match else None)
+            try:
+                if key and httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return key
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the service did not become healthy in {timeout:.0f}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def to_records(examples: list[Example]) -> list[dict]:
+    return [{"prompt": e.prompt, "completion": e.completion} for e in examples]
+
+
+def plot_losses(client: sdk.Client, job: sdk.Job, path: Path) -> None:
+    points = [
+        (e.data["step"], e.data["loss"], e.data.get("eval_loss"))
+        for e in client.jobs.history(job.id)
+        if e.type == "progress" and "loss" in e.data
+    ]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([p[0] for p in points], [p[1] for p in points], label="train loss")
+    evals = [(p[0], p[2]) for p in points if p[2] is not None]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out loss")
+    ax.set(xlabel="step", ylabel="loss", title=f"{job.adapter_name} ({job.id})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def evaluate(openai: OpenAI, models: list[str], held_out: dict[str, list[Example]]) -> dict:
+    """Accuracy per (model, task), every request sent at once so the server batches them mixed."""
+    requests = [(model, task, ex) for task, exs in held_out.items() for ex in exs for model in models]
+
+    def ask(item):
+        model, task, ex = item
+        out = openai.completions.create(model=model, prompt=ex.prompt, max_tokens=10, temperature=0)
+        return model, task, is_correct(ex, out.choices[0].text)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        results = list(pool.map(ask, requests))
+    return {
+        (model, task): sum(ok for m, t, ok in results if (m, t) == (model, task)) / len(held_out[task])
+        for model in models
+        for task in held_out
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path(".demo"), help="everything the demo writes")
+    parser.add_argument("--steps", type=int, default=160, help="optimizer steps per adapter")
+    parser.add_argument("--train-examples", type=int, default=600)
+    parser.add_argument("--eval-examples", type=int, default=40, help="held-out prompts per task")
+    parser.add_argument("--min-accuracy", type=float, default=0.8, help="an adapter must reach this on its task")
+    args = parser.parse_args()
+
+    workdir = args.workdir.resolve()
+    shutil.rmtree(workdir / "service", ignore_errors=True)  # a fresh service every run
+    (workdir / "service").mkdir(parents=True)
+    service = EmbeddedService(workdir / "service", free_port(), workdir / "service.log")
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        console.rule("[bold]inkwell demo")
+        console.print(f"starting the embedded service at {service.url} (log: {service.log_path})")
+        key = service.start()
+        client = sdk.Client(service.url, key)
+        splits = {
+            task: make_split(task, args.train_examples + args.eval_examples, seed=i) for i, task in enumerate(TASKS)
+        }
+        held_out = {task: exs[args.train_examples :] for task, exs in splits.items()}
+        jobs = {}
+        for task, examples in splits.items():
+            jobs[task] = client.train(
+                BASE,
+                to_records(examples[: args.train_examples]),
+                lora={"rank": 16, "alpha": 32, "targets": ["attn", "mlp", "experts", "shared_experts", "lm_head"]},
+                adapter_name=task,
+                wait=False,
+                max_steps=args.steps,
+                learning_rate=3e-3,
+                batch_size=8,
+                seq_len=256,
+                warmup_steps=5,
+            )
+            console.print(f"submitted job {jobs[task].id}: adapter [bold]{task}[/]")
+        for task, job in jobs.items():
+            console.print(f"training [bold]{task}[/] ({job.id})")
+            job.wait(progress=True)
+            console.print(f"  published {task} version {job.adapter.version}")
+            png = workdir / f"{task}-loss.png"
+            plot_losses(client, job, png)
+            console.print(f"  loss curve: {png}")
+
+        openai = OpenAI(base_url=f"{service.url}/v1", api_key=key)
+        models = [BASE] + [f"{BASE}:{task}" for task in TASKS]
+        console.print(f"asking {len(models)} models {sum(map(len, held_out.values()))} held-out prompts each, mixed")
+        accuracy = evaluate(openai, models, held_out)
+        table = Table(title="held-out accuracy (exact match)")
+        table.add_column("model")
+        for task in TASKS:
+            table.add_column(task, justify="right")
+        for model in models:
+            table.add_row(model, *(f"{accuracy[(model, task)]:.0%}" for task in TASKS))
+        console.print(table)
+        sample = held_out["sentiment"][0]
+        for model in models:
+            text = openai.completions.create(model=model, prompt=sample.prompt, max_tokens=10, temperature=0)
+            console.print(f"{model:>24} | {sample.prompt.splitlines()[0]!r} -> {text.choices[0].text!r}")
+        ok = all(
+            accuracy[(f"{BASE}:{task}", task)] >= args.min_accuracy
+            and accuracy[(f"{BASE}:{task}", task)] > accuracy[(BASE, task)] + 0.3
+            and all(
+                accuracy[(f"{BASE}:{task}", task)] > accuracy[(f"{BASE}:{o}", task)] + 0.3 for o in TASKS if o != task
+            )
+            for task in TASKS
+        )
+        console.print("[green]each adapter does its own task[/]" if ok else "[red]an adapter did not learn its task[/]")
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; stopping the service[/]")
+        return 130
+    finally:
+        service.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
