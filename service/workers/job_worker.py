@@ -88,14 +88,18 @@ class _Job:
                 self.cancel.set()
 
     def write(self, event: tuple[str, str, dict] | None = None, state: str | None = None, **values) -> None:
-        """Update the job row (and add an event) only while this worker still holds it."""
+        """Update the job row and add an event, only while this worker still holds the job.
+
+        Every write goes through the fenced UPDATE (an event-only write renews the lease), which
+        also makes the job row the lock that orders this worker's events before a successor's.
+        """
+        if state:
+            values["state"] = state
+        values = values or {"lease_expires_at": utcnow() + self.worker.lease}
         with self.worker.sm() as s:
-            if values or state:
-                if state:
-                    values["state"] = state
-                if not repo.update_held_job(s, self.id, self.worker.worker_id, **values):
-                    self.lost.set()
-                    raise LeaseLost(self.id)
+            if not repo.update_held_job(s, self.id, self.worker.worker_id, **values):
+                self.lost.set()
+                raise LeaseLost(self.id)
             if event:
                 type_, message, data = event
                 repo.add_event(s, self.id, type_, message, data, state=state)
