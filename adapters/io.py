@@ -45,7 +45,8 @@ def save_adapter(adapter: Adapter, out_dir: str | Path, layout: str, config: Ink
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_FILE)
+        # cloned: loaded factors may share storage (sglang keeps one A for w1/w3), which safetensors refuses
+        save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, tmp / WEIGHTS_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         write_manifest(
             tmp,

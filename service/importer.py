@@ -65,8 +65,6 @@ def import_adapter(
             raise _invalid(
                 f"not an Inkling LoRA adapter in the {layout} layout ({type(exc).__name__}: {exc})", "unreadable"
             ) from exc
-        # Loaded factors can be views of one another (sglang keeps one A for w1/w3); own them.
-        adapter.tensors = {k: v.clone() for k, v in adapter.tensors.items()}
         out = Path(tmp) / "out"
         dirs = {lay: save_adapter(adapter, out / lay, lay, config) for lay in LAYOUTS}
         pub = Publication(

@@ -57,6 +57,13 @@ def test_layouts_round_trip_bit_exactly(setup, tmp_path, layout):
         assert torch.equal(back.tensors[name], tensor), name
 
 
+def test_an_adapter_loaded_from_one_layout_saves_in_the_other(setup, tmp_path):
+    config, adapter, *_ = setup
+    from_sglang = load_adapter(save_adapter(adapter, tmp_path / "s", "sglang", config), config)
+    back = load_adapter(save_adapter(from_sglang, tmp_path / "p", "peft", config), config)
+    assert all(torch.equal(back.tensors[k], v) for k, v in adapter.tensors.items())
+
+
 def test_per_group_ranks_survive_the_peft_layout(tiny_model_dir, tmp_path):
     config = load_base_config(tiny_model_dir)
     spec = LoraSpec(rank=8, alpha=16, targets=("attn", "experts", "shared_experts"), ranks={"attn": 4})
