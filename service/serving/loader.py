@@ -6,6 +6,8 @@ torch.multiprocessing and copies it into a slot between steps. A staged buffer s
 until the worker says it is done with it ("release"), which is what CUDA IPC requires.
 """
 
+import multiprocessing
+import queue
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,15 +20,25 @@ from inkwell.service.serving.transfer import PackedAdapter, pack
 
 
 def loader_main(model_dir: str, dtype: str, device: str, inbox, worker_inbox) -> None:
-    """Serve ("load", key, source, pinned), ("release", key) and ("stop",) messages until stopped."""
+    """Serve ("load", key, source, pinned), ("release", key) and ("stop",) messages until stopped.
+
+    It also stops when its worker is gone: a worker killed with SIGKILL never sends "stop", and an
+    orphaned loader would otherwise wait on its queue forever.
+    """
     torch.set_num_threads(1)
+    worker = multiprocessing.parent_process()
     config = load_base_config(model_dir)
     identity = base_model_identity(model_dir)
     staged: dict[str, PackedAdapter] = {}
     scratch = Path(tempfile.mkdtemp(prefix="inkwell-loader-"))
     try:
         while True:
-            msg = inbox.get()
+            try:
+                msg = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if worker is not None and not worker.is_alive():
+                    return
+                continue
             if msg[0] == "stop":
                 return
             if msg[0] == "release":

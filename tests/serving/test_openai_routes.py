@@ -300,10 +300,36 @@ def test_a_dead_worker_fails_its_requests_with_503_and_is_restarted(served):
     while worker.inflight == 0:
         assert time.monotonic() < deadline, "the request never reached the worker"
         time.sleep(0.05)
+    loaders = _children(worker.process.pid)
+    assert loaders, "the worker has no colocated loader process"
     worker.process.kill()  # the worker process this service started
     thread.join(60)
     assert len(errors) == 1 and errors[0].status_code == 503
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in loaders):
+        assert time.monotonic() < deadline, "the killed worker's loader outlived it"
+        time.sleep(0.2)
     assert errors[0].body["code"] == "worker_unavailable"
     again = client.completions.create(model="inkling-tiny:alpha", prompt="x", max_tokens=3, temperature=0)
     assert again.choices[0].finish_reason in ("stop", "length")
     assert router.workers["inkling-tiny"][0] is not worker
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid`, read from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
