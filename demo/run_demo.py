@@ -93,17 +93,18 @@ def to_records(examples: list[Example]) -> list[dict]:
 
 
 def plot_losses(client: sdk.Client, job: sdk.Job, path: Path) -> None:
-    points = [
-        (e.data["step"], e.data["loss"], e.data.get("eval_loss"))
-        for e in client.jobs.history(job.id)
-        if e.type == "progress" and "loss" in e.data
-    ]
+    """Train loss per step and held-out loss per eval pass, from the job's recorded events."""
+    train, held_out = [], []
+    for event in client.jobs.history(job.id):
+        if event.type == "progress" and "loss" in event.data:
+            train.append((event.data["step"], event.data["loss"]))
+        elif event.type == "eval" and "eval_loss" in event.data:
+            held_out.append((event.data["step"], event.data["eval_loss"]))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([p[0] for p in points], [p[1] for p in points], label="train loss")
-    evals = [(p[0], p[2]) for p in points if p[2] is not None]
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="held-out loss")
-    ax.set(xlabel="step", ylabel="loss", title=f"{job.adapter_name} ({job.id})")
+    ax.plot(*zip(*train, strict=True), label="train loss")
+    if held_out:
+        ax.plot(*zip(*held_out, strict=True), "o-", label="held-out loss")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", yscale="log", title=f"{job.adapter_name} ({job.id})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -168,6 +169,8 @@ def main() -> int:
                 batch_size=8,
                 seq_len=256,
                 warmup_steps=5,
+                eval_every=20,
+                eval_fraction=0.1,
             )
             console.print(f"submitted job {jobs[task].id}: adapter [bold]{task}[/]")
         for task, job in jobs.items():
