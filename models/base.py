@@ -107,13 +107,22 @@ def config_identity(config: InklingTextConfig, name: str) -> BaseModelIdentity:
     return BaseModelIdentity(name, _config_fingerprint(config))
 
 
+# transformers 5.17 saves the embedding norm as `model.embed_norm`; 5.19 nests it in `embed_tokens`.
+_WEIGHT_ALIASES = {"model.embed_norm.weight": "model.embed_tokens.embed_norm.weight"}
+
+
+def canonical_weight_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict under the transformers 5.19 names every inkwell model uses."""
+    return {_WEIGHT_ALIASES.get(name, name): tensor for name, tensor in state.items()}
+
+
 def load_base_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by transformers name, or a BaseModelError for a bad file."""
+    """The checkpoint's tensors by (5.19) transformers name, or a BaseModelError for a bad file."""
     path = Path(model_dir) / WEIGHTS_FILE
     if not path.is_file():
         raise BaseModelError(f"{path}: missing; the base model's weights must be in {WEIGHTS_FILE}")
     try:
-        return load_file(str(path))
+        return canonical_weight_names(load_file(str(path)))
     except (SafetensorError, OSError, ValueError) as exc:
         raise BaseModelError(f"{path}: corrupt safetensors file ({exc}); re-download or re-create it") from exc
 

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
+from inkwell.models import canonical_weight_names
 from inkwell.trainer.parallel import ep_group, tp_group
 
 # Checkpoints written by transformers < 5.19 keep the embedding norm beside the embedding.
-HF_ALIASES = {"model.embed_norm.weight": "model.embed_tokens.embed_norm.weight"}
 
 
 def marked_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
@@ -66,7 +66,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_state(model: nn.Module, state: dict[str, torch.Tensor], lora: bool) -> None:
     """Copy base (lora=False) or adapter (lora=True) tensors into this rank's shards; names must match."""
-    state = {HF_ALIASES.get(name, name): tensor for name, tensor in state.items()}
+    state = canonical_weight_names(state)
     wanted = {t.hf_name for t in marked_tensors(model) if is_lora(t) == lora}
     missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
     if missing or unexpected:

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from transformers import InklingTextConfig
 
 from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink, lora_shrink_expand
+from inkwell.models import canonical_weight_names
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.state import StatePool
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
 # transformers < 5.19 saved the embedding norm beside the embedding rather than inside it.
-RENAMED = {"model.embed_norm.weight": "model.embed_tokens.embed_norm.weight"}
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,7 @@ class InklingModel:
         self.device = torch.device(device)
         self.w: dict[str, torch.Tensor] = {}
         f = config.moe_intermediate_size
-        for name, tensor in weights.items():
-            name = RENAMED.get(name, name)
+        for name, tensor in canonical_weight_names(weights).items():
             keep_fp32 = any(f".{conv}." in name for conv in CONV_NAMES)
             tensor = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else dtype)
             if name.endswith("mlp.experts.gate_up_proj"):  # gate rows first, then up

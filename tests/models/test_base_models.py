@@ -76,3 +76,15 @@ def test_missing_corrupt_or_foreign_checkpoints_are_refused(tiny_model_dir, tmp_
     (broken / "config.json").write_text("{not json")
     with pytest.raises(BaseModelError, match="not valid JSON"):
         load_base_config(broken)
+
+
+def test_a_transformers_5_17_checkpoint_loads_under_the_current_names(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    old = init_base_model("inkling-tiny", tmp_path / "old", seed=0)
+    state = load_file(str(old / WEIGHTS_FILE))
+    state["model.embed_norm.weight"] = state.pop("model.embed_tokens.embed_norm.weight")
+    save_file(state, str(old / WEIGHTS_FILE))
+    ids = torch.randint(0, 263, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(load_base_model(old)(ids).logits, load_base_model(tiny_model_dir)(ids).logits)
