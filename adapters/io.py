@@ -20,6 +20,7 @@ from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.errors import LayoutError, ManifestError
 from inkwell.adapters.layouts import peft as peft_layout
 from inkwell.adapters.layouts import sglang as sglang_layout
+from inkwell.adapters.layouts.lora_config import plain_lora_problem
 from inkwell.adapters.manifest import MANIFEST, read_manifest, write_manifest
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models.base import BaseModelIdentity
@@ -111,8 +112,8 @@ def read_external_adapter(
         adapter_config = json.loads((directory / CONFIG_FILE).read_text())
     except json.JSONDecodeError as exc:
         raise LayoutError(f"{directory / CONFIG_FILE}: not valid JSON ({exc})", CONFIG_FILE) from exc
-    if str(adapter_config.get("peft_type", "")).upper() != "LORA":
-        raise LayoutError(f"{directory / CONFIG_FILE}: peft_type must be LORA, got {adapter_config.get('peft_type')!r}")
+    if problem := plain_lora_problem(adapter_config):
+        raise LayoutError(f"{directory / CONFIG_FILE}: {problem}", CONFIG_FILE)
     if layout == "sglang":
         spec, canonical = sglang_layout.from_sglang(_read_tensors(directory), adapter_config, config)
     else:

@@ -13,7 +13,7 @@ from inkwell.adapters.errors import (
     UnknownModuleError,
 )
 from inkwell.adapters.spec import MAX_RANK
-from inkwell.adapters.targets import expected_shapes
+from inkwell.adapters.targets import model_targets
 from inkwell.models.base import BaseModelIdentity
 
 
@@ -35,7 +35,11 @@ def validate(
                 f"group {group!r} has rank {adapter.spec.rank_for(group)}, over this server's limit {max_rank}; "
                 "retrain with a smaller rank or raise the limit"
             )
-    expected = expected_shapes(config, adapter.spec)
+    expected = {
+        f"{target.module}.{factor}": (shape, target.group)
+        for target in model_targets(config, adapter.spec)
+        for factor, shape in target.shapes(adapter.spec.rank_for(target.group)).items()
+    }
     for name in adapter.tensors:
         if name not in expected:
             raise UnknownModuleError(
@@ -43,7 +47,7 @@ def validate(
                 f"{list(adapter.spec.targets)}; remove it or fix its name",
                 name,
             )
-    for name, shape in expected.items():
+    for name, (shape, group) in expected.items():
         if name not in adapter.tensors:
             raise MissingModuleError(
                 f"tensor {name!r} is missing; an adapter targeting {list(adapter.spec.targets)} needs every "
@@ -54,18 +58,8 @@ def validate(
         if tuple(tensor.shape) != shape:
             raise ShapeMismatchError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape} for rank "
-                f"{adapter.spec.rank_for(_group_of(name))}; was it trained on another base model?",
+                f"{adapter.spec.rank_for(group)}; was it trained on another base model?",
                 name,
             )
         if not torch.isfinite(tensor).all():
             raise NonFiniteError(f"tensor {name!r} contains NaN or Inf; the training run diverged", name)
-
-
-def _group_of(name: str) -> str:
-    if ".self_attn." in name:
-        return "attn"
-    if ".shared_experts." in name:
-        return "shared_experts"
-    if ".experts." in name:
-        return "experts"
-    return "lm_head" if name.startswith("lm_head") else "mlp"

@@ -41,8 +41,9 @@ from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.errors import LayoutError
+from inkwell.adapters.layouts.lora_config import plain_lora_problem
 from inkwell.adapters.spec import TARGET_GROUPS, LoraSpec
-from inkwell.adapters.targets import Target, model_targets
+from inkwell.adapters.targets import Target, expected_shapes, model_targets
 
 LAYOUT = "sglang"
 FORMAT_VERSION = 1
@@ -90,7 +91,7 @@ def to_sglang(adapter: Adapter, config: InklingTextConfig) -> tuple[dict[str, to
     spec = adapter.spec
     _check_servable(config, spec)
     targets = model_targets(config, spec)
-    _check_shapes(adapter.tensors, _canonical_shapes(targets, spec), "adapter")
+    _check_shapes(adapter.tensors, expected_shapes(config, spec), "adapter")
     max_rank = spec.max_rank
     out: dict[str, torch.Tensor] = {}
     for target in targets:
@@ -159,15 +160,9 @@ def from_sglang(
 
 
 def _check_peft_type(adapter_config: dict) -> None:
-    peft_type = str(adapter_config.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise SglangLayoutError(
-            f"adapter_config.json: peft_type is {peft_type or 'missing'!r}; only LORA adapters load"
-        )
-    if adapter_config.get("use_dora"):
-        raise SglangLayoutError(
-            "adapter_config.json: use_dora is set; DoRA adapters are not plain LoRA and cannot load"
-        )
+    problem = plain_lora_problem(adapter_config)
+    if problem:
+        raise SglangLayoutError(f"adapter_config.json: {problem}")
 
 
 def spec_from_config(adapter_config: dict) -> LoraSpec:
@@ -211,14 +206,6 @@ def _check_servable(config: InklingTextConfig, spec: LoraSpec) -> None:
             f"layers {stray} have dense MLPs after the first MoE layer ({leading}); SGLang's Inkling "
             "serves dense MLPs only before the MoE layers, so 'mlp' LoRA on them cannot be served"
         )
-
-
-def _canonical_shapes(targets: list[Target], spec: LoraSpec) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    for target in targets:
-        for factor, shape in target.shapes(spec.rank_for(target.group)).items():
-            shapes[f"{target.module}.{factor}"] = shape
-    return shapes
 
 
 def _layout_shapes(target: Target, rank: int) -> dict[str, tuple[int, ...]]:
@@ -356,7 +343,7 @@ def _adopt_foreign(
                 canonical[n] = torch.zeros(shape, dtype=dtype)
         elif not all(present):
             raise SglangLayoutError(f"{module_name(target)}: has only one of lora_A / lora_B", module_name(target))
-    _check_shapes(canonical, _canonical_shapes(model_targets(config, spec), spec), "sglang adapter")
+    _check_shapes(canonical, expected_shapes(config, spec), "sglang adapter")
     return spec, canonical
 
 
