@@ -5,6 +5,8 @@ sequence and prefill chunks of new ones (up to `max_batch_tokens`) into one forw
 their adapters: the per-token slot index selects each token's LoRA. A request is bound to its
 adapter's slot when it is admitted, so an adapter version loaded later never changes a running
 request; copying an adapter into a slot happens between steps and touches only that slot.
+On CUDA, steps in which every sequence decodes one token replay a captured CUDA graph
+(`CudaGraphDecoder`); steps with prefill chunks run the eager forward.
 """
 
 import itertools
@@ -17,10 +19,12 @@ import torch
 from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.models import base_model_identity, load_base_config, load_base_weights, load_tokenizer, stop_token_ids
+from inkwell.service.engine.graphs import CudaGraphDecoder
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment
 from inkwell.service.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
 from inkwell.service.engine.state import StatePool
+from inkwell.service.engine.streams import SideStream
 from inkwell.service.engine.text import TextTracker
 
 
@@ -58,6 +62,8 @@ class EngineConfig:
     max_context: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "float32"
     device: str = "cpu"
+    cuda_graphs: bool = True  # CUDA only: pure decode steps replay captured graphs
+    lora_side_stream: bool = False  # CUDA only: LoRA beside the base GEMMs on a second stream
 
 
 @dataclass
@@ -130,7 +136,11 @@ class Engine:
         device = torch.device(config.device)
         self.max_context = min(config.max_context or 1 << 62, self.model_config.max_position_embeddings)
         self.model = InklingModel(self.model_config, load_base_weights(model_dir), dtype=dtype, device=device)
-        self.state = StatePool(self.model_config, config.max_seqs, self.max_context, dtype, device)
+        graphs = config.cuda_graphs and device.type == "cuda"
+        if config.lora_side_stream and device.type == "cuda":
+            self.model.lora_stream = SideStream(device)
+        # The graph decoder keeps one extra state slot for its padding rows.
+        self.state = StatePool(self.model_config, config.max_seqs + int(graphs), self.max_context, dtype, device)
         self.lora = LoraSlots(
             self.model_config,
             self.identity,
@@ -140,6 +150,7 @@ class Engine:
             dtype,
             device,
         )
+        self.decoder = CudaGraphDecoder(self.model, self.state, self.lora, config.max_seqs) if graphs else None
         self.device = device
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
         self._pinned: set[str] = set()
@@ -282,13 +293,16 @@ class Engine:
                 logit_rows += range(first, first + length)
             elif seq.computed + length == len(seq.tokens):
                 logit_rows.append(first + length - 1)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            lora_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-            segments=segments,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
-        )
-        logits = self.model.forward(batch, self.state, self.lora).cpu()
+        if self.decoder is not None and len(ids) == len(plan) == len(logit_rows):  # one token each, all scored
+            logits = self.decoder(ids, [s.seq_slot for s in segments], [s.start for s in segments], slots).cpu()
+        else:
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+                lora_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+                segments=segments,
+                logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            )
+            logits = self.model.forward(batch, self.state, self.lora).cpu()
         self.steps += 1
         row_of = {r: i for i, r in enumerate(logit_rows)}
         outputs = []

@@ -18,6 +18,7 @@ from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand,
 from inkwell.models import canonical_weight_names
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.state import StatePool
+from inkwell.service.engine.streams import SideStream
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
 # transformers < 5.19 saved the embedding norm beside the embedding rather than inside it.
@@ -104,15 +105,32 @@ class InklingModel:
             else:
                 self.w[name] = tensor
         self.eps = config.rms_norm_eps
+        # CUDA only: where set, each projection's LoRA runs beside its base GEMM (see `_linear`).
+        self.lora_stream: SideStream | None = None
 
     # ---- projections with LoRA -------------------------------------------------------------
 
     def _linear(self, x: torch.Tensor, module: str, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
-        y = F.linear(x, self.w[f"{module}.weight"])
+        """x @ W^T plus each token's LoRA delta (one fused launch on CUDA at decode sizes).
+
+        With `lora_stream` the delta goes into a zeroed buffer on the side stream while the base GEMM
+        runs, and is added after the join: the kernels round delta the same way either way, so the
+        result is bitwise the in-place one.
+        """
+        weight = self.w[f"{module}.weight"]
         buf = lora.buffers.get(module) if lora is not None else None
-        if buf is not None:  # one fused launch on CUDA at decode sizes
+        if buf is None:
+            return F.linear(x, weight)
+        if self.lora_stream is None:
+            y = F.linear(x, weight)
             lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, y)
-        return y
+            return y
+        delta = x.new_empty(x.shape[0], weight.shape[0])
+        with self.lora_stream.fork():
+            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, delta.zero_())
+        y = F.linear(x, weight)
+        self.lora_stream.join()
+        return y.add_(delta)
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
 

@@ -1,0 +1,115 @@
+"""Decode steps replayed from CUDA graphs, one per (batch bucket, context bucket, LoRA on/off).
+
+An eager decode step of a 1B model launches hundreds of kernels and is bound by the host. A graph
+captured over `DecodeForward` replays them all in one launch: the step's inputs are copied into the
+bucket's static buffers (one host-to-device copy) and the graph runs. The LoRA slot buffers and
+the state pools are read and written in place, so an adapter swap, which rewrites a slot's
+contents, needs no re-capture. Graphs are captured lazily on a bucket's first step, after a
+warm-up run (Triton compiles, cuBLAS picks its workspaces) whose padding-only batch touches only
+the scratch state slot; all graphs share one private memory pool, which is safe because replays
+run one at a time on one stream and each graph's output buffer stays alive.
+
+On the CPU (or with `graphs=False`) the same bucketed forward runs eagerly, which is how the CPU
+tests check everything but the capture itself.
+"""
+
+import torch
+
+from inkwell.service.engine.decode import DecodeForward, DecodeInputs
+from inkwell.service.engine.lora import LoraSlots
+from inkwell.service.engine.model import InklingModel
+from inkwell.service.engine.state import StatePool
+
+MIN_CONTEXT_BUCKET = 256
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Powers of two below `max_batch`, then `max_batch` itself."""
+    buckets, size = [], 1
+    while size < max_batch:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_batch]
+
+
+def context_bucket(max_position: int, max_context: int) -> int:
+    """Keys a step's full-attention layers read: the smallest power of two >= MIN_CONTEXT_BUCKET that
+    covers `max_position`, capped by the pool's context."""
+    size = MIN_CONTEXT_BUCKET
+    while size <= max_position:
+        size *= 2
+    return min(size, max_context)
+
+
+class CudaGraphDecoder:
+    """Bucketed decode of up to `max_batch` sequences over `state`, replayed from CUDA graphs on CUDA.
+
+    Takes one state slot from `state` for the padding rows and keeps it. `grouped_mm` as in
+    `DecodeForward` (None: decide from dtype and device).
+    """
+
+    def __init__(
+        self,
+        model: InklingModel,
+        state: StatePool,
+        lora: LoraSlots | None,
+        max_batch: int,
+        graphs: bool = True,
+        grouped_mm: bool | None = None,
+    ):
+        self.forward = DecodeForward(model, state, lora, grouped_mm)
+        self.state = state
+        self.has_lora = lora is not None and bool(lora.buffers)
+        self.device = model.device
+        self.scratch = state.acquire()
+        self.buckets = batch_buckets(max_batch)
+        self.use_graphs = graphs and self.device.type == "cuda"
+        self.inputs = {b: DecodeInputs.empty(b, self.device) for b in self.buckets}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def __call__(
+        self, input_ids: list[int], seq_slots: list[int], positions: list[int], lora_slots: list[int]
+    ) -> torch.Tensor:
+        """fp32 next-token logits [n, vocab] of n one-token rows; a view of the graph's output buffer,
+        valid until the next call."""
+        n = len(input_ids)
+        batch = next(b for b in self.buckets if b >= n)
+        context = context_bucket(max(positions), self.state.max_context)
+        use_lora = self.has_lora and any(s >= 0 for s in lora_slots)
+        pad = batch - n
+        packed = torch.tensor(
+            [
+                input_ids + [0] * pad,
+                seq_slots + [self.scratch] * pad,
+                positions + [0] * pad,
+                lora_slots + [-1] * pad,
+            ],
+            dtype=torch.long,
+        )
+        inputs = self.inputs[batch]
+        key = (batch, context, use_lora)
+        if self.use_graphs and key not in self.graphs:
+            self.graphs[key] = self._capture(inputs, context, use_lora)
+        inputs.packed.copy_(packed, non_blocking=True)  # pageable memory: staged before the call returns
+        if not self.use_graphs:
+            return self.forward(inputs, context, use_lora)[:n]
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, inputs: DecodeInputs, context: int, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream, then capture, both over a padding-only batch (scratch slot only)."""
+        batch = inputs.packed.shape[1]
+        padding = torch.tensor([[0] * batch, [self.scratch] * batch, [0] * batch, [-1] * batch], dtype=torch.long)
+        inputs.packed.copy_(padding)
+        warm = torch.cuda.Stream(self.device)
+        warm.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(warm):
+            for _ in range(2):
+                self.forward(inputs, context, use_lora)
+        torch.cuda.current_stream(self.device).wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = self.forward(inputs, context, use_lora)
+        return graph, logits

@@ -1,0 +1,144 @@
+"""The capturable decode forward (bucketed batch, fixed key length, device-sorted experts) against the eager
+forward on the CPU: same logits and same sequence state, with mixed adapters, base rows and padding rows,
+past the sliding window and the relative extent. The capture itself is tested in test_graph_gpu.py."""
+
+import pytest
+import torch
+
+from inkwell.models import base_model_identity, load_base_config, load_base_weights
+from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+from inkwell.service.engine.graphs import CudaGraphDecoder, batch_buckets, context_bucket
+from inkwell.service.engine.lora import LoraSlots
+from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment
+from inkwell.service.engine.state import StatePool
+
+MAX_CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir, tiny_adapters):
+    config = load_base_config(tiny_model_dir)
+    model = InklingModel(config, load_base_weights(tiny_model_dir))
+    lora = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=5, max_rank=16)
+    for i, adapter in enumerate(tiny_adapters):
+        assert lora.place(f"a{i}", adapter) == i
+    return config, model, lora
+
+
+def batch_of(ids: list[int], lora_slots: list[int], segments: list[Segment], logit_rows: list[int]) -> ForwardBatch:
+    return ForwardBatch(
+        input_ids=torch.tensor(ids),
+        lora_slots=torch.tensor(lora_slots),
+        segments=segments,
+        logit_rows=torch.tensor(logit_rows),
+    )
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert context_bucket(0, 4096) == 256 and context_bucket(255, 4096) == 256
+    assert context_bucket(256, 4096) == 512 and context_bucket(3000, 4096) == 4096
+    assert context_bucket(40, 96) == 96
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "all_experts"])
+def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
+    config, model, lora = tiny
+    eager = StatePool(config, 6, MAX_CONTEXT, torch.float32, torch.device("cpu"))
+    pool = StatePool(config, 7, MAX_CONTEXT, torch.float32, torch.device("cpu"))
+    decoder = CudaGraphDecoder(model, pool, lora, max_batch=8, grouped_mm=grouped_mm)
+    assert decoder.forward.grouped_mm is grouped_mm
+    prompts = [[1, *range(5 + 3 * i, 16 + 4 * i)] for i in range(5)]  # 12..28 tokens
+    adapters = [0, 2, -1, 4, 1]  # every adapter shape of conftest's SPECS, and a base-model row
+    eager_slots = [eager.acquire() for _ in prompts]
+    pool_slots = [pool.acquire() for _ in prompts]
+    assert decoder.scratch not in pool_slots
+
+    # The same eager prefill into both pools.
+    ids, lslots, rows, first = [], [], [], 0
+    for prompt, adapter in zip(prompts, adapters, strict=True):
+        ids += prompt
+        lslots += [adapter] * len(prompt)
+        first += len(prompt)
+        rows.append(first - 1)
+    for state, slots in ((eager, eager_slots), (pool, pool_slots)):
+        starts = [0, *[len(p) for p in prompts]]
+        segments = [Segment(s, 0, n) for s, n in zip(slots, starts[1:], strict=True)]
+        logits = model.forward(batch_of(ids, lslots, segments, rows), state, lora)
+
+    tokens = [int(t) for t in logits.argmax(-1)]
+    positions = [len(p) for p in prompts]
+    live = list(range(len(prompts)))
+    worst = 0.0
+    for step in range(40):  # positions up to 67: past the window (24) and the relative extent (48)
+        if step == 25:
+            live.remove(3)  # 4 rows: the 4-bucket, no padding
+        if step == 32:
+            live.remove(0)  # 3 rows in the 4-bucket
+        segments = [Segment(eager_slots[i], positions[i], 1) for i in live]
+        expected = model.forward(
+            batch_of([tokens[i] for i in live], [adapters[i] for i in live], segments, list(range(len(live)))),
+            eager,
+            lora,
+        )
+        got = decoder(
+            [tokens[i] for i in live],
+            [pool_slots[i] for i in live],
+            [positions[i] for i in live],
+            [adapters[i] for i in live],
+        )
+        assert got.shape == expected.shape
+        worst = max(worst, (got - expected).abs().max().item())
+        for row, i in enumerate(live):
+            tokens[i] = int(expected[row].argmax())
+            positions[i] += 1
+    assert worst < 1e-5
+
+    # Every real sequence's state is the eager one; padding touched only the scratch slot.
+    for layer in range(config.num_hidden_layers):
+        for mine, theirs in ((pool.keys, eager.keys), (pool.values, eager.values)):
+            assert (mine[layer][pool_slots] - theirs[layer][eager_slots]).abs().max().item() < 1e-5
+        for site in range(4):
+            diff = pool.conv[layer][site][pool_slots] - eager.conv[layer][site][eager_slots]
+            assert diff.abs().max().item() < 1e-5
+        untouched = [s for s in range(pool.max_seqs) if s not in pool_slots and s != decoder.scratch]
+        assert not pool.keys[layer][untouched].any() and not pool.conv[layer][0][untouched].any()
+
+
+def test_base_only_batch_skips_lora_and_equals_eager(tiny):
+    config, model, lora = tiny
+    eager = StatePool(config, 2, MAX_CONTEXT, torch.float32, torch.device("cpu"))
+    pool = StatePool(config, 3, MAX_CONTEXT, torch.float32, torch.device("cpu"))
+    decoder = CudaGraphDecoder(model, pool, lora, max_batch=2)
+    e, p = eager.acquire(), pool.acquire()
+    prompt = list(range(1, 30))
+    for state, slot in ((eager, e), (pool, p)):
+        model.forward(batch_of(prompt, [-1] * 29, [Segment(slot, 0, 29)], [28]), state, lora)
+    expected = model.forward(batch_of([7], [-1], [Segment(e, 29, 1)], [0]), eager, lora)
+    assert (decoder([7], [p], [29], [-1]) - expected).abs().max().item() < 1e-5
+
+
+def test_engine_decode_steps_go_through_the_decoder(tiny_model_dir, tiny_adapters):
+    """The engine's pure decode steps through the bucketed decoder give the eager engine's tokens and logprobs,
+    while other requests prefill in between (those steps stay eager)."""
+    config = EngineConfig(max_loras_per_batch=5, max_lora_rank=16, max_seqs=7, max_batch_tokens=24)
+    plain, bucketed = Engine(tiny_model_dir, config), Engine(tiny_model_dir, config)
+    decoder = CudaGraphDecoder(bucketed.model, bucketed.state, bucketed.lora, config.max_seqs)
+    sizes: list[int] = []
+    bucketed.decoder = lambda *rows: sizes.append(len(rows[0])) or decoder(*rows)
+    for engine in (plain, bucketed):
+        for i, adapter in enumerate(tiny_adapters):
+            engine.load_adapter(f"a{i}", adapter)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    requests = [
+        Request(f"r{i}", [1, *range(9 + i, 20 + 3 * i)], params, None if i == 5 else f"a{i % 5}") for i in range(6)
+    ]
+    expected, got = plain.generate(requests), bucketed.generate(requests)
+    assert max(sizes) == 6 and min(sizes) < 6 and len(sizes) < plain.steps
+    for r in requests:
+        a, b = expected[r.request_id][0], got[r.request_id][0]
+        assert b.token_ids == a.token_ids
+        diff = torch.tensor([x.logprob for x in a.logprobs]) - torch.tensor([x.logprob for x in b.logprobs])
+        assert diff.abs().max().item() < 1e-5
