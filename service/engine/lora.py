@@ -4,6 +4,11 @@ Every adaptable weight gets one A and one B buffer with a leading slot dimension
 (`max_loras_per_batch`) at `max_rank`; an adapter of a smaller rank is zero-padded. A slot's
 scaling is zero for a target its adapter does not adapt, so stale buffer contents never leak into
 another adapter. Copying an adapter in touches only its slot, so the other slots keep serving.
+
+The memory is slot-major (see `slot_copy`): one [max_loras, slot_elems] buffer holds each slot's
+A and B of every target back to back, and the per-buffer [S, ...] tensors the kernels index are
+strided views into it. So one slot is one contiguous range, and writing an adapter is one copy of
+its slot image; the scalings are one small fp32 [max_loras, buffers] buffer beside it.
 """
 
 from collections import OrderedDict
@@ -13,10 +18,9 @@ import torch
 from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
-from inkwell.adapters.spec import MAX_RANK, TARGET_GROUPS, LoraSpec
-from inkwell.adapters.targets import model_targets
+from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.models.base import BaseModelIdentity
-from inkwell.service.engine.slot_copy import write_slot
+from inkwell.service.engine.slot_copy import ImageAdapter, SlotLayout, slot_layout
 
 
 class AdapterIncompatibleError(ValueError):
@@ -29,12 +33,33 @@ class NoFreeSlotError(RuntimeError):
 
 @dataclass
 class SlotBuffer:
-    """A and B for one adapted weight, all slots; `scalings[s]` is 0 where slot s does not adapt it."""
+    """A and B for one adapted weight, all slots; `scalings[s]` is 0 where slot s does not adapt it.
+
+    All three are views into `LoraSlots.memory` / `LoraSlots.scalings` (stride(0) is a whole slot)."""
 
     kind: str  # "linear" | "expert_in" | "expert_out", as in inkwell.adapters.targets
     a: torch.Tensor
     b: torch.Tensor
     scalings: torch.Tensor
+
+
+def check_adapter(adapter: Adapter, identity: BaseModelIdentity, layout: SlotLayout) -> None:
+    """Raise AdapterIncompatibleError saying why `adapter` cannot go into slots of `layout` on `identity`."""
+    if adapter.base.config_sha256 != identity.config_sha256:
+        raise AdapterIncompatibleError(
+            f"adapter was trained on base {adapter.base.name!r} (config {adapter.base.config_sha256[:12]}), "
+            f"this engine serves {identity.name!r} (config {identity.config_sha256[:12]})"
+        )
+    if adapter.spec.max_rank > layout.max_rank:
+        raise AdapterIncompatibleError(
+            f"adapter rank {adapter.spec.max_rank} exceeds the engine's max_lora_rank {layout.max_rank}; "
+            "start the engine with a larger max_lora_rank"
+        )
+    extra = sorted(set(adapter.spec.targets) - set(layout.groups))
+    if extra:
+        raise AdapterIncompatibleError(
+            f"adapter targets {extra} are not enabled in this engine (enabled: {list(layout.groups)})"
+        )
 
 
 class LoraSlots:
@@ -50,8 +75,6 @@ class LoraSlots:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        if not 1 <= max_rank <= MAX_RANK:
-            raise ValueError(f"max_lora_rank must be between 1 and {MAX_RANK}, got {max_rank}")
         if max_loras < 1:
             raise ValueError(f"max_loras_per_batch must be at least 1, got {max_loras}")
         self.config = config
@@ -59,15 +82,13 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.groups = tuple(groups)
+        self.layout = slot_layout(config, max_rank, self.groups, dtype)
+        self.memory = torch.zeros((max_loras, self.layout.slot_elems), dtype=dtype, device=device)
+        self.scalings = torch.zeros((max_loras, len(self.layout.entries)), dtype=torch.float32, device=device)
         self.buffers: dict[str, SlotBuffer] = {}
-        for target in model_targets(config, LoraSpec(rank=max_rank, targets=self.groups)):
-            shapes = target.shapes(max_rank)
-            self.buffers[target.module] = SlotBuffer(
-                kind=target.kind,
-                a=torch.zeros((max_loras, *shapes["lora_A"]), dtype=dtype, device=device),
-                b=torch.zeros((max_loras, *shapes["lora_B"]), dtype=dtype, device=device),
-                scalings=torch.zeros(max_loras, dtype=torch.float32, device=device),
-            )
+        for j, entry in enumerate(self.layout.entries):
+            a, b = self.layout.views(self.memory, entry)
+            self.buffers[entry.module] = SlotBuffer(kind=entry.kind, a=a, b=b, scalings=self.scalings[:, j])
         self._slot_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._users: dict[str, int] = {}
@@ -76,21 +97,7 @@ class LoraSlots:
 
     def check(self, adapter: Adapter) -> None:
         """Raise AdapterIncompatibleError saying why `adapter` cannot go into these slots."""
-        if adapter.base.config_sha256 != self.identity.config_sha256:
-            raise AdapterIncompatibleError(
-                f"adapter was trained on base {adapter.base.name!r} (config {adapter.base.config_sha256[:12]}), "
-                f"this engine serves {self.identity.name!r} (config {self.identity.config_sha256[:12]})"
-            )
-        if adapter.spec.max_rank > self.max_rank:
-            raise AdapterIncompatibleError(
-                f"adapter rank {adapter.spec.max_rank} exceeds the engine's max_lora_rank {self.max_rank}; "
-                "start the engine with a larger max_lora_rank"
-            )
-        extra = sorted(set(adapter.spec.targets) - set(self.groups))
-        if extra:
-            raise AdapterIncompatibleError(
-                f"adapter targets {extra} are not enabled in this engine (enabled: {list(self.groups)})"
-            )
+        check_adapter(adapter, self.identity, self.layout)
 
     def slot_of(self, key: str) -> int | None:
         return self._slot_of.get(key)
@@ -121,13 +128,33 @@ class LoraSlots:
                     f"all {self.max_loras} adapter slots are pinned or in use; raise max_loras_per_batch or unpin"
                 )
             slot = self.evict(victim)
-        self._write(slot, adapter)
+        if isinstance(adapter, ImageAdapter) and adapter.layout is self.layout:
+            self.write_image(slot, adapter.flat, adapter.scalings)
+        else:
+            self.write_image(slot, *self.slot_image(adapter))
         self._slot_of[key], self._key_of[slot] = slot, key
         self._lru[key] = None
         return slot
 
-    def _write(self, slot: int, adapter: Adapter) -> None:
-        write_slot(self, slot, adapter)  # multi-tensor launches: a swap costs about one copy of its bytes
+    def slot_image(
+        self, adapter: Adapter, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact contents of a slot holding `adapter`: (flat [slot_elems], scalings [buffers] fp32).
+
+        Built on `device`, by default where the adapter's tensors are (a host adapter is padded on the
+        host and crosses to the slots in one copy)."""
+        self.check(adapter)
+        return self.layout.image(adapter, device)
+
+    def write_image(self, slot: int, flat: torch.Tensor, scalings: torch.Tensor) -> None:
+        """Overwrite slot `slot` with a slot image: one copy of its bytes and one of its scalings."""
+        if tuple(flat.shape) != (self.layout.slot_elems,) or tuple(scalings.shape) != (len(self.layout.entries),):
+            raise ValueError(
+                f"a slot image is ([{self.layout.slot_elems}], [{len(self.layout.entries)}]), "
+                f"got ({list(flat.shape)}, {list(scalings.shape)})"
+            )
+        self.memory[slot].copy_(flat, non_blocking=True)
+        self.scalings[slot].copy_(scalings, non_blocking=True)
 
     def evict(self, key: str) -> int:
         """Free `key`'s slot (it must be idle); returns the slot number."""
@@ -137,8 +164,7 @@ class LoraSlots:
         del self._key_of[slot]
         self._lru.pop(key, None)
         self._pinned.discard(key)
-        for buf in self.buffers.values():
-            buf.scalings[slot] = 0.0
+        self.scalings[slot].zero_()
         return slot
 
     def pin(self, key: str, pinned: bool = True) -> None:

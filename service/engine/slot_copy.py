@@ -1,68 +1,175 @@
-"""Copy an adapter into one LoRA slot in a handful of launches instead of a few per target.
+"""Slot layout and slot images: an adapter as the exact bytes of one LoRA slot, so placing it is one copy.
 
-An Inkling adapter has hundreds of A/B pairs (inkling-small, every group: 346 tensors), and a
-per-tensor `zero_()` + `copy_()` + scaling fill costs four launches each: milliseconds of launch
-latency for megabytes that the GPU moves in microseconds. `torch._foreach_*` groups the zeroing,
-the copies and the per-target scalings into multi-tensor launches. The destination views of a
-(slot, spec) pair are built once and kept (slot buffers are never reallocated), so a repeated swap
-spends its host time on the launches, not on slicing hundreds of views. On CPU the same calls run
-as plain loops (identical results); a source on another device (an adapter read from disk) falls
-back to per-tensor copies.
+The engine's LoRA memory is slot-major: one [max_loras, slot_elems] buffer in which each slot holds
+every target's A and B at max rank, back to back (`SlotLayout` says where). A *slot image* is one
+slot's bytes for a given adapter: its factors in the rank-r corners, zeros everywhere else, plus a
+small fp32 vector of per-buffer scalings (0 where the adapter adapts nothing). Writing an adapter
+into a slot is then one `copy_` of the image and one of its scalings, however many tensors it has
+(inkling-small: 346), instead of hundreds of views, zero fills and per-tensor copies.
+
+The layout depends only on (model config, max rank, target groups, dtype), and `slot_layout` is the
+one place that computes it: the engine's `LoraSlots` and the adapter loader (which builds images on
+the GPU for the worker to copy) call it with the same arguments and get the same layout. Within one
+process equal arguments return the same object, so a check that an image fits some slots is an
+identity test.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
 
 import torch
+from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
+from inkwell.adapters.spec import MAX_RANK, LoraSpec
 from inkwell.adapters.targets import model_targets
+from inkwell.models.base import BaseModelIdentity
 
-if TYPE_CHECKING:
-    from inkwell.service.engine.lora import LoraSlots
+# Every A and B starts at a multiple of this many elements (128 bytes in bf16), and so does every
+# slot: the kernels' base pointers keep the alignment they had with one allocation per buffer.
+ALIGN = 64
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """Where one spec's factors go in one slot: every view the write touches, in source order."""
+class SlotEntry:
+    """One adapted weight's A and B in a slot: shapes at max rank and element offsets into the slot."""
 
-    names: list[str]  # adapter tensor names, matching `dst`
-    cleared: list[torch.Tensor]  # the slot's whole A and B of every adapted target
-    dst: list[torch.Tensor]  # the rank-r corner each factor is copied into
-    scalings: list[torch.Tensor]  # the slot's scaling of every buffer (1-element views)
-    scale: list[float]  # its value: the target's scaling, 0 where the spec adapts nothing
-
-
-_plans: "WeakKeyDictionary[LoraSlots, dict[tuple[int, str], _Plan]]" = WeakKeyDictionary()
-
-
-def _plan(slots: "LoraSlots", slot: int, adapter: Adapter) -> _Plan:
-    cache = _plans.setdefault(slots, {})
-    key = (slot, adapter.spec.model_dump_json())
-    if key in cache:
-        return cache[key]
-    scale = dict.fromkeys(slots.buffers, 0.0)
-    names: list[str] = []
-    cleared: list[torch.Tensor] = []
-    dst: list[torch.Tensor] = []
-    for target in model_targets(slots.config, adapter.spec):
-        buf = slots.buffers[target.module]
-        r = adapter.spec.rank_for(target.group)
-        names += [f"{target.module}.lora_A", f"{target.module}.lora_B"]
-        cleared += [buf.a[slot], buf.b[slot]]
-        dst += [buf.a[slot, :, :r] if target.kind == "expert_out" else buf.a[slot, :r], buf.b[slot, ..., :r]]
-        scale[target.module] = adapter.scaling(target)
-    scalings = [buf.scalings[slot : slot + 1] for buf in slots.buffers.values()]
-    cache[key] = _Plan(names, cleared, dst, scalings, list(scale.values()))
-    return cache[key]
+    module: str
+    group: str
+    kind: str  # "linear" | "expert_in" | "expert_out", as in inkwell.adapters.targets
+    a_shape: tuple[int, ...]
+    a_offset: int
+    b_shape: tuple[int, ...]
+    b_offset: int
 
 
-def write_slot(slots: "LoraSlots", slot: int, adapter: Adapter) -> None:
-    """Put `adapter` into slot `slot`: its factors zero-padded to max rank, scaling 0 where it adapts nothing."""
-    plan = _plan(slots, slot, adapter)
-    if plan.cleared:
-        torch._foreach_zero_(plan.cleared)
-        torch._foreach_copy_(plan.dst, [adapter.tensors[name] for name in plan.names], non_blocking=True)
-    torch._foreach_zero_(plan.scalings)
-    torch._foreach_add_(plan.scalings, plan.scale)
+def _view(memory: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """`shape` at `offset` of the last dim of `memory` ([..., slot_elems]); leading dims stay (strided)."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return memory[..., offset : offset + numel].unflatten(-1, shape)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where every target of `groups` sits in one slot of `slot_elems` elements of `dtype`."""
+
+    entries: tuple[SlotEntry, ...]  # also the order of a slot's scalings
+    slot_elems: int
+    max_rank: int
+    groups: tuple[str, ...]
+    dtype: torch.dtype
+
+    def views(self, memory: torch.Tensor, entry: SlotEntry) -> tuple[torch.Tensor, torch.Tensor]:
+        """`entry`'s A and B in `memory`: a whole [S, slot_elems] buffer gives [S, ...] views, an image [...]."""
+        return _view(memory, entry.a_offset, entry.a_shape), _view(memory, entry.b_offset, entry.b_shape)
+
+    def image(
+        self, adapter: Adapter, device: torch.device | str | None = None, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`adapter`'s slot image (flat, scalings), built on `device` (default: where its tensors are).
+
+        `out` ([slot_elems] of this dtype) is filled instead of a new buffer; the scalings go to its device.
+        """
+        if out is None:
+            if device is None:
+                device = next(iter(adapter.tensors.values())).device
+            out = torch.empty(self.slot_elems, dtype=self.dtype, device=device)
+        elif tuple(out.shape) != (self.slot_elems,) or out.dtype != self.dtype:
+            raise ValueError(f"an image is [{self.slot_elems}] {self.dtype}, got {tuple(out.shape)} {out.dtype}")
+        out.zero_()
+        spec = adapter.spec
+        scale = [0.0] * len(self.entries)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for j, entry in enumerate(self.entries):
+            if entry.group not in spec.targets:
+                continue
+            r = spec.rank_for(entry.group)
+            a, b = self.views(out, entry)
+            for corner, name in ((a[..., :r, :], "lora_A"), (b[..., :r], "lora_B")):
+                tensor = adapter.tensors[f"{entry.module}.{name}"]
+                if tensor.shape != corner.shape:  # copy_ would broadcast a wrong shape silently
+                    raise ValueError(f"{entry.module}.{name} is {tuple(tensor.shape)}, expected {tuple(corner.shape)}")
+                dst.append(corner)
+                src.append(tensor)
+            scale[j] = spec.scaling_for(entry.group)
+        if dst:
+            torch._foreach_copy_(dst, src)  # multi-tensor launches; per-tensor copies across devices
+        return out, torch.tensor(scale, dtype=torch.float32).to(out.device)
+
+    def factors(self, flat: torch.Tensor, spec: LoraSpec) -> dict[str, torch.Tensor]:
+        """The tensors of the adapter of `spec` whose image is `flat`: views of its rank-r corners."""
+        tensors = {}
+        for entry in self.entries:
+            if entry.group in spec.targets:
+                r = spec.rank_for(entry.group)
+                a, b = self.views(flat, entry)
+                tensors[f"{entry.module}.lora_A"] = a[..., :r, :]
+                tensors[f"{entry.module}.lora_B"] = b[..., :r]
+        return tensors
+
+
+_layouts: dict[tuple, SlotLayout] = {}
+
+
+def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...], dtype: torch.dtype) -> SlotLayout:
+    """The slot layout of a model of `config` with LoRA slots of `max_rank` over `groups` in `dtype`."""
+    if not 1 <= max_rank <= MAX_RANK:
+        raise ValueError(f"max_lora_rank must be between 1 and {MAX_RANK}, got {max_rank}")
+    key = (config.to_json_string(), max_rank, tuple(groups), dtype)
+    if key in _layouts:
+        return _layouts[key]
+    entries, offset = [], 0
+
+    def take(shape: tuple[int, ...]) -> int:
+        nonlocal offset
+        start = offset
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        offset = -(-(start + numel) // ALIGN) * ALIGN
+        return start
+
+    for target in model_targets(config, LoraSpec(rank=max_rank, targets=tuple(groups))):
+        shapes = target.shapes(max_rank)
+        a_offset = take(shapes["lora_A"])
+        b_offset = take(shapes["lora_B"])
+        entries.append(
+            SlotEntry(target.module, target.group, target.kind, shapes["lora_A"], a_offset, shapes["lora_B"], b_offset)
+        )
+    _layouts[key] = SlotLayout(tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype)
+    return _layouts[key]
+
+
+class ImageAdapter(Adapter):
+    """An adapter held as its slot image: placing it in a slot of the same layout is one copy.
+
+    `tensors` are views of the image's rank-r corners (built on first use), so it is still a whole
+    Adapter for anything that reads factors. An image that lives in someone else's memory (the
+    loader's staging ring) is taken over with `own()` before that memory is handed back.
+    """
+
+    def __init__(
+        self,
+        spec: LoraSpec,
+        base: BaseModelIdentity,
+        metadata: dict,
+        layout: SlotLayout,
+        flat: torch.Tensor,
+        scalings: torch.Tensor,
+    ):
+        self.spec, self.base, self.metadata = spec, base, metadata
+        self.layout, self.flat, self.scalings = layout, flat, scalings
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = self.layout.factors(self.flat, self.spec)
+        return self._tensors
+
+    def own(self) -> None:
+        """Copy the image into memory of our own (on its device), so its source can be reused."""
+        self.flat, self.scalings = self.flat.clone(), self.scalings.clone()
+        self._tensors = None

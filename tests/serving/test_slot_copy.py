@@ -1,50 +1,136 @@
-"""`write_slot`: an adapter lands in its slot zero-padded, and nothing of the slot's previous adapter leaks."""
+"""Slot-major LoRA memory and slot images: one copy writes exactly what per-tensor writes did, and an
+adapter kept as its image comes back right after its slot was taken by others."""
 
+import pytest
 import torch
 
+from inkwell.adapters.adapter import Adapter, init_adapter
+from inkwell.adapters.spec import LoraSpec
 from inkwell.adapters.targets import model_targets
 from inkwell.models import base_model_identity, load_base_config
+from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
 from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.slot_copy import write_slot
+from inkwell.service.engine.slot_copy import ALIGN, ImageAdapter
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [1, *range(40, 56)]
 
 
-def test_write_slot_pads_ranks_and_clears_the_previous_adapter(tiny_model_dir, tiny_adapters):
-    config = load_base_config(tiny_model_dir)
-    slots = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=3, max_rank=16)
-    for buf in slots.buffers.values():  # poison: every value the write must replace or leave alone is known
-        buf.a.fill_(7.0)
-        buf.b.fill_(7.0)
-        buf.scalings.fill_(7.0)
-    full, narrow = tiny_adapters[0], tiny_adapters[3]  # rank 8 over every group; rank 8 over attn only
-    write_slot(slots, 1, full)
-    write_slot(slots, 1, narrow)
-    adapted = {t.module: t for t in model_targets(config, narrow.spec)}
-    assert {t.module for t in model_targets(config, full.spec)} > set(adapted)
-    for module, buf in slots.buffers.items():
-        assert buf.scalings[0] == 7.0 and buf.scalings[2] == 7.0, module  # other slots untouched
-        assert torch.all(buf.a[0] == 7.0) and torch.all(buf.b[2] == 7.0), module
-        if module not in adapted:
-            assert buf.scalings[1] == 0.0, module  # the full adapter's delta is switched off here
-            continue
-        target = adapted[module]
-        a, b = narrow.factors(target)
-        r = narrow.spec.rank_for(target.group)
-        assert buf.scalings[1] == narrow.scaling(target)
-        assert torch.equal(buf.a[1, :r], a) and torch.equal(buf.b[1, :, :r], b), module
-        assert not buf.a[1, r:].any() and not buf.b[1, :, r:].any(), module  # padding is zero, not stale
-
-
-def test_write_slot_places_expert_factors_in_their_layout(tiny_model_dir, tiny_adapters):
-    config = load_base_config(tiny_model_dir)
-    slots = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=2, max_rank=16)
-    adapter = tiny_adapters[2]  # rank 16 on the routed experts only
-    write_slot(slots, 0, adapter)
-    kinds = set()
-    for target in model_targets(config, adapter.spec):
+def per_tensor_write(slots: LoraSlots, slot: int, adapter: Adapter) -> None:
+    """The reference: zero the slot's A and B of every target, copy each factor, set each scaling."""
+    for buf in slots.buffers.values():
+        buf.scalings[slot] = 0.0
+    for target in model_targets(slots.config, adapter.spec):
         buf = slots.buffers[target.module]
         a, b = adapter.factors(target)
-        kinds.add(target.kind)
-        got_a = buf.a[0, :, : a.shape[1]] if target.kind == "expert_out" else buf.a[0, : a.shape[0]]
-        assert torch.equal(got_a, a) and torch.equal(buf.b[0, ..., : b.shape[-1]], b), target.module
-        assert buf.scalings[0] == adapter.scaling(target)
-    assert kinds == {"expert_in", "expert_out"}
+        r = adapter.spec.rank_for(target.group)
+        buf.a[slot].zero_()
+        buf.b[slot].zero_()
+        (buf.a[slot, :, :r] if target.kind == "expert_out" else buf.a[slot, :r]).copy_(a)
+        buf.b[slot, ..., :r].copy_(b)
+        buf.scalings[slot] = adapter.scaling(target)
+
+
+def mixed_adapters(model_dir, tiny_adapters) -> list[Adapter]:
+    """The serving fixtures plus one with per-group ranks."""
+    config = load_base_config(model_dir)
+    spec = LoraSpec(rank=4, alpha=12, targets=("attn", "experts", "lm_head"), ranks={"experts": 16, "attn": 2})
+    return [*tiny_adapters, init_adapter(config, spec, base_model_identity(model_dir), seed=9, b_std=0.05)]
+
+
+def test_slot_image_writes_what_per_tensor_writes_did(tiny_model_dir, tiny_adapters):
+    config, identity = load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir)
+    ref = LoraSlots(config, identity, max_loras=3, max_rank=16)
+    new = LoraSlots(config, identity, max_loras=3, max_rank=16)
+    poison = torch.randn(new.memory.shape, generator=torch.Generator().manual_seed(0))
+    for slots in (ref, new):  # every value a write must replace or leave alone is known and nonzero
+        slots.memory.copy_(poison)
+        slots.scalings.fill_(7.0)
+    for adapter in mixed_adapters(tiny_model_dir, tiny_adapters):  # each over the previous one in slot 1
+        per_tensor_write(ref, 1, adapter)
+        new.write_image(1, *new.slot_image(adapter))
+        adapted = {t.module for t in model_targets(config, adapter.spec)}
+        for module, buf in new.buffers.items():
+            want = ref.buffers[module]
+            assert torch.equal(buf.scalings, want.scalings), module
+            if module in adapted:  # the factors, zero padding to max rank, in every view of every slot
+                assert torch.equal(buf.a, want.a) and torch.equal(buf.b, want.b), module
+            else:  # switched off by its zero scaling; the image also clears what the old write left stale
+                assert buf.scalings[1] == 0 and not buf.a[1].any() and not buf.b[1].any(), module
+        assert torch.equal(new.memory[0], poison[0]) and torch.equal(new.memory[2], poison[2])  # others untouched
+
+
+def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
+    config = load_base_config(tiny_model_dir)
+    slots = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=3, max_rank=8, dtype=torch.bfloat16)
+    layout = slots.layout
+    assert layout.slot_elems % ALIGN == 0
+    end = 0
+    for entry in layout.entries:  # back to back, aligned, no overlap, all inside the slot
+        for offset, shape in ((entry.a_offset, entry.a_shape), (entry.b_offset, entry.b_shape)):
+            assert offset % ALIGN == 0 and offset >= end
+            end = offset + torch.Size(shape).numel()
+    assert end <= layout.slot_elems
+    for j, (module, buf) in enumerate(slots.buffers.items()):
+        assert buf.a.untyped_storage().data_ptr() == slots.memory.untyped_storage().data_ptr(), module
+        assert buf.a.stride(0) == buf.b.stride(0) == layout.slot_elems, module
+        assert buf.a.dtype == torch.bfloat16 and buf.scalings.dtype == torch.float32
+        assert buf.scalings.data_ptr() == slots.scalings[:, j].data_ptr()
+    slots.memory[1].fill_(1.0)  # a slot's range is exactly its views
+    for buf in slots.buffers.values():
+        assert torch.all(buf.a[1] == 1) and torch.all(buf.b[1] == 1)
+        assert not buf.a[0].any() and not buf.b[2].any()
+
+
+def test_image_adapter_factors_and_placement_equal_the_adapter(tiny_model_dir, tiny_adapters):
+    config, identity = load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir)
+    slots = LoraSlots(config, identity, max_loras=2, max_rank=16)
+    for k, adapter in enumerate(mixed_adapters(tiny_model_dir, tiny_adapters)):
+        flat, scalings = slots.slot_image(adapter)
+        image = ImageAdapter(adapter.spec, adapter.base, {}, slots.layout, flat, scalings)
+        assert image.tensors.keys() == adapter.tensors.keys()
+        assert all(torch.equal(image.tensors[n], t) for n, t in adapter.tensors.items())
+        slot = slots.place(f"img{k}", image)
+        assert torch.equal(slots.memory[slot], flat) and torch.equal(slots.scalings[slot], scalings)
+        slots.evict(f"img{k}")
+        assert not slots.scalings[slot].any()  # an evicted slot adapts nothing
+
+
+def test_write_image_refuses_an_image_of_another_layout(tiny_model_dir, tiny_adapters):
+    config, identity = load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir)
+    slots = LoraSlots(config, identity, max_loras=2, max_rank=16)
+    other = LoraSlots(config, identity, max_loras=2, max_rank=8)
+    flat, scalings = other.slot_image(tiny_adapters[0])
+    with pytest.raises(ValueError, match="slot image"):
+        slots.write_image(0, flat, scalings)
+    # an ImageAdapter of another layout is still placed right: padded again from its factors
+    image = ImageAdapter(tiny_adapters[0].spec, tiny_adapters[0].base, {}, other.layout, flat, scalings)
+    slot = slots.place("a0", image)
+    want, want_scalings = slots.slot_image(tiny_adapters[0])
+    assert torch.equal(slots.memory[slot], want) and torch.equal(slots.scalings[slot], want_scalings)
+
+
+def test_evicted_image_adapters_come_back_right_after_their_source_is_reused(tiny_model_dir, tiny_adapters):
+    """Five adapters through one staging row and two slots: every generation needs a readmission."""
+    adapters = mixed_adapters(tiny_model_dir, tiny_adapters)
+    config = EngineConfig(max_loras_per_batch=2, max_lora_rank=16)
+    engine, reference = Engine(tiny_model_dir, config), Engine(tiny_model_dir, config)
+    row = torch.empty(engine.lora.layout.slot_elems)  # stands for the loader's ring row
+    for k, adapter in enumerate(adapters):
+        reference.load_adapter(f"a{k}", adapter)
+        flat, scalings = engine.lora.layout.image(adapter, out=row)
+        image = ImageAdapter(adapter.spec, adapter.base, {}, engine.lora.layout, flat, scalings)
+        engine.load_adapter(f"a{k}", image)
+        image.own()
+    row.fill_(float("nan"))  # the row's next use must not reach any kept adapter
+    for rnd in range(2):
+        for k, adapter in enumerate(adapters):
+            req = Request(f"r{rnd}{k}", PROMPT, GREEDY, f"a{k}")
+            got = engine.generate([req])[req.request_id][0].token_ids
+            assert got == reference.generate([req])[req.request_id][0].token_ids, (rnd, k)
+            slot = engine.lora.slot_of(f"a{k}")
+            want, want_scalings = engine.lora.slot_image(adapter)
+            assert torch.equal(engine.lora.memory[slot], want) and torch.equal(
+                engine.lora.scalings[slot], want_scalings
+            )
+    assert len(engine.lora.resident()) == 2
