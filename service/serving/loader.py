@@ -1,35 +1,43 @@
 """The adapter loader: a process beside each worker that fetches, verifies and stages adapters.
 
 Fetching and parsing (S3 downloads, safetensors, layout conversion, manifest checks) happen here,
-off the worker's decode loop; the worker only receives a packed buffer through
-torch.multiprocessing and copies it into a slot between steps. A staged buffer stays referenced
-until the worker says it is done with it ("release"), which is what CUDA IPC requires.
+off the worker's decode loop. The loader also pads each adapter into the engine's slot image (the
+same `slot_layout` the engine's `LoraSlots` use) in a staging ring on the engine's device, so the
+worker's part of a swap is one copy into a slot between two steps (see `transfer`). Loads wait for
+a free ring row; the worker frees one with "release" once it has copied the image out.
 """
 
 import multiprocessing
 import queue
 import shutil
 import tempfile
+from collections import deque
 from pathlib import Path
 
 import torch
 
 from inkwell.adapters.io import load_adapter
 from inkwell.models import base_model_identity, load_base_config
-from inkwell.service.serving.transfer import PackedAdapter, pack
+from inkwell.service.engine.engine import EngineConfig
+from inkwell.service.engine.lora import AdapterIncompatibleError, check_adapter
+from inkwell.service.engine.slot_copy import slot_layout
+from inkwell.service.serving.transfer import RING_SIZE, StagingRing
 
 
-def loader_main(model_dir: str, dtype: str, device: str, inbox, worker_inbox) -> None:
-    """Serve ("load", key, source, pinned), ("release", key) and ("stop",) messages until stopped.
+def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_size: int = RING_SIZE) -> None:
+    """Serve ("load", key, source, pinned), ("release", row, event) and ("stop",) messages until stopped.
 
-    It also stops when its worker is gone: a worker killed with SIGKILL never sends "stop", and an
-    orphaned loader would otherwise wait on its queue forever.
+    A load answers ("adapter", key, StagedAdapter, pinned) or ("adapter_failed", key, code, message)
+    on `worker_inbox`. The loader also stops when its worker is gone: a worker killed with SIGKILL
+    never sends "stop", and an orphaned loader would otherwise wait on its queue forever.
     """
     torch.set_num_threads(1)
     worker = multiprocessing.parent_process()
     config = load_base_config(model_dir)
     identity = base_model_identity(model_dir)
-    staged: dict[str, PackedAdapter] = {}
+    layout = slot_layout(config, engine.max_lora_rank, engine.lora_groups, getattr(torch, engine.dtype))
+    ring = StagingRing(layout, engine.device, ring_size)
+    waiting: deque[tuple] = deque()
     scratch = Path(tempfile.mkdtemp(prefix="inkwell-loader-"))
     try:
         while True:
@@ -42,19 +50,20 @@ def loader_main(model_dir: str, dtype: str, device: str, inbox, worker_inbox) ->
             if msg[0] == "stop":
                 return
             if msg[0] == "release":
-                staged.pop(msg[1], None)
-                continue
-            _, key, source, pinned = msg
-            try:
-                adapter = load_adapter(source.fetch(scratch), config)
-            except Exception as exc:  # every failure goes back to the request that asked for the load
-                worker_inbox.put(("adapter_failed", key, "adapter_load_failed", f"{type(exc).__name__}: {exc}"))
-                continue
-            if adapter.base.config_sha256 != identity.config_sha256:
-                why = f"adapter {key!r} was trained on {adapter.base.name!r}, whose config is not {identity.name!r}'s"
-                worker_inbox.put(("adapter_failed", key, "adapter_incompatible", why))
-                continue
-            staged[key] = pack(adapter, getattr(torch, dtype), device)
-            worker_inbox.put(("adapter", key, staged[key], pinned))
+                ring.release(msg[1], msg[2])
+            else:
+                waiting.append(msg)
+            while waiting and ring.free:
+                _, key, source, pinned = waiting.popleft()
+                try:
+                    adapter = load_adapter(source.fetch(scratch), config)
+                    check_adapter(adapter, identity, layout)
+                    staged = ring.stage(adapter)
+                except AdapterIncompatibleError as exc:
+                    worker_inbox.put(("adapter_failed", key, "adapter_incompatible", str(exc)))
+                except Exception as exc:  # every failure goes back to the request that asked for the load
+                    worker_inbox.put(("adapter_failed", key, "adapter_load_failed", f"{type(exc).__name__}: {exc}"))
+                else:
+                    worker_inbox.put(("adapter", key, staged, pinned))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

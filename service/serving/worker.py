@@ -1,9 +1,11 @@
 """A serving worker: one process per device running the engine loop, and its handle in the service.
 
 The worker owns an `Engine` and a colocated loader process. Between engine steps it drains its
-inbox: new requests, aborts, load/unload orders and packed adapters arriving from the loader.
-A new adapter is registered between two steps and copied into a slot when its first request is
-admitted, so requests on other adapters keep decoding while it is fetched and verified.
+inbox: new requests, aborts, load/unload orders and staged adapters arriving from the loader.
+A new adapter arrives as a slot image in the loader's staging ring (mapped once, see `transfer`);
+it is registered between two steps (a pinned one is copied into its slot right away, in one copy)
+and the worker keeps its own copy of the image, so requests on other adapters keep decoding while
+it is fetched and verified, and an evicted adapter can come back later.
 
 `WorkerHandle` is the service side: it starts the process, sends requests, and turns the
 worker's output messages into per-request asyncio queues (a reader thread feeds the event loop).
@@ -31,8 +33,9 @@ from inkwell.service.engine import (
 )
 from inkwell.service.engine.engine import StepOutput
 from inkwell.service.engine.interface import make_engine
+from inkwell.service.engine.slot_copy import slot_layout
 from inkwell.service.serving.loader import loader_main
-from inkwell.service.serving.transfer import unpack
+from inkwell.service.serving.transfer import ImageReceiver, StagedAdapter
 
 if TYPE_CHECKING:  # sources import boto3, which a GPU worker that never reads S3 need not have
     from inkwell.service.serving.sources import AdapterSource
@@ -79,11 +82,14 @@ class _WorkerLoop:
     def __init__(self, config: WorkerConfig, inbox, outbox):
         self.engine = make_engine(config.engine_kind, config.model_dir, config.engine)
         self.inbox, self.outbox = inbox, outbox
+        lora = config.engine
+        layout = slot_layout(self.engine.model_config, lora.max_lora_rank, lora.lora_groups, getattr(torch, lora.dtype))
+        self.receiver = ImageReceiver(layout)
         ctx = mp.get_context("spawn")
         self.loader_inbox = ctx.Queue()
         self.loader = ctx.Process(
             target=loader_main,
-            args=(config.model_dir, config.engine.dtype, config.engine.device, self.loader_inbox, inbox),
+            args=(config.model_dir, config.engine, self.loader_inbox, inbox),
             name=f"{config.name}-loader",
             daemon=True,
         )
@@ -109,6 +115,7 @@ class _WorkerLoop:
                 msg = None
             while msg is not None:
                 if msg[0] == "stop":
+                    self.receiver.close()  # unmap the loader's ring before the loader exits
                     self.loader_inbox.put(("stop",))
                     self.loader.join(timeout=5)
                     self.outbox.put(("stopped",))
@@ -155,18 +162,19 @@ class _WorkerLoop:
             except EngineError as exc:
                 self.outbox.put(("unloaded", msg[1], (exc.code, str(exc))))
 
-    def _register(self, key: str, packed, pinned: bool) -> None:
-        if packed.flat.is_cuda:  # CUDA IPC memory belongs to the loader: take our own copy first
-            packed.flat = packed.flat.clone()
+    def _register(self, key: str, staged: StagedAdapter, pinned: bool) -> None:
+        """Load a staged adapter (a pinned one is written into its slot straight from the ring row),
+        then keep its image in worker memory and hand the row back."""
+        adapter = self.receiver.adapter(staged)
         before = set(self.engine.adapters)
         try:
-            self.engine.load_adapter(key, unpack(packed), pinned=pinned)
+            self.engine.load_adapter(key, adapter, pinned=pinned)
             error = None
         except AdapterIncompatibleError as exc:
             error = ("adapter_incompatible", str(exc))
         except EngineError as exc:
             error = (exc.code, str(exc))
-        self.loader_inbox.put(("release", key))
+        self.loader_inbox.put(self.receiver.release(staged, adapter if error is None else None))
         evicted = sorted(before - set(self.engine.adapters))
         if evicted:
             self.outbox.put(("evicted", evicted))
