@@ -8,12 +8,16 @@ the first step (every prompt in one forward, which also yields the first token);
   loop     the same requests, one engine batch per adapter, run one after the other
   peft     transformers' InklingForCausalLM (eager) + peft, one mixed batch via `adapter_names`
            (no adapter: the plain transformers model); prefill = generate(1 token), decode = the rest
-Swap (one rank-16 adapter over every target group):
-  d2d      a device-to-device copy of the adapter's bytes (CUDA events, and host clock with sync)
+Swap (one rank-16 adapter over every target group, engine max_lora_rank 16), each with its ratio
+to d2d (host clock with sync against host clock, CUDA events against CUDA events):
+  d2d      a device-to-device copy of the adapter's slot image bytes (CUDA events, and host clock with sync)
+  write    LoraSlots.write_image from an image already on the device (one copy + one scalings copy)
+  ipc      the loader process reads, verifies and pads the adapter into a row of its staging ring on
+           the GPU; the worker side, from the message's arrival: slot written (a pinned load straight
+           from the row), and done (its own copy of the image taken, the row released). `first` is
+           the first swap, whose message carries the ring (the CUDA IPC handle is opened then);
+           `ipc_slot` / `ipc_done` are the steady state; end to end from the load request
   disk     safetensors -> Adapter -> slot (what a worker without the loader would do)
-  ipc      the loader process reads, verifies and stages the adapter on the GPU and sends it through
-           torch.multiprocessing (a CUDA IPC handle); the worker takes its own copy and writes the slot
-           (worker-side latency from the message's arrival; end to end from the load request)
   stall    decode steps of 7 other adapters' requests, and the step right after each swap
 Run: python benchmarks/bench_serving.py [--preset inkling-small] [--out serving.json]
 CPU smoke run: python benchmarks/bench_serving.py --preset inkling-tiny --device cpu --dtype float32 --prompt 16 --new 4
@@ -37,13 +41,11 @@ import torch.multiprocessing as mp
 from inkwell.adapters.adapter import Adapter, init_adapter
 from inkwell.adapters.io import load_adapter, save_adapter
 from inkwell.adapters.spec import LoraSpec
-from inkwell.adapters.targets import model_targets
 from inkwell.models import base_model_identity, init_base_model, load_base_config, load_base_model
 from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.engine.slot_copy import write_slot
 from inkwell.service.serving.loader import loader_main
 from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.transfer import pack, unpack
+from inkwell.service.serving.transfer import ImageReceiver
 
 COUNTS = (0, 1, 4, 8)
 RANK = 16
@@ -185,75 +187,59 @@ def median_us(fn: Callable[[], float], reps: int) -> float:
     return statistics.median(fn() for _ in range(reps)) * 1e6
 
 
-def bench_d2d(nbytes_elems: int, dtype: torch.dtype, device: torch.device, clock: Clock) -> dict:
-    """A plain device copy of the adapter's bytes: CUDA-event time and host-clock time (with sync)."""
-    src = torch.randn(nbytes_elems, device=device).to(dtype)
-    dst = torch.empty_like(src)
+def cuda_event_us(fn: Callable[[], None], reps: int) -> float:
+    """Median GPU time of `fn`'s work between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def wall() -> float:
+    def once() -> float:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return median_us(once, reps)
+
+
+def wall_us(fn: Callable[[], None], clock: Clock, reps: int) -> float:
+    """Median host time of `fn` until its device work is done (the clock synchronizes)."""
+
+    def once() -> float:
         t0 = clock()
-        dst.copy_(src)
+        fn()
         return clock() - t0
 
-    out = {"d2d_wall_us": median_us(wall, 30)}
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-        def event() -> float:
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        out["d2d_event_us"] = median_us(event, 30)
-    return out
+    return median_us(once, reps)
 
 
-def per_tensor_write(slots, slot: int, adapter: Adapter) -> None:
-    """The slot write before `write_slot`: four launches per target (the baseline for its gain)."""
-    for buf in slots.buffers.values():
-        buf.scalings[slot] = 0.0
-    for target in model_targets(slots.config, adapter.spec):
-        buf = slots.buffers[target.module]
-        a, b = adapter.factors(target)
-        r = adapter.spec.rank_for(target.group)
-        buf.a[slot].zero_()
-        buf.b[slot].zero_()
-        (buf.a[slot, :, :r] if target.kind == "expert_out" else buf.a[slot, :r]).copy_(a)
-        buf.b[slot, ..., :r].copy_(b)
-        buf.scalings[slot] = adapter.scaling(target)
-
-
-def bench_slot_write(engine: Engine, adapter: Adapter, clock: Clock) -> dict:
-    """One device-resident adapter written into the free slot: multi-tensor launches vs per-tensor copies."""
-    dtype = engine.lora.buffers[next(iter(engine.lora.buffers))].a.dtype
-    resident = unpack(pack(adapter, dtype, engine.device))
-    slot = min(set(range(engine.lora.max_loras)) - {engine.lora.slot_of(k) for k in engine.lora.resident()})
+def bench_copies(engine: Engine, adapter: Adapter, clock: Clock) -> dict:
+    """The d2d baseline (a device copy of the image's bytes) and write_image from a device-resident image."""
+    lora = engine.lora
+    src = torch.randn(lora.layout.slot_elems, device=engine.device).to(lora.layout.dtype)
+    dst = torch.empty_like(src)
+    flat, scalings = lora.slot_image(adapter, engine.device)
+    slot = min(set(range(lora.max_loras)) - {lora.slot_of(k) for k in lora.resident()})
+    copies = {"d2d": lambda: dst.copy_(src), "write_image": lambda: lora.write_image(slot, flat, scalings)}
     out = {}
-    for name, fn in (("slot_write_foreach", write_slot), ("slot_write_per_tensor", per_tensor_write)):
-
-        def once(fn=fn) -> float:
-            t0 = clock()
-            fn(engine.lora, slot, resident)
-            return clock() - t0
-
-        once()
-        out[f"{name}_us"] = median_us(once, 10)
-    write_slot(engine.lora, slot, resident)
-    for buf in engine.lora.buffers.values():  # leave the free slot inert, as evict does
-        buf.scalings[slot] = 0.0
+    for name, fn in copies.items():
+        fn()
+        out[f"{name}_wall_us"] = wall_us(fn, clock, 30)
+        if engine.device.type == "cuda":
+            out[f"{name}_event_us"] = cuda_event_us(fn, 30)
+    lora.scalings[slot].zero_()  # leave the free slot inert, as evict does
     return out
 
 
 def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, args, clock: Clock, prompts) -> dict:
     config = engine.model_config
-    dtype = getattr(torch, args.dtype)
     directory = save_adapter(adapter, tmp / "swap", "sglang", config)
-    elems = adapter.num_parameters
-    out: dict = {"adapter_bytes": elems * dtype.itemsize, "adapter_tensors": len(adapter.tensors)}
-    out.update(bench_d2d(elems, dtype, engine.device, clock))
-    out.update(bench_slot_write(engine, adapter, clock))
+    layout = engine.lora.layout
+    out: dict = {
+        "adapter_bytes": adapter.num_parameters * layout.dtype.itemsize,
+        "image_bytes": layout.slot_elems * layout.dtype.itemsize,
+        "adapter_tensors": len(adapter.tensors),
+    }
+    out.update(bench_copies(engine, adapter, clock))
 
     disk = []
     for k in range(SWAPS):
@@ -265,51 +251,48 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
 
     ctx = mp.get_context("spawn")
     inbox, arrived = ctx.Queue(), ctx.Queue()
-    loader = ctx.Process(
-        target=loader_main, args=(str(model_dir), args.dtype, args.device, inbox, arrived), daemon=True
-    )
+    loader = ctx.Process(target=loader_main, args=(str(model_dir), engine.config, inbox, arrived), daemon=True)
     loader.start()
+    receiver = ImageReceiver(layout)
     try:
-        take, write, end_to_end = [], [], []
 
-        def receive(key: str) -> tuple:
-            msg = arrived.get(timeout=300)
-            if msg[0] != "adapter" or msg[1] != key:
-                raise RuntimeError(f"loader answered {msg[:2]} for {key}: {msg[2:]}")
-            return msg[2]
+        def wait_for_message() -> None:
+            """Until the loader's next message is in the queue (a swap's clock starts at its arrival)."""
+            while arrived.empty():
+                time.sleep(1e-4)
 
-        def register(key: str, packed) -> tuple[float, float]:
-            """What the worker does with an arriving adapter: own copy of the bytes, then the slot."""
+        def swap(key: str) -> tuple[float, float]:
+            """What the worker does with an arriving staged adapter; seconds to slot written, and to done."""
             t0 = clock()
-            if packed.flat.is_cuda:
-                packed.flat = packed.flat.clone()
+            kind, got, staged, _ = arrived.get()
+            if kind != "adapter" or got != key:
+                raise RuntimeError(f"loader answered {kind} for {got}, expected {key}: {staged}")
+            adapter = receiver.adapter(staged)
+            engine.load_adapter(key, adapter, pinned=True)
             t1 = clock()
-            engine.load_adapter(key, unpack(packed), pinned=True)
+            inbox.put(receiver.release(staged, adapter))
             t2 = clock()
-            inbox.put(("release", key))
-            return t1 - t0, t2 - t1
+            return t1 - t0, t2 - t0
 
-        for k in range(SWAPS + 1):  # the first one warms the loader up
+        slot, done, end_to_end = [], [], []
+        for k in range(SWAPS + 1):  # the first swap maps the ring
             key = f"ipc{k}"
             t0 = time.perf_counter()
             inbox.put(("load", key, DirectorySource(str(directory)), True))
-            packed = receive(key)
-            t_take, t_write = register(key, packed)
-            t1 = time.perf_counter()
+            wait_for_message()
+            t_slot, t_done = swap(key)
+            end_to_end.append(time.perf_counter() - t0)
             engine.unload_adapter(key)
-            if k:
-                take.append(t_take)
-                write.append(t_write)
-                end_to_end.append(t1 - t0)
-        out["ipc_take_us"] = statistics.median(take) * 1e6
-        out["ipc_slot_write_us"] = statistics.median(write) * 1e6
-        out["ipc_worker_us"] = statistics.median(a + b for a, b in zip(take, write, strict=True)) * 1e6
-        out["ipc_end_to_end_us"] = statistics.median(end_to_end) * 1e6
+            slot.append(t_slot)
+            done.append(t_done)
+        out["ipc_first_slot_us"], out["ipc_first_done_us"] = slot[0] * 1e6, done[0] * 1e6
+        out["ipc_slot_us"] = statistics.median(slot[1:]) * 1e6
+        out["ipc_done_us"] = statistics.median(done[1:]) * 1e6
+        out["ipc_end_to_end_us"] = statistics.median(end_to_end[1:]) * 1e6
 
         # Decode of 7 other adapters' requests while adapters are swapped in between their steps.
-        for k in range(SWAPS):
+        for k in range(SWAPS):  # the loader stages them as ring rows come back
             inbox.put(("load", f"stall{k}", DirectorySource(str(directory)), True))
-        staged = [receive(f"stall{k}") for k in range(SWAPS)]
         params = SamplingParams(max_tokens=8 + 4 * SWAPS + 8, temperature=0.0, ignore_eos=True)
         for i in range(7):
             engine.add_request(Request(f"s{i}", prompts[i], params, f"a{i}"))
@@ -317,14 +300,16 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
         plain, swapped = [], []
         step = 0
         while engine.has_work():
-            t0 = clock()
             if step >= 8 and step % 4 == 0 and step // 4 - 2 < SWAPS:
-                k = step // 4 - 2
-                register(f"stall{k}", staged[k])
+                key = f"stall{step // 4 - 2}"
+                wait_for_message()
+                t0 = clock()
+                swap(key)
                 engine.step()
                 swapped.append(clock() - t0)
-                engine.unload_adapter(f"stall{k}")  # frees the one spare slot for the next swap
+                engine.unload_adapter(key)  # frees the one spare slot for the next swap
             else:
+                t0 = clock()
                 engine.step()
                 plain.append(clock() - t0)
             step += 1
@@ -333,10 +318,18 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
         out["decode_step_with_swap_ms"] = max(swapped) * 1e3
         out["stall_steps"] = (max(swapped) - median_step) / median_step
     finally:
+        receiver.close()
         inbox.put(("stop",))
         loader.join(30)
         if loader.is_alive():
             loader.kill()
+    ratios = {}
+    for key, value in out.items():
+        if key.endswith("_us") and not key.startswith("d2d"):
+            base = out.get("d2d_event_us") if key.endswith("_event_us") else out["d2d_wall_us"]
+            if base:
+                ratios[key[:-3]] = value / base
+    out["vs_d2d"] = ratios
     return out
 
 
@@ -378,16 +371,17 @@ def table(results: dict) -> str:
         vs_base = e / base if e and base else None
         lines.append(f"| {n} | " + " | ".join(fmt(c) for c in cells) + f" | {fmt(ratio, 2)} | {fmt(vs_base, 3)} |")
     swap = results.get("swap", {})
-    if "ipc_worker_us" in swap:
+    if "ipc_done_us" in swap:
         lines.append("")
-        lines.append("| swap | µs |")
-        lines.append("|---|---|")
+        lines.append("| swap | µs | / d2d |")
+        lines.append("|---|---|---|")
         for key in sorted(k for k in swap if k.endswith("_us")):
-            lines.append(f"| {key[:-3]} | {swap[key]:.0f} |")
+            ratio = swap["vs_d2d"].get(key[:-3])
+            lines.append(f"| {key[:-3]} | {swap[key]:.0f} | {'-' if ratio is None else f'{ratio:.2f}'} |")
         lines.append(
-            f"\nadapter {swap['adapter_bytes'] / 2**20:.1f} MiB in {swap['adapter_tensors']} tensors; "
-            f"decode step {swap['decode_step_ms']:.2f} ms, with a swap {swap['decode_step_with_swap_ms']:.2f} ms "
-            f"(stall {swap['stall_steps']:.2f} steps)"
+            f"\nadapter {swap['adapter_bytes'] / 2**20:.1f} MiB in {swap['adapter_tensors']} tensors, slot image "
+            f"{swap['image_bytes'] / 2**20:.1f} MiB; decode step {swap['decode_step_ms']:.2f} ms, with a swap "
+            f"{swap['decode_step_with_swap_ms']:.2f} ms (stall {swap['stall_steps']:.2f} steps)"
         )
     return "\n".join(lines)
 
