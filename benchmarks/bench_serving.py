@@ -20,6 +20,7 @@ to d2d (host clock with sync against host clock, CUDA events against CUDA events
   disk     safetensors -> Adapter -> slot (what a worker without the loader would do)
   stall    decode steps of 7 other adapters' requests, and the step right after each swap
 Run: python benchmarks/bench_serving.py [--preset inkling-small] [--out serving.json]
+Only the swap table: --swap-only
 CPU smoke run: python benchmarks/bench_serving.py --preset inkling-tiny --device cpu --dtype float32 --prompt 16 --new 4
 """
 
@@ -395,6 +396,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--no-peft", action="store_true")
+    ap.add_argument("--swap-only", action="store_true", help="only the hot-swap table (no throughput runs)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -432,10 +434,14 @@ def main() -> None:
             engine.load_adapter(f"a{i}", adapter, pinned=True)
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
         prompts = make_prompts(args.batch, args.prompt)
-        section(results, "engine", partial(bench_engine, engine, clock, prompts, args.new), args.out)
+        if not args.swap_only:
+            section(results, "engine", partial(bench_engine, engine, clock, prompts, args.new), args.out)
         engine.unload_adapter(f"a{max(COUNTS) - 1}")  # a free slot for the swaps
         swap = partial(bench_swap, engine, adapters[-1], model_dir, tmp, args, clock, prompts)
         section(results, "swap", swap, args.out)
+        if args.swap_only:
+            print(table(results))
+            return
         for i, adapter in enumerate(linear_adapters):  # peft's targets, for the row beside peft's
             if f"a{i}" in engine.adapters:
                 engine.unload_adapter(f"a{i}")
