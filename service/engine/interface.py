@@ -13,7 +13,10 @@ from inkwell.models.base import BaseModelIdentity
 from inkwell.service.engine.engine import EngineConfig, Request, StepOutput
 
 # engine kind -> "module:Class"; the class takes (model_dir, EngineConfig)
-ENGINES: dict[str, str] = {"native": "inkwell.service.engine.engine:Engine"}
+ENGINES: dict[str, str] = {
+    "native": "inkwell.service.engine.engine:Engine",
+    "sglang": "inkwell.service.engine.sglang_engine:SglangEngine",  # extra inkwell[sglang], CUDA only
+}
 
 
 class ServingEngine(Protocol):
