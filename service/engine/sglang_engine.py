@@ -276,6 +276,9 @@ class SglangEngine:
         except SglangLayoutError as exc:
             raise AdapterIncompatibleError(str(exc)) from exc
         self._make_room()
+        # host copies: SGLang caches adapters in host memory, and a worker's adapter may be a view of
+        # the loader's staging ring on the GPU, which is reused once this call returns
+        tensors = {name: tensor.cpu() for name, tensor in tensors.items()}
         result = self._sgl.load_lora_adapter_from_tensors(key, tensors, adapter_config)
         if not result.success:
             raise AdapterIncompatibleError(f"SGLang refused adapter {key!r}: {result.error_message}")
