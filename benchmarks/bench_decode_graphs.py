@@ -1,0 +1,134 @@
+"""Decode throughput of the native engine: eager steps vs CUDA-graph replays vs graphs with the LoRA side stream.
+
+A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each, with no adapter and with
+1, 4 and 8 distinct rank-16 adapters over every target group (request i uses adapter i mod n). Decode = every
+step after the first (which prefills every prompt); each case is timed `--repeats` times after a warm-up run
+(Triton compiles, graphs are captured) and the median is kept.
+  eager         cuda_graphs=False: every step runs InklingModel.forward
+  graphs        pure decode steps replay a captured CudaGraphDecoder graph
+  graphs+side   the same, with each projection's LoRA on a side stream beside the base GEMM
+Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% slower than 1.
+Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--out decode_graphs.json]
+CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny
+--device cpu --prompt 16 --new 8 --repeats 1
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_serving import COUNTS, RANK, Clock, adapter_keys, engine_batch, make_prompts, rates
+
+from inkwell.adapters.adapter import init_adapter
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import base_model_identity, init_base_model, load_base_config
+from inkwell.service.engine import Engine, EngineConfig
+
+MODES = {
+    "eager": {"cuda_graphs": False},
+    "graphs": {"cuda_graphs": True},
+    "graphs+side": {"cuda_graphs": True, "lora_side_stream": True},
+}
+
+
+def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, prompts) -> dict:
+    """Median decode tokens/s (and step time) per adapter count in one engine configuration."""
+    engine = Engine(
+        model_dir,
+        EngineConfig(
+            max_loras_per_batch=max(COUNTS),
+            max_lora_rank=RANK,
+            max_loaded_adapters=64,
+            max_seqs=args.batch,
+            max_batch_tokens=args.batch * args.prompt,
+            dtype=args.dtype,
+            device=args.device,
+            **options,
+        ),
+    )
+    for i, adapter in enumerate(adapters):
+        engine.load_adapter(f"a{i}", adapter, pinned=True)
+    out = {}
+    for n in COUNTS:
+        keys = adapter_keys(n, len(prompts))
+        engine_batch(engine, clock, prompts, keys, args.new)  # warm-up
+        runs = [rates(engine_batch(engine, clock, prompts, keys, args.new)) for _ in range(args.repeats)]
+        tok_s = statistics.median(r["decode_tok_s"] for r in runs)
+        out[n] = {"decode_tok_s": tok_s, "decode_step_ms": 1e3 * args.batch / tok_s, "runs": runs}
+        print(f"{n} adapters: {tok_s:.0f} decode tok/s ({out[n]['decode_step_ms']:.2f} ms/step)", flush=True)
+    if engine.decoder is not None:
+        out["graphs_captured"] = len(engine.decoder.graphs)
+    del engine
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def table(results: dict) -> str:
+    modes = [m for m in MODES if m in results]
+    head = ["adapters", *(f"{m} tok/s" for m in modes), *(f"{m} vs 0" for m in modes)]
+    if "eager" in modes:
+        head += [f"{m} / eager" for m in modes if m != "eager"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def rate(mode: str, n: int) -> float:
+        return results[mode][n]["decode_tok_s"]
+
+    for n in COUNTS:
+        cells = [str(n), *(f"{rate(m, n):.0f}" for m in modes), *(f"{rate(m, n) / rate(m, 0):.3f}" for m in modes)]
+        if "eager" in modes:
+            cells += [f"{rate(m, n) / rate('eager', n):.2f}" for m in modes if m != "eager"]
+        lines.append("| " + " | ".join(cells) + " |")
+    ratios = ", ".join(f"{m} {rate(m, 8) / rate(m, 1):.3f}" for m in modes)
+    lines.append(f"\n8 vs 1 adapters (decode tok/s ratio): {ratios}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="inkling-small")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    modes = [m for m in args.modes if cuda or not MODES[m].get("cuda_graphs")]
+    clock = Clock(torch.device(args.device))
+    results: dict = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-decode-graphs-") as tmp:
+        model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
+        config = load_base_config(model_dir)
+        identity = base_model_identity(model_dir)
+        spec = LoraSpec(rank=RANK, alpha=2 * RANK)
+        adapters = [init_adapter(config, spec, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
+        prompts = make_prompts(args.batch, args.prompt)
+        for mode in modes:
+            t0 = time.perf_counter()
+            print(f"[{mode}]", flush=True)
+            results[mode] = bench_mode(model_dir, adapters, args, MODES[mode], clock, prompts)
+            print(f"[{mode}] {time.perf_counter() - t0:.1f}s", flush=True)
+            if args.out is not None:
+                args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""CUDA-graph decode on one GPU (run on the device machine: pytest -m gpu): replayed graphs against the eager
+engine, the LoRA side stream, and an adapter swap into a slot a captured graph reads."""
+
+import pytest
+import torch
+
+from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 means fp32 here: no TF32 in matmuls or in the cuDNN convolutions."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def cuda_engine(model_dir, adapters, dtype: str, max_loras: int = 6, **options) -> Engine:
+    config = EngineConfig(max_loras_per_batch=max_loras, max_lora_rank=16, dtype=dtype, device="cuda", **options)
+    engine = Engine(model_dir, config)
+    for i, adapter in enumerate(adapters):
+        engine.load_adapter(f"a{i}", adapter)
+    return engine
+
+
+def mixed_requests() -> list[Request]:
+    """Six prompts of 14..29 tokens (decoding to 69 crosses the window, 24, and the relative extent, 48) with
+    every adapter of conftest's SPECS and a base-model row; 20..40 new tokens, so the batch shrinks from 6 rows
+    (the 8-bucket, with padding) to the base row alone."""
+    return [
+        Request(
+            f"r{i}",
+            [1, *range(9 + i, 22 + 4 * i)],
+            SamplingParams(max_tokens=20 + 4 * i, temperature=0.0, ignore_eos=True, logprobs=1),
+            None if i == 5 else f"a{i}",
+        )
+        for i in range(6)
+    ]
+
+
+def assert_close(expected: dict, got: dict, tol: float) -> None:
+    for rid, choices in expected.items():
+        a, b = choices[0], got[rid][0]
+        assert b.token_ids == a.token_ids, rid
+        diff = torch.tensor([x.logprob for x in a.logprobs]) - torch.tensor([x.logprob for x in b.logprobs])
+        assert diff.abs().max().item() < tol, rid
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["one_stream", "side_stream"])
+def test_graph_decode_bf16_equals_eager(tiny_model_dir, tiny_adapters, side_stream):
+    eager = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
+    graphs = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=side_stream)
+    assert eager.decoder is None and graphs.decoder.use_graphs
+    assert graphs.decoder.forward.grouped_mm == (torch.cuda.get_device_capability()[0] in (9, 10))
+    requests = mixed_requests()
+    expected, got = eager.generate(requests), graphs.generate(requests)
+    assert {(8, 256, True), (4, 256, True), (2, 256, True), (1, 256, False)} <= set(graphs.decoder.graphs)
+    assert_close(expected, got, 2e-2)
+
+
+def test_graph_decode_fp32_equals_eager(tiny_model_dir, tiny_adapters):
+    """fp32 has no capturable grouped GEMM: the graphs run every expert on every token, and equal eager closely."""
+    eager = cuda_engine(tiny_model_dir, tiny_adapters, "float32", cuda_graphs=False)
+    graphs = cuda_engine(tiny_model_dir, tiny_adapters, "float32")
+    assert not graphs.decoder.forward.grouped_mm
+    requests = mixed_requests()
+    assert_close(eager.generate(requests), graphs.generate(requests), 1e-4)
+
+
+def test_side_stream_gives_the_one_stream_results(tiny_model_dir, tiny_adapters):
+    """The side stream adds the same rounded delta the in-place kernels do, and tiny's top-2 routing sums
+    each token's two expert rows in either order alike: the results should be bitwise the same."""
+    one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
+    two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=True)
+    requests = mixed_requests()
+    assert_close(one.generate(requests), two.generate(requests), 1e-6)
+    eager_one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
+    eager_two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=True)
+    assert_close(eager_one.generate(requests), eager_two.generate(requests), 1e-6)
+
+
+def test_base_only_batches_replay_the_graph_without_lora(tiny_model_dir, tiny_adapters):
+    eager = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
+    graphs = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
+    requests = [Request(f"b{i}", [1, *range(30 + i, 50 + i)], GREEDY) for i in range(3)]
+    assert_close(eager.generate(requests), graphs.generate(requests), 2e-2)
+    assert set(graphs.decoder.graphs) == {(4, 256, False)}
+
+
+def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tiny_adapters):
+    """Two slots: a0 (slot 0) and a1 (slot 1) decode under captured graphs; a0 is unloaded and a2 written into
+    slot 0; the same graphs replay and give what a fresh eager engine with a2 gives."""
+    prompt_x, prompt_y = [1, *range(40, 60)], [1, *range(70, 95)]
+    engine = cuda_engine(tiny_model_dir, tiny_adapters[:2], "bfloat16", max_loras=2)
+    before = engine.generate([Request("x", prompt_x, GREEDY, "a0"), Request("y", prompt_y, GREEDY, "a1")])
+    captured = dict(engine.decoder.graphs)
+    assert engine.lora.slot_of("a0") == 0 and captured
+    engine.unload_adapter("a0")
+    engine.load_adapter("a2", tiny_adapters[2])
+    requests = [Request("x", prompt_x, GREEDY, "a2"), Request("y", prompt_y, GREEDY, "a1")]
+    after = engine.generate(requests)
+    assert engine.lora.slot_of("a2") == 0
+    assert engine.decoder.graphs.keys() == captured.keys()
+    assert all(engine.decoder.graphs[k][0] is graph for k, (graph, _) in captured.items())
+    assert after["x"][0].token_ids != before["x"][0].token_ids  # the new adapter really decodes x
+    fresh = cuda_engine(tiny_model_dir, [], "bfloat16", cuda_graphs=False)
+    fresh.load_adapter("a2", tiny_adapters[2])
+    fresh.load_adapter("a1", tiny_adapters[1])
+    assert_close(fresh.generate(requests), after, 2e-2)
