@@ -5,9 +5,11 @@ Both train the same randomly initialised `inkling-small` weights (bf16) on the s
 the dense MLP and the routed experts (peft: `target_modules` + `target_parameters`, the setup
 FACTS.md measured). Also: our full-parameter step (every base weight trainable) to report LoRA's
 step time as a fraction of it, peak GPU memory of each, and correctness checks run first: our
-logits vs transformers' eager logits, and our SDPA attention vs our eager attention (loss and
-LoRA gradients). Step times are medians over --steps timed steps after --warmup untimed ones.
+logits vs transformers' eager logits, and each variant of ours (layers compiled or not, and how)
+against our uncompiled eager model (loss and LoRA gradients).
+Step times are medians over --steps timed steps after --warmup untimed ones.
 Run: python benchmarks/bench_train.py [--batch 4] [--seq 1024] [--steps 10] [--out results.json] [--md table.md]
+[--profile DIR]
 """
 
 import argparse
@@ -27,12 +29,22 @@ from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import config_identity, preset_config
 from inkwell.trainer.bridge import is_lora, load_state
-from inkwell.trainer.model import ATTENTION, InklingGPT
+from inkwell.trainer.model import InklingGPT, compile_decoder_layers
 from inkwell.trainer.parallel import model_parallel
 
 GIB = 1024**3
 PEFT_MODULES = ["q_proj", "k_proj", "v_proj", "r_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEFT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# (attention, torch.compile mode of the layers or None) of our trainer, timed in this order
+VARIANTS = [
+    ("eager", None),
+    ("eager", "default"),
+    ("eager", "reduce-overhead"),
+]
+
+
+def variant_key(attention: str, mode: str | None) -> str:
+    return f"ours_lora_{attention}" + (f"_compiled_{mode}" if mode else "")
 
 
 def time_steps(step, steps: int, warmup: int) -> dict:
@@ -53,8 +65,20 @@ def time_steps(step, steps: int, warmup: int) -> dict:
     return {"ms": 1000 * statistics.median(times), "peak_gib": peak}
 
 
-def make_step(forward, params, ids, targets):
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
+def profile_steps(step, path: Path, steps: int = 3) -> None:
+    """Write torch.profiler's per-op table (sorted by device time) of `steps` steps to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
+    path.write_text(f"{steps} steps\n{table}\n")
+
+
+def make_step(forward, params, ids, targets, fused: bool = False):
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=fused)
 
     def step():
         loss = forward(ids, targets)
@@ -85,14 +109,12 @@ def bench_peft(config, args, ids, targets, check_ids, results: dict):
 
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     results["peft_lora_params_m"] = sum(p.numel() for p in trainable) / 1e6
-    results["peft"] = time_steps(make_step(peft_loss, trainable, ids, targets), args.steps, args.warmup)
+    step = make_step(peft_loss, trainable, ids, targets)
+    results["peft"] = time_steps(step, args.steps, args.warmup)
+    if args.profile:
+        profile_steps(step, args.profile / "profile_peft.txt")
     print("transformers+peft", results["peft"], flush=True)
     return base_state, ref_logits
-
-
-def set_attention(model: InklingGPT, name: str) -> None:
-    for layer in model.layers:
-        layer.self_attn.attend = ATTENTION[name]
 
 
 def main() -> None:
@@ -105,6 +127,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--md", type=Path)
+    parser.add_argument("--profile", type=Path, help="folder for torch.profiler tables of both LoRA trainers")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
     args = parser.parse_args()
 
@@ -132,7 +155,7 @@ def main() -> None:
 
     spec = LoraSpec(rank=args.rank, alpha=2 * args.rank, targets=["attn", "mlp", "experts"])
     with model_parallel(tp=1, ep=1, device=args.device, seed=0):
-        model = InklingGPT(config, spec, torch.bfloat16, args.device, "sdpa")
+        model = InklingGPT(config, spec, torch.bfloat16, args.device, "eager")
         load_state(model, base_state, lora=False)
         adapter = init_adapter(config, spec, config_identity(config, args.preset), seed=0, b_std=1e-3)
         load_state(model, adapter.tensors, lora=True)
@@ -148,36 +171,55 @@ def main() -> None:
         results["logits_max_abs_diff_vs_transformers"] = (ours_logits - ref_logits).abs().max().item()
         results["logits_max_abs"] = ref_logits.abs().max().item()
 
-        grads = {}
-        for name in ("eager", "sdpa"):
-            set_attention(model, name)
+        def lora_grads(name: str) -> tuple[float, list[torch.Tensor]]:
+            model.set_attention(name)
             loss = ours_loss(check_ids, check_ids.roll(-1, dims=1))
             loss.backward()
-            grads[name] = (loss.item(), [p.grad.float().clone() for p in lora])
+            grads = [p.grad.float().clone() for p in lora]
             model.zero_grad(set_to_none=True)
-        (le, ge), (ls, gs) = grads["eager"], grads["sdpa"]
-        results["sdpa_vs_eager_loss_diff"] = abs(le - ls)
-        results["sdpa_vs_eager_grad_rel_diff"] = max(
-            ((a - b).norm() / (a.norm() + 1e-12)).item() for a, b in zip(ge, gs, strict=True)
-        )
-        print({k: v for k, v in results.items() if "diff" in k}, flush=True)
+            return loss.item(), grads
 
-        for name in ("sdpa", "eager"):
-            set_attention(model, name)
-            results[f"ours_lora_{name}"] = time_steps(make_step(ours_loss, lora, ids, targets), args.steps, args.warmup)
-            print(f"ours lora {name}", results[f"ours_lora_{name}"], flush=True)
-        set_attention(model, "sdpa")
+        reference_loss, reference_grads = lora_grads("eager")
+        # FlexAttention has no CPU backward; a CPU smoke run skips it and compilation
+        variants = VARIANTS if args.device == "cuda" else [(a, m) for a, m in VARIANTS if a != "flex" and not m]
+        compiled = None
+        for attention, mode in variants:
+            if mode != compiled:
+                torch._dynamo.reset()
+                compile_decoder_layers(model.layers, mode)
+                compiled = mode
+            key = variant_key(attention, mode)
+            loss, grads = lora_grads(attention)
+            rel = [((a - b).norm() / (a.norm() + 1e-12)).item() for a, b in zip(reference_grads, grads, strict=True)]
+            results[f"{key}_vs_eager_loss_diff"] = abs(loss - reference_loss)
+            results[f"{key}_vs_eager_grad_rel_diff_median"] = statistics.median(rel)
+            results[f"{key}_vs_eager_grad_rel_diff_max"] = max(rel)
+            step = make_step(ours_loss, lora, ids, targets, fused=args.device == "cuda")
+            results[key] = time_steps(step, args.steps, args.warmup)
+            if args.profile:
+                profile_steps(step, args.profile / f"profile_{key}.txt")
+            print(key, results[key], {k: v for k, v in results.items() if k.startswith(key + "_vs")}, flush=True)
+
+        best = min((variant_key(*v) for v in variants), key=lambda k: results[k]["ms"])
+        results["best"] = best
+        results["variants"] = variants
+        attention, mode = next((a, m) for a, m in variants if variant_key(a, m) == best)
+        model.set_attention(attention)
+        if mode != compiled:
+            torch._dynamo.reset()
+            compile_decoder_layers(model.layers, mode)
         base = [p for p in model.parameters() if not is_lora(p)]
         for p in base:
             p.requires_grad_(True)
-        results["ours_full_sdpa"] = time_steps(make_step(ours_loss, base, ids, targets), args.steps, args.warmup)
-        print("ours full", results["ours_full_sdpa"], flush=True)
+        full_step = make_step(ours_loss, base, ids, targets, fused=args.device == "cuda")
+        results["ours_full"] = time_steps(full_step, args.steps, args.warmup)
+        print("ours full", results["ours_full"], flush=True)
 
     tokens = args.batch * args.seq
-    for key in ("peft", "ours_lora_sdpa", "ours_lora_eager", "ours_full_sdpa"):
+    for key in ["peft", "ours_full"] + [variant_key(*v) for v in variants]:
         results[key]["tokens_per_s"] = tokens / (results[key]["ms"] / 1000)
-    results["speedup_vs_peft"] = results["peft"]["ms"] / results["ours_lora_sdpa"]["ms"]
-    results["lora_over_full_step"] = results["ours_lora_sdpa"]["ms"] / results["ours_full_sdpa"]["ms"]
+    results["speedup_vs_peft"] = results["peft"]["ms"] / results[best]["ms"]
+    results["lora_over_full_step"] = results[best]["ms"] / results["ours_full"]["ms"]
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -186,12 +228,11 @@ def main() -> None:
 
 
 def markdown(r: dict) -> str:
-    rows = [
-        ("transformers + peft LoRA (eager attention)", r["peft"]),
-        ("inkwell LoRA (megatron-core, SDPA attention)", r["ours_lora_sdpa"]),
-        ("inkwell LoRA (megatron-core, eager attention)", r["ours_lora_eager"]),
-        ("inkwell full-parameter (SDPA attention)", r["ours_full_sdpa"]),
-    ]
+    rows = [("transformers + peft LoRA (eager attention)", "peft")]
+    for attention, mode in r["variants"]:
+        label = f"inkwell LoRA, {attention} attention" + (f", layers compiled ({mode})" if mode else "")
+        rows.append((label, variant_key(attention, mode)))
+    rows += [(f"inkwell full-parameter ({r['best']})", "ours_full")]
     lines = [
         f"## LoRA SFT training step: {r['preset']} ({r['parameters_b']:.2f}B), {r['gpu']}, {r['date']}",
         "",
@@ -199,18 +240,28 @@ def markdown(r: dict) -> str:
         f"(torch {r['torch']}, bf16, AdamW, batch {r['batch']} x {r['seq']} tokens, rank {r['rank']} on "
         "attention + dense MLP + routed experts; median step of the timed steps)",
         "",
-        "| trainer | ms / step | tokens / s | peak GiB |",
-        "|---|---|---|---|",
+        "| trainer | ms / step | tokens / s | peak GiB | vs peft | loss diff vs eager "
+        "| LoRA grad rel. diff (median / max) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {name} | {m['ms']:.1f} | {m['tokens_per_s']:,.0f} | {m['peak_gib']:.1f} |" for name, m in rows]
+    for name, key in rows:
+        m = r[key]
+        check = "- | -"
+        if f"{key}_vs_eager_loss_diff" in r:
+            check = (
+                f"{r[f'{key}_vs_eager_loss_diff']:.2g} | {r[f'{key}_vs_eager_grad_rel_diff_median']:.2g} / "
+                f"{r[f'{key}_vs_eager_grad_rel_diff_max']:.2g}"
+            )
+        speed = r["peft"]["ms"] / m["ms"]
+        figures = f"{m['ms']:.1f} | {m['tokens_per_s']:,.0f} | {m['peak_gib']:.1f} | {speed:.2f}x"
+        lines.append(f"| {name} | {figures} | {check} |")
     lines += [
         "",
-        f"- Speed-up over transformers + peft: **{r['speedup_vs_peft']:.2f}x** (target: 2x).",
+        f"- Speed-up of the fastest ({r['best']}) over transformers + peft: **{r['speedup_vs_peft']:.2f}x** "
+        "(target 2x).",
         f"- LoRA step time / full-parameter step time: {r['lora_over_full_step']:.2f}.",
-        "- Checks: logits max |diff| vs transformers eager (bf16, 512 tokens) "
-        f"{r['logits_max_abs_diff_vs_transformers']:.3g} (logits up to {r['logits_max_abs']:.3g}); "
-        f"SDPA vs eager: loss diff {r['sdpa_vs_eager_loss_diff']:.2g}, "
-        f"LoRA grad relative diff {r['sdpa_vs_eager_grad_rel_diff']:.2g}.",
+        f"- Logits max |diff| vs transformers eager (bf16, 512 tokens): {r['logits_max_abs_diff_vs_transformers']:.3g} "
+        f"(logits up to {r['logits_max_abs']:.3g}).",
         "",
     ]
     return "\n".join(lines)

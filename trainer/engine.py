@@ -30,8 +30,9 @@ from inkwell.trainer.parallel import Layout, all_reduce_
 from inkwell.trainer.prepare import Prepared
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# eager is transformers' own arithmetic (the CPU reference); GPUs run the same math in fused SDPA kernels
-ATTENTION = {"cpu": "eager", "cuda": "sdpa"}
+# transformers' own eager arithmetic everywhere; on GPUs each layer is compiled, which fuses the bias,
+# mask and softmax (faster than SDPA and FlexAttention here: docs/benchmarks.md)
+ATTENTION = {"cpu": "eager", "cuda": "eager"}
 
 
 def lr_lambda(config: TrainJobConfig):
@@ -69,13 +70,27 @@ class Trainer:
     def __post_init__(self):
         cfg, prep = self.config, self.prepared
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        self.model = InklingGPT(prep.hf_config, cfg.lora, DTYPES[cfg.dtype], cfg.device, ATTENTION[cfg.device])
+        # torch's grouped GEMM (the experts) compiles in bf16 only; fp32 runs stay eager
+        compiled = cfg.compile != "none" and cfg.device == "cuda" and cfg.dtype == "bfloat16"
+        self.model = InklingGPT(
+            prep.hf_config,
+            cfg.lora,
+            DTYPES[cfg.dtype],
+            cfg.device,
+            ATTENTION[cfg.device],
+            cfg.compile if compiled else None,
+        )
         load_state(self.model, load_base_weights(cfg.base_model_dir), lora=False)
         adapter = init_adapter(prep.hf_config, cfg.lora, prep.identity, seed=cfg.seed)
         load_state(self.model, adapter.tensors, lora=True)
         self.params = [p for p in self.model.parameters() if is_lora(p)]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+            self.params,
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            fused=self.device.type == "cuda",
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.stream = RowStream(prep.train, cfg.seq_len, prep.pad_id, cfg.seed)

@@ -16,38 +16,36 @@ from inkwell.trainer.lora import mark
 
 @dataclass
 class Packing:
-    """Per-batch layout shared by every layer: positions restart per sample; masks are derived once."""
+    """Per-batch layout shared by every layer: positions restart per sample; masks are derived once.
+
+    Every tensor has a shape fixed by (batch, seq), whatever the packing, and building it never waits
+    on the device, so a compiled layer sees the same shapes every step.
+    """
 
     positions: torch.Tensor  # [b, s] long
     segments: torch.Tensor  # [b, s] long
-    causal: torch.Tensor  # [b, s, s] bool: same segment and k <= q
-    leaks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, t, j): a conv tap t-j in an earlier sample
+    taps: torch.Tensor  # [b, s, kernel] fp32: 1 where conv tap j of token t stays inside t's sample
+    masks: dict[int | None, torch.Tensor]  # window (None: full) -> keys each query may attend [b, 1, s, s]
 
     @classmethod
-    def build(cls, segments: torch.Tensor, conv_kernel: int) -> "Packing":
+    def build(cls, segments: torch.Tensor, conv_kernel: int, windows: tuple[int | None, ...] = (None,)) -> "Packing":
         b, s = segments.shape
         idx = torch.arange(s, device=segments.device)
         starts = torch.ones_like(segments, dtype=torch.bool)
         starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
         start_pos = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)).expand(b, s), dim=1).values
         positions = idx - start_pos
-        same = segments[:, :, None] == segments[:, None, :]
-        causal = same & (idx[None, :, None] >= idx[None, None, :])
-        taps = torch.arange(1, conv_kernel, device=segments.device)[:, None, None]
-        leaking = (positions[None] < taps) & (idx[None, None] >= taps)  # [K-1, b, s]
-        j, row, t = leaking.nonzero(as_tuple=True)
-        return cls(positions, segments, causal, (row, t, j + 1))
+        taps = (positions[..., None] >= torch.arange(conv_kernel, device=segments.device)).float()
+        return cls(positions, segments, taps, {w: dense_mask(segments, w) for w in windows})
 
-    def allowed(self, window: int | None) -> torch.Tensor:
-        """[b, 1, s, s] keys each query may attend: causal within its segment, and within `window` if given."""
-        if window is None:
-            return self.causal[:, None]
-        idx = torch.arange(self.causal.shape[-1], device=self.causal.device)
-        return (self.causal & (idx[:, None] - idx[None, :] < window))[:, None]
 
-    @classmethod
-    def single(cls, batch: int, seq: int, conv_kernel: int, device) -> "Packing":
-        return cls.build(torch.zeros(batch, seq, dtype=torch.long, device=device), conv_kernel)
+def dense_mask(segments: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[b, 1, s, s] keys each query may attend: causal within its segment, and within `window` if given."""
+    idx = torch.arange(segments.shape[1], device=segments.device)
+    allowed = (segments[:, :, None] == segments[:, None, :]) & (idx[:, None] >= idx[None, :])
+    if window is not None:
+        allowed &= idx[:, None] - idx[None, :] < window
+    return allowed[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -80,15 +78,14 @@ class ShortConv(nn.Module):
         mark(self.weight, f"{hf_name}.conv1d.weight", tp_dim=0 if shard_tp else None)
 
     def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """transformers' causal conv1d over the whole row, minus the taps that reach into an earlier sample."""
-        dtype, s, k = x.dtype, x.shape[1], self.kernel
-        h = x.float()
-        out = F.conv1d(h.transpose(1, 2), self.weight, padding=k - 1, groups=h.shape[-1])[..., :s].transpose(1, 2)
-        row, t, j = packing.leaks
-        if row.numel():
-            taps = self.weight[:, 0, :].t()[k - 1 - j]  # out[t] = sum_j w[k-1-j] * x[t-j]
-            out = out.index_put((row, t), -(h[row, t - j] * taps), accumulate=True)
-        return (out + h).to(dtype)
+        """transformers' causal conv1d (zero history) as a sum of shifted taps, each cut at sample starts."""
+        h, s, k = x.float(), x.shape[1], self.kernel
+        w = self.weight[:, 0, :]  # out[t] = sum_j w[k-1-j] * x[t-j]
+        out = h + h * w[:, k - 1]
+        for j in range(1, k):
+            earlier = F.pad(h, (0, 0, j, 0))[:, :s]
+            out = out + earlier * w[:, k - 1 - j] * packing.taps[..., j : j + 1]
+        return out.to(x.dtype)
 
 
 def causal_skew(rel: torch.Tensor) -> torch.Tensor:
@@ -107,9 +104,9 @@ def causal_skew(rel: torch.Tensor) -> torch.Tensor:
 class RelativeLogits(nn.Module):
     """Per-head bias by causal distance, zero outside [0, extent).
 
-    Within a packed segment the distance of two tokens is the difference of their indices, so the
-    bias is the (query, distance) table skewed into (query, key) layout; pairs across segments are
-    masked by the attention.
+    Returns the (query, distance) table, which the attention skews into a (query, key) bias
+    (`causal_skew`). Within a packed segment the distance of two tokens is the difference of their
+    indices; pairs across segments are masked.
     """
 
     def __init__(self, d_rel: int, extent: int, hf_name: str, dtype: torch.dtype, device=None):
@@ -119,10 +116,10 @@ class RelativeLogits(nn.Module):
         mark(self.proj, f"{hf_name}.proj")
 
     def forward(self, relative_states: torch.Tensor, tau: torch.Tensor | None = None) -> torch.Tensor:
-        """relative_states [b, s, h, d_rel], tau [b, 1, s, 1] (log scaling) -> bias [b, h, s, s]."""
-        rel = (relative_states @ self.proj).transpose(1, 2)
+        """relative_states [b, s, h, d_rel], tau [b, 1, s, 1] (log scaling) -> [b, h, s, min(extent, s)]."""
+        s = relative_states.shape[1]
+        proj = self.proj[:, :s] if self.extent > s else self.proj
+        rel = (relative_states @ proj).transpose(1, 2)
         if tau is not None:
             rel = (rel.float() * tau).to(rel.dtype)
-        s = rel.shape[-2]
-        rel = rel[..., :s] if self.extent >= s else torch.nn.functional.pad(rel, (0, s - self.extent))
-        return causal_skew(rel)
+        return rel

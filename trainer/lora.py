@@ -67,6 +67,15 @@ def _noinit(_: torch.Tensor) -> None:
     """Weights come from the HF checkpoint through the bridge; megatron must not initialise them."""
 
 
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """megatron-core 0.19.2's RowParallelLinear hands its matmul tp_group=None, which then warns on every
+    call (a graph break per projection under torch.compile); this passes the layer's own group."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 class ParallelLinear(nn.Module):
     """A frozen megatron Column/RowParallelLinear plus optional LoRA factors A, B."""
 
@@ -89,7 +98,7 @@ class ParallelLinear(nn.Module):
             )
             mark(self.base.weight, f"{hf_name}.weight", tp_dim=0)
         elif parallel == "row":
-            self.base = tensor_parallel.RowParallelLinear(
+            self.base = RowParallelLinear(
                 in_features,
                 out_features,
                 config=config,

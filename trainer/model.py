@@ -19,7 +19,7 @@ from torch import nn
 from transformers import InklingTextConfig
 
 from inkwell.adapters.spec import LoraSpec
-from inkwell.trainer.layers import Packing, RelativeLogits, RMSNorm, ShortConv
+from inkwell.trainer.layers import Packing, RelativeLogits, RMSNorm, ShortConv, causal_skew
 from inkwell.trainer.lora import LoraSettings, ParallelLinear, mark
 from inkwell.trainer.moe import InklingMoE
 
@@ -123,30 +123,36 @@ class InklingAttention(nn.Module):
             n = (packing.positions + 1).float()
             tau = (1.0 + self.log_alpha * torch.log((n / self.log_floor).clamp(min=1.0)))[:, None, :, None]
             q = (q.float() * tau).to(q.dtype)
-        bias = self.rel_logits(self.r_proj(x).view(b, s, self.heads, -1), tau)
-        out = self.attend(q, k, v, bias, packing.allowed(self.window), 1.0 / self.head_dim)
+        rel = self.rel_logits(self.r_proj(x).view(b, s, self.heads, -1), tau)
+        out = self.attend(q, k, v, rel, packing.masks[self.window], 1.0 / self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-def eager_attention(q, k, v, bias, allowed, scaling: float) -> torch.Tensor:
+def relative_bias(rel: torch.Tensor) -> torch.Tensor:
+    """The (query, distance) table [b, h, s, extent] as a (query, key) bias [b, h, s, s], 0 past the extent."""
+    s = rel.shape[-2]
+    return causal_skew(F.pad(rel, (0, s - rel.shape[-1])))
+
+
+def eager_attention(q, k, v, rel, allowed, scaling: float) -> torch.Tensor:
     """transformers' eager attention: scores*scale + bias, masked, fp32 softmax, GQA by expansion."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scaling + bias
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling + relative_bias(rel)
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
 
-def sdpa_attention(q, k, v, bias, allowed, scaling: float) -> torch.Tensor:
+def sdpa_attention(q, k, v, rel, allowed, scaling: float) -> torch.Tensor:
     """The same attention through torch's fused SDPA kernels, bias and mask passed as one float mask."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    mask = bias.masked_fill(~allowed, float("-inf"))
+    mask = relative_bias(rel).masked_fill(~allowed, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
 
 
@@ -222,7 +228,13 @@ class InklingGPT(nn.Module):
     """Embedding (vocab-parallel) + embed norm, decoder layers from specs, final norm, muP-scaled LM head."""
 
     def __init__(
-        self, hf: InklingTextConfig, lora: LoraSpec | None, dtype: torch.dtype, device: str, attention: str = "eager"
+        self,
+        hf: InklingTextConfig,
+        lora: LoraSpec | None,
+        dtype: torch.dtype,
+        device: str,
+        attention: str = "eager",
+        compile_mode: str | None = None,
     ):
         super().__init__()
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
@@ -233,6 +245,7 @@ class InklingGPT(nn.Module):
         dev = torch.device(device) if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
         build = Build(hf, mc, lora, dtype, dev, tp, ep, ps.get_expert_model_parallel_rank(), attention)
         self.config = hf
+        self.windows = tuple({None if t != "hybrid_sliding" else hf.sliding_window_size for t in hf.layer_types})
         self.embed_tokens = tensor_parallel.VocabParallelEmbedding(
             hf.vocab_size, hf.hidden_size, init_method=lambda _: None, config=mc
         )
@@ -248,21 +261,36 @@ class InklingGPT(nn.Module):
         self.lm_head = ParallelLinear(
             hf.hidden_size, hf.vocab_size, config=mc, parallel="column", hf_name="lm_head", lora=head_lora
         )
+        if compile_mode is not None:
+            compile_decoder_layers(self.layers, compile_mode)
 
     def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Vocab-parallel logits [b, s, V/tp] of (packed) token ids; segments [b, s] mark samples."""
         if segments is None:
-            packing = Packing.single(*input_ids.shape, self.config.conv_kernel_size, input_ids.device)
-        else:
-            packing = Packing.build(segments, self.config.conv_kernel_size)
+            segments = torch.zeros_like(input_ids)
+        packing = Packing.build(segments, self.config.conv_kernel_size, self.windows)
         x = self.embed_norm(self.embed_tokens(input_ids))
         for layer in self.layers:
             x = layer(x, packing)
         x = self.norm(x) / self.config.logits_mup_width_multiplier
         return self.lm_head(x)
 
+    def set_attention(self, name: str) -> None:
+        """Switch every layer to another attention function of `ATTENTION` (same math, other kernels)."""
+        for layer in self.layers:
+            layer.self_attn.attend = ATTENTION[name]
+
     def routers(self) -> dict[int, nn.Module]:
         return {i: layer.mlp.router for i, layer in enumerate(self.layers) if isinstance(layer.mlp, InklingMoE)}
+
+
+def compile_decoder_layers(layers: nn.ModuleList, mode: str = "default") -> None:
+    """torch.compile each layer in place (parameter names unchanged): one fused graph per layer, which
+    "reduce-overhead" also replays as a CUDA graph. Layers of one kind share a graph; the limit is
+    raised so every kind (dense/MoE x sliding/full x train/eval x attention function) gets its own."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for layer in layers:
+        layer.compile(dynamic=False, mode=mode)
 
 
 def layout_problem(hf: InklingTextConfig, tp: int, ep: int) -> tuple[str, str] | None:
