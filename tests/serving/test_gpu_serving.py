@@ -1,18 +1,11 @@
 """The native engine on a CUDA device with the Triton LoRA kernels (run on the device machine: pytest -m gpu).
 
-bf16 mixed-adapter batches against each request run alone, and a CUDA IPC hot-swap from a real loader
-process while other adapters' requests keep decoding.
+bf16 mixed-adapter batches against each request run alone (the CUDA IPC hot-swap: test_swap_gpu.py).
 """
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
-from inkwell.adapters.io import save_adapter
 from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.serving.loader import loader_main
-from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.transfer import unpack
 from inkwell.tests.serving.test_engine import PROMPT
 
 pytestmark = pytest.mark.gpu
@@ -62,64 +55,3 @@ def test_bf16_mixed_batch_matches_each_request_alone(tiny_model_dir, tiny_adapte
     base = engine.generate([Request("b0", requests[0].prompt_ids, params)])["b0"][0]
     gaps = [abs(x.logprob - y.logprob) for x, y in zip(mixed["r0"][0].logprobs, base.logprobs, strict=True)]
     assert mixed["r0"][0].token_ids != base.token_ids or max(gaps) > 3 * TOL
-
-
-@pytest.fixture
-def exact_fp32():
-    """fp32 without TF32, so a batch that gains a request decodes the others' tokens unchanged."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def test_cuda_ipc_swap_while_other_adapters_decode(tiny_model_dir, tiny_adapters, tmp_path, exact_fp32):
-    config = EngineConfig(max_loras_per_batch=6, max_lora_rank=16, device="cuda")
-    engine = Engine(tiny_model_dir, config)
-    for i in range(4):
-        engine.load_adapter(f"a{i}", tiny_adapters[i])
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    others = [Request(f"r{i}", PROMPT[: 20 + i], params, f"a{i}") for i in range(4)]
-    for r in others:
-        engine.add_request(r)
-    outputs: dict[str, list[int]] = {}
-
-    def step() -> None:
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
-
-    for _ in range(4):
-        step()
-    # A real loader process reads the adapter from disk and stages it on the GPU; the message carries
-    # a CUDA IPC handle. The worker takes its own device copy and writes the slot between two steps.
-    directory = save_adapter(tiny_adapters[4], tmp_path / "a4", "sglang", engine.model_config)
-    ctx = mp.get_context("spawn")
-    inbox, arrived = ctx.Queue(), ctx.Queue()
-    loader = ctx.Process(target=loader_main, args=(str(tiny_model_dir), "float32", "cuda", inbox, arrived))
-    loader.start()
-    try:
-        inbox.put(("load", "a4", DirectorySource(str(directory)), True))
-        steps_while_loading = 0
-        while arrived.empty():
-            step()
-            steps_while_loading += 1
-        kind, key, packed, pinned = arrived.get()
-        assert (kind, key, pinned) == ("adapter", "a4", True)
-        assert packed.flat.is_cuda  # it crossed as a CUDA IPC handle, not through host memory
-        packed.flat = packed.flat.clone()
-        engine.load_adapter("a4", unpack(packed), pinned=True)
-        inbox.put(("release", "a4"))
-        late = Request("late", PROMPT[:22], params, "a4")
-        engine.add_request(late)
-        while engine.has_work():
-            step()
-    finally:
-        inbox.put(("stop",))
-        loader.join(30)
-        if loader.is_alive():
-            loader.kill()
-    assert steps_while_loading >= 1  # the others kept decoding while the loader read and staged a4
-    fresh = cuda_engine(tiny_model_dir, tiny_adapters, "float32")
-    for r in [*others, late]:
-        alone = fresh.generate([r])[r.request_id][0].token_ids
-        assert outputs[r.request_id] == alone, r.request_id
