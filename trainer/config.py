@@ -56,16 +56,30 @@ class TrainJobConfig(BaseModel):
     nproc: int = Field(1, ge=1)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    compile: Literal["none", "default", "reduce-overhead"] = Field(
-        "reduce-overhead",
+    compile: Literal["auto", "none", "default", "reduce-overhead"] = Field(
+        "auto",
         description="torch.compile mode of every decoder layer on CUDA in bf16 (ignored elsewhere); "
-        "reduce-overhead also replays each layer as a CUDA graph",
+        "reduce-overhead also replays each layer as a CUDA graph; auto = reduce-overhead unless grad_accum > 1",
     )
     adapter_name: str = Field("adapter", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = only at start and end")
 
+    @property
+    def compile_mode(self) -> str | None:
+        """The torch.compile mode the layers get on this device and dtype (None: not compiled)."""
+        if self.device != "cuda" or self.dtype != "bfloat16" or self.compile == "none":
+            return None  # torch's grouped GEMM (the experts) compiles in bf16 only
+        if self.compile == "auto":
+            return "reduce-overhead" if self.grad_accum == 1 else "default"
+        return self.compile
+
     @model_validator(mode="after")
     def _layout(self):
+        if self.compile == "reduce-overhead" and self.grad_accum > 1:
+            raise ValueError(
+                "compile: 'reduce-overhead' replays CUDA graphs whose gradient outputs a second micro-batch "
+                "would overwrite; use grad_accum 1 with it, or compile 'default'"
+            )
         if self.nproc % (self.tp * self.ep):
             raise ValueError(f"nproc ({self.nproc}) must be a multiple of tp*ep ({self.tp * self.ep})")
         dp = self.nproc // self.tp

@@ -120,10 +120,14 @@ class Trainer:
         self.model.eval()
         mine = self._dp_share(self.eval_rows)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i in range(0, mine.input_ids.shape[0], self.micro):
-            rows = mine.slice(i, i + self.micro).to(self.device)
-            total[0] += (token_losses(self.model, rows) * rows.loss_mask).sum().double()
-            total[1] += rows.loss_mask.sum().double()
+        # without autograd, CUDA-graph trees treat every layer call as a new step and would overwrite the
+        # output of a layer that shares its graph with a later one: evaluate uncompiled then
+        stance = "force_eager" if self.config.compile_mode == "reduce-overhead" else "default"
+        with torch.compiler.set_stance(stance):
+            for i in range(0, mine.input_ids.shape[0], self.micro):
+                rows = mine.slice(i, i + self.micro).to(self.device)
+                total[0] += (token_losses(self.model, rows) * rows.loss_mask).sum().double()
+                total[1] += rows.loss_mask.sum().double()
         all_reduce_(total, ps.get_data_parallel_group())
         self.model.train()
         return (total[0] / total[1]).item()

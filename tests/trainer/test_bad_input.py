@@ -107,3 +107,9 @@ def test_checkpoint_of_another_base_model_is_refused(tmp_path, tiny_model_dir):
     err = fails(job(tmp_path, tiny_model_dir, data, resume_from=str(checkpoint)), "resume_from")
     assert "other-tiny" in str(err)
     fails(job(tmp_path, tiny_model_dir, data, resume_from=str(tmp_path)), "resume_from", match="not a checkpoint")
+
+
+def test_cuda_graph_layers_with_grad_accumulation_are_refused(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 4)
+    config = job(tmp_path, tiny_model_dir, data, compile="reduce-overhead", grad_accum=2, batch_size=4)
+    fails(config, None, match="use grad_accum 1")

@@ -18,7 +18,8 @@ class Losses(TrainCallbacks):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("compile_mode,grad_accum", [("default", 2), ("reduce-overhead", 1)])
+def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir, compile_mode, grad_accum):
     job = {
         "base_model_dir": str(tiny_model_dir),
         "dataset_path": str(bundled_dataset("uppercase")),
@@ -28,7 +29,8 @@ def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir):
         "batch_size": 8,
         "seq_len": 128,
         "warmup_steps": 4,
-        "grad_accum": 2,
+        "grad_accum": grad_accum,
+        "compile": compile_mode,
     }
     runs = {}
     for name, extra in {"cpu-fp32": {}, "cuda-bf16": {"device": "cuda", "dtype": "bfloat16"}}.items():
