@@ -116,6 +116,13 @@ def canonical_weight_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return {_WEIGHT_ALIASES.get(name, name): tensor for name, tensor in state.items()}
 
 
+def installed_weight_names(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A state dict of canonical names under the names `model` (the installed transformers) expects."""
+    expected = model.state_dict().keys()
+    back = {new: old for old, new in _WEIGHT_ALIASES.items() if old in expected and new not in expected}
+    return {back.get(name, name): tensor for name, tensor in state.items()}
+
+
 def load_base_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by (5.19) transformers name, or a BaseModelError for a bad file."""
     path = Path(model_dir) / WEIGHTS_FILE
@@ -133,9 +140,9 @@ def load_base_model(
     """transformers' InklingForCausalLM for a base-model directory, eager attention, eval mode."""
     config = load_base_config(model_dir)
     config._attn_implementation = "eager"
-    weights = load_base_weights(model_dir)
     with torch.device("meta"):
         model = InklingForCausalLM(config)
+    weights = installed_weight_names(load_base_weights(model_dir), model)
     missing = sorted(set(model.state_dict()) - set(weights))
     unexpected = sorted(set(weights) - set(model.state_dict()))
     if missing or unexpected:

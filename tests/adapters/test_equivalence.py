@@ -9,7 +9,13 @@ from inkwell.adapters.io import load_adapter, save_adapter
 from inkwell.adapters.merge import merge
 from inkwell.adapters.reference import apply_lora
 from inkwell.adapters.spec import TARGET_GROUPS, LoraSpec
-from inkwell.models import base_model_identity, load_base_config, load_base_model, load_base_weights
+from inkwell.models import (
+    base_model_identity,
+    installed_weight_names,
+    load_base_config,
+    load_base_model,
+    load_base_weights,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +40,7 @@ def test_reference_changes_the_model(setup):
 def test_merge_equals_reference(setup, tiny_model_dir):
     config, adapter, ids, _, ref_logits = setup
     model = load_base_model(tiny_model_dir)
-    model.load_state_dict(merge(load_base_weights(tiny_model_dir), adapter, config))
+    model.load_state_dict(installed_weight_names(merge(load_base_weights(tiny_model_dir), adapter, config), model))
     with torch.no_grad():
         assert (model(ids).logits - ref_logits).abs().max() < 1e-5
 

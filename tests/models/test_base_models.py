@@ -9,8 +9,10 @@ from transformers import InklingForCausalLM
 from inkwell.models import (
     BaseModelError,
     init_base_model,
+    installed_weight_names,
     load_base_config,
     load_base_model,
+    load_base_weights,
     load_tokenizer,
     preset_config,
 )
@@ -88,3 +90,19 @@ def test_a_transformers_5_17_checkpoint_loads_under_the_current_names(tiny_model
     ids = torch.randint(0, 263, (1, 20))
     with torch.no_grad():
         assert torch.equal(load_base_model(old)(ids).logits, load_base_model(tiny_model_dir)(ids).logits)
+
+
+def test_weights_go_back_under_the_installed_transformers_names(tiny_model_dir):
+    """Under transformers 5.17 (which calls the embedding norm `model.embed_norm`) the canonical names are
+    mapped back; under the installed version they are what its model expects."""
+    weights = load_base_weights(tiny_model_dir)
+    installed = InklingForCausalLM(load_base_config(tiny_model_dir))
+    assert installed_weight_names(weights, installed).keys() == installed.state_dict().keys()
+
+    older = torch.nn.Module()  # the one name 5.17 spells differently, as a module tree
+    older.model = torch.nn.Module()
+    older.model.embed_norm = torch.nn.Module()
+    older.model.embed_norm.weight = torch.nn.Parameter(torch.ones(1))
+    mapped = installed_weight_names(weights, older)
+    assert "model.embed_norm.weight" in mapped and "model.embed_tokens.embed_norm.weight" not in mapped
+    assert len(mapped) == len(weights)

@@ -7,7 +7,13 @@ from transformers import InklingForCausalLM
 from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.merge import merge
 from inkwell.adapters.spec import LoraSpec
-from inkwell.models import base_model_identity, load_base_config, load_base_model, load_base_weights
+from inkwell.models import (
+    base_model_identity,
+    installed_weight_names,
+    load_base_config,
+    load_base_model,
+    load_base_weights,
+)
 from inkwell.models.base import BaseModelIdentity
 from inkwell.service.engine import (
     AdapterIncompatibleError,
@@ -36,7 +42,7 @@ def merged_model(model_dir, adapter) -> InklingForCausalLM:
     config = load_base_config(model_dir)
     config._attn_implementation = "eager"
     model = InklingForCausalLM(config)
-    model.load_state_dict(merge(load_base_weights(model_dir), adapter, config))
+    model.load_state_dict(installed_weight_names(merge(load_base_weights(model_dir), adapter, config), model))
     return model.eval()
 
 
