@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from bench_serving import COUNTS, RANK, Clock, adapter_keys, engine_batch, make_prompts, rates
+from bench_serving import COUNTS, RANK, Clock, adapter_keys, engine_batch, make_engine, make_prompts, rates
 
 from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, init_base_model, load_base_config
-from inkwell.service.engine import Engine, EngineConfig
 
 MODES = {
     "eager": {"cuda_graphs": False},
@@ -39,21 +38,7 @@ MODES = {
 
 def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, prompts) -> dict:
     """Median decode tokens/s (and step time) per adapter count in one engine configuration."""
-    engine = Engine(
-        model_dir,
-        EngineConfig(
-            max_loras_per_batch=max(COUNTS),
-            max_lora_rank=RANK,
-            max_loaded_adapters=64,
-            max_seqs=args.batch,
-            max_batch_tokens=args.batch * args.prompt,
-            dtype=args.dtype,
-            device=args.device,
-            **options,
-        ),
-    )
-    for i, adapter in enumerate(adapters):
-        engine.load_adapter(f"a{i}", adapter, pinned=True)
+    engine = make_engine(model_dir, adapters, args, **options)
     out = {}
     for n in COUNTS:
         keys = adapter_keys(n, len(prompts))

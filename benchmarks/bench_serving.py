@@ -387,6 +387,24 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def make_engine(model_dir: Path, adapters: list[Adapter], args, **options) -> Engine:
+    """An engine sized for the benchmark batch, with `adapters` pinned as a0, a1, ..."""
+    config = EngineConfig(
+        max_loras_per_batch=max(COUNTS),
+        max_lora_rank=RANK,
+        max_loaded_adapters=64,
+        max_seqs=args.batch,
+        max_batch_tokens=args.batch * args.prompt,
+        dtype=args.dtype,
+        device=args.device,
+        **options,
+    )
+    engine = Engine(model_dir, config)
+    for i, adapter in enumerate(adapters):
+        engine.load_adapter(f"a{i}", adapter, pinned=True)
+    return engine
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="inkling-small")
@@ -418,20 +436,7 @@ def main() -> None:
         adapters = [init_adapter(config, spec, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
         linear = LoraSpec(rank=RANK, alpha=2 * RANK, targets=PEFT_MIXABLE)
         linear_adapters = [init_adapter(config, linear, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
-        engine = Engine(
-            model_dir,
-            EngineConfig(
-                max_loras_per_batch=max(COUNTS),
-                max_lora_rank=RANK,
-                max_loaded_adapters=64,
-                max_seqs=args.batch,
-                max_batch_tokens=args.batch * args.prompt,
-                dtype=args.dtype,
-                device=args.device,
-            ),
-        )
-        for i, adapter in enumerate(adapters):
-            engine.load_adapter(f"a{i}", adapter, pinned=True)
+        engine = make_engine(model_dir, adapters, args)
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
         prompts = make_prompts(args.batch, args.prompt)
         if not args.swap_only:

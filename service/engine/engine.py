@@ -51,6 +51,23 @@ def context_error(prompt_len: int, max_tokens: int | None, max_context: int) -> 
     )
 
 
+def validate_request(request: "Request", adapters, vocab: int, max_context: int, max_seqs: int) -> None:
+    """Every engine's checks of a request before any work: sampling params, adapter, prompt, context, n."""
+    params = request.params
+    params.validate()
+    if request.adapter is not None and request.adapter not in adapters:
+        raise EngineError("adapter_not_loaded", f"adapter {request.adapter!r} is not loaded", "model")
+    if not request.prompt_ids:
+        raise EngineError("empty_prompt", "the prompt has no tokens", "prompt")
+    if any(not 0 <= t < vocab for t in request.prompt_ids):
+        raise EngineError("invalid_token", f"prompt token ids must be in [0, {vocab})", "prompt")
+    error = context_error(len(request.prompt_ids), params.max_tokens, max_context)
+    if error is not None:
+        raise error
+    if params.n > max_seqs:
+        raise EngineError("invalid_n", f"n must be at most {max_seqs} on this engine", "n")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_loras_per_batch: int = 4
@@ -201,19 +218,7 @@ class Engine:
     def add_request(self, request: Request) -> None:
         """Queue a request (validated here, so errors surface before any work)."""
         params = request.params
-        params.validate()
-        if request.adapter is not None and request.adapter not in self.adapters:
-            raise EngineError("adapter_not_loaded", f"adapter {request.adapter!r} is not loaded", "model")
-        if not request.prompt_ids:
-            raise EngineError("empty_prompt", "the prompt has no tokens", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_ids):
-            raise EngineError("invalid_token", f"prompt token ids must be in [0, {vocab})", "prompt")
-        error = context_error(len(request.prompt_ids), params.max_tokens, self.max_context)
-        if error is not None:
-            raise error
-        if params.n > self.config.max_seqs:
-            raise EngineError("invalid_n", f"n must be at most {self.config.max_seqs} on this engine", "n")
+        validate_request(request, self.adapters, self.model_config.vocab_size, self.max_context, self.config.max_seqs)
         for index in range(params.n):
             self.waiting.append(
                 _Sequence(

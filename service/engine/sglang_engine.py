@@ -35,7 +35,14 @@ import torch
 from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.layouts.sglang import _SGLANG_MODULES, SglangLayoutError, to_sglang
 from inkwell.models import base_model_identity, load_base_config, load_tokenizer, stop_token_ids
-from inkwell.service.engine.engine import EngineConfig, EngineError, Request, StepOutput, TokenLogprob, context_error
+from inkwell.service.engine.engine import (
+    EngineConfig,
+    EngineError,
+    Request,
+    StepOutput,
+    TokenLogprob,
+    validate_request,
+)
 from inkwell.service.engine.lora import AdapterIncompatibleError, check_adapter
 from inkwell.service.engine.sampling import SamplingParams
 from inkwell.service.engine.sglang_checkpoint import write_sglang_checkpoint
@@ -316,19 +323,7 @@ class SglangEngine:
     def add_request(self, request: Request) -> None:
         """Validate as the native engine does, then start one streaming SGLang request per choice."""
         params = request.params
-        params.validate()
-        if request.adapter is not None and request.adapter not in self.adapters:
-            raise EngineError("adapter_not_loaded", f"adapter {request.adapter!r} is not loaded", "model")
-        if not request.prompt_ids:
-            raise EngineError("empty_prompt", "the prompt has no tokens", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_ids):
-            raise EngineError("invalid_token", f"prompt token ids must be in [0, {vocab})", "prompt")
-        error = context_error(len(request.prompt_ids), params.max_tokens, self.max_context)
-        if error is not None:
-            raise error
-        if params.n > self.config.max_seqs:
-            raise EngineError("invalid_n", f"n must be at most {self.config.max_seqs} on this engine", "n")
+        validate_request(request, self.adapters, self.model_config.vocab_size, self.max_context, self.config.max_seqs)
         if request.adapter is not None:
             self.adapters.move_to_end(request.adapter)  # evicted least recently used first
         for index in range(params.n):
