@@ -182,6 +182,12 @@ class Engine:
         self.lora.check(adapter)
         if key in self.adapters:
             raise EngineError("adapter_exists", f"adapter {key!r} is already loaded; unload it or use a new key")
+        if pinned and not self.lora.can_place(key):
+            raise EngineError(
+                "no_free_slot",
+                f"all {self.config.max_loras_per_batch} adapter slots are pinned or in use, so {key!r} cannot be "
+                "pinned (unpin or unload an adapter, or raise max_loras_per_batch)",
+            )
         self._make_room()
         self.adapters[key] = adapter
         if pinned:

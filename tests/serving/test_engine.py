@@ -162,6 +162,16 @@ def test_slots_evict_least_recently_used_and_pins_stay(tiny_model_dir, tiny_adap
     assert got["b"][0].token_ids == alone.generate([Request("b", PROMPT, short_greedy, "b")])["b"][0].token_ids
 
 
+def test_pinning_beyond_the_slots_is_refused_and_nothing_is_kept(tiny_model_dir, tiny_adapters):
+    eng = Engine(tiny_model_dir, EngineConfig(max_loras_per_batch=1, max_lora_rank=16))
+    eng.load_adapter("first", tiny_adapters[0], pinned=True)
+    with pytest.raises(EngineError) as info:
+        eng.load_adapter("second", tiny_adapters[1], pinned=True)
+    assert info.value.code == "no_free_slot" and "max_loras_per_batch" in str(info.value)
+    assert list(eng.adapters) == ["first"] and eng.lora.resident() == ["first"]
+    eng.load_adapter("second", tiny_adapters[1])  # unpinned it waits for the slot instead
+
+
 def test_new_version_is_a_new_key_and_running_requests_keep_theirs(engine, tiny_model_dir, tiny_adapters):
     config = load_base_config(tiny_model_dir)
     v2 = init_adapter(config, LoraSpec(rank=8), base_model_identity(tiny_model_dir), seed=99, b_std=0.05)
