@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from inkwell.adapters.spec import LoraSpec
 
@@ -53,6 +53,11 @@ class TrainJobConfig(BaseModel):
     resume_from: Path | None = None
     tp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
+    sequence_parallel: bool = Field(
+        False,
+        description="split the residual stream between layers over the TP group along the sequence "
+        "(needs tp > 1 and seq_len divisible by tp); same math, less activation memory per rank",
+    )
     nproc: int = Field(1, ge=1)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -72,6 +77,16 @@ class TrainJobConfig(BaseModel):
         if self.compile == "auto":
             return "reduce-overhead" if self.grad_accum == 1 else "default"
         return self.compile
+
+    @field_validator("sequence_parallel")
+    @classmethod
+    def _sequence_parallel(cls, value: bool, info: ValidationInfo) -> bool:
+        tp, seq_len = info.data.get("tp"), info.data.get("seq_len")
+        if value and tp == 1:
+            raise ValueError("needs tp > 1: it splits the sequence over the tensor-parallel group")
+        if value and tp and seq_len and seq_len % tp:
+            raise ValueError(f"needs seq_len ({seq_len}) divisible by tp ({tp})")
+        return value
 
     @model_validator(mode="after")
     def _layout(self):

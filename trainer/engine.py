@@ -79,6 +79,7 @@ class Trainer:
             cfg.device,
             ATTENTION[cfg.device],
             cfg.compile if compiled else None,
+            cfg.sequence_parallel,
         )
         load_state(self.model, load_base_weights(cfg.base_model_dir), lora=False)
         adapter = init_adapter(prep.hf_config, cfg.lora, prep.identity, seed=cfg.seed)

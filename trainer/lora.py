@@ -9,6 +9,12 @@ Column-parallel base (output sharded): A replicated, B sharded on its output row
 activation passes `copy_to_tensor_model_parallel_region` so A sees the full gradient.
 Row-parallel base (input sharded): A sharded on its input columns, B replicated; the partial
 rank-r activations are summed with `reduce_from_tensor_model_parallel_region`.
+
+Under sequence parallelism the caller all-gathers the input and reduce-scatters the output: a
+column-parallel base leaves its input gradient partial (the gather's backward sums it), and a
+row-parallel one returns this rank's partial product unreduced. The LoRA factors keep their
+all-reduced rank-r activations and gradients, so they see exactly the TP=1 gradient; the replicated
+paths enter the sums as shares (`tp_share`, `tp_share_grad`).
 """
 
 from dataclasses import dataclass
@@ -19,7 +25,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer import TransformerConfig
 from torch import nn
 
-from inkwell.trainer.parallel import tp_group
+from inkwell.trainer.parallel import tp_group, tp_share, tp_share_grad
 
 
 @dataclass(frozen=True)
@@ -88,13 +94,21 @@ class ParallelLinear(nn.Module):
         parallel: str,
         hf_name: str,
         lora: LoraSettings | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.parallel = parallel
+        self.sequence_parallel = sequence_parallel
         tp = config.tensor_model_parallel_size
         if parallel == "column":
             self.base = tensor_parallel.ColumnParallelLinear(
-                in_features, out_features, config=config, init_method=_noinit, bias=False, gather_output=False
+                in_features,
+                out_features,
+                config=config,
+                init_method=_noinit,
+                bias=False,
+                gather_output=False,
+                disable_grad_reduce=sequence_parallel,
             )
             mark(self.base.weight, f"{hf_name}.weight", tp_dim=0)
         elif parallel == "row":
@@ -122,13 +136,20 @@ class ParallelLinear(nn.Module):
                 self.lora_B = lora_param((out_features, lora.rank), f"{hf_name}.lora_B", device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, _ = self.base(x)
+        """The layer's output; under sequence parallelism a row-parallel one is this rank's partial sum."""
+        column = self.parallel == "column"
+        if self.sequence_parallel and not column:
+            y = F.linear(x, self.base.weight)  # reduce-scattered by the caller, after its ShortConv
+        else:
+            y, _ = self.base(x)
         if self.lora is None:
             return y
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        u = F.linear(lora_dropout(x, self.lora.dropout, self.training, sharded=self.parallel == "row"), a)
-        if self.parallel == "column":
+        xa = tp_share_grad(x) if self.sequence_parallel and column else x
+        u = F.linear(lora_dropout(xa, self.lora.dropout, self.training, sharded=not column), a)
+        if column:
             u = tensor_parallel.copy_to_tensor_model_parallel_region(u, group=tp_group())
         else:
             u = tensor_parallel.reduce_from_tensor_model_parallel_region(u, group=tp_group())
-        return y + self.lora.scaling * F.linear(u, b)
+        delta = self.lora.scaling * F.linear(u, b)
+        return y + (tp_share(delta) if self.sequence_parallel and not column else delta)

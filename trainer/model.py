@@ -6,6 +6,16 @@ log scaling on full layers), ShortConv on the attention and MLP outputs, and a d
 MoE. `build_module` instantiates the spec; every leaf is a megatron tensor-parallel linear or
 one of Inkling's own parts in `layers` / `moe`. The forward reproduces transformers'
 `InklingForCausalLM` (eager attention) on unpacked input, and runs packed batches segment-aware.
+
+Sequence parallelism (megatron's meaning, over the TP group): between the attention and MLP blocks
+the residual stream is split over the TP ranks along the flattened (batch, sequence) tokens and
+the norms run on the local shard. Each block all-gathers its normed input once (feeding every
+column-parallel projection and its LoRA A), and its partial row-parallel sum is reduce-scattered.
+The ShortConv after a block needs the whole sequence in time order; it is linear in its input
+(residual included, per-sample taps), so it runs on the rank's partial sum before the
+reduce-scatter: conv(sum_r P_r) = sum_r conv(P_r). megatron's own sequence-parallel linears would
+gather per projection and reduce-scatter before the conv, so they run with sequence_parallel off
+and the layer does the communication.
 """
 
 from dataclasses import dataclass
@@ -22,6 +32,7 @@ from inkwell.adapters.spec import LoraSpec
 from inkwell.trainer.layers import Packing, RelativeLogits, RMSNorm, ShortConv, causal_skew
 from inkwell.trainer.lora import LoraSettings, ParallelLinear, mark
 from inkwell.trainer.moe import InklingMoE
+from inkwell.trainer.parallel import gather_tokens, scatter_tokens, tp_group
 
 
 @dataclass
@@ -37,6 +48,7 @@ class Build:
     ep: int = 1
     ep_rank: int = 0
     attention: str = "eager"
+    sequence_parallel: bool = False
 
     def lora_for(self, group: str) -> LoraSettings | None:
         if self.lora is None or group not in self.lora.targets:
@@ -95,7 +107,7 @@ class InklingAttention(nn.Module):
         self.log_floor = None if self.sliding else cfg.log_scaling_n_floor
         self.log_alpha = cfg.log_scaling_alpha
         h, hd, lora = cfg.hidden_size, self.head_dim, build.lora_for("attn")
-        kw = {"config": build.mc, "lora": lora}
+        kw = {"config": build.mc, "lora": lora, "sequence_parallel": build.sequence_parallel}
         self.q_proj = build_module(submodules.linear_q, h, heads * hd, hf_name=f"{prefix}.q_proj", **kw)
         self.k_proj = build_module(submodules.linear_k, h, kv * hd, hf_name=f"{prefix}.k_proj", **kw)
         self.v_proj = build_module(submodules.linear_v, h, kv * hd, hf_name=f"{prefix}.v_proj", **kw)
@@ -165,7 +177,7 @@ class DenseMLP(nn.Module):
     def __init__(self, build: Build, layer: int):
         super().__init__()
         cfg, prefix = build.hf, f"model.layers.{layer}.mlp"
-        kw = {"config": build.mc, "lora": build.lora_for("mlp")}
+        kw = {"config": build.mc, "lora": build.lora_for("mlp"), "sequence_parallel": build.sequence_parallel}
         h, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = ParallelLinear(h, f, parallel="column", hf_name=f"{prefix}.gate_proj", **kw)
         self.up_proj = ParallelLinear(h, f, parallel="column", hf_name=f"{prefix}.up_proj", **kw)
@@ -188,7 +200,10 @@ class DecoderLayerSubmodules:
 
 
 class InklingDecoderLayer(nn.Module):
-    """norm -> attention -> ShortConv -> +residual; norm -> MLP/MoE -> ShortConv -> +residual."""
+    """norm -> attention -> ShortConv -> +residual; norm -> MLP/MoE -> ShortConv -> +residual.
+
+    Under sequence parallelism x is this rank's [tokens / tp, hidden] shard of the residual stream.
+    """
 
     def __init__(self, build: Build, layer: int, submodules: DecoderLayerSubmodules):
         super().__init__()
@@ -204,12 +219,24 @@ class InklingDecoderLayer(nn.Module):
         )
         self.mlp = build_module(submodules.mlp, build, layer)
         self.mlp_sconv = build_module(submodules.mlp_sconv, h, hf_name=f"{prefix}.mlp_sconv", **conv)
+        self.sequence_parallel = build.sequence_parallel
 
     def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = x + self._sp_block(self.input_layernorm(x), packing, self.self_attn, self.attn_sconv, packing)
+            return x + self._sp_block(self.post_attention_layernorm(x), packing, self.mlp, self.mlp_sconv)
         h = self.attn_sconv(self.self_attn(self.input_layernorm(x), packing), packing)
         x = x + h
         h = self.mlp_sconv(self.mlp(self.post_attention_layernorm(x)), packing)
         return x + h
+
+    @staticmethod
+    def _sp_block(local: torch.Tensor, packing: Packing, block: nn.Module, conv: ShortConv, *args) -> torch.Tensor:
+        """Gather the normed shard, run the block to this rank's partial sum, ShortConv it, reduce-scatter."""
+        b, s = packing.segments.shape
+        full = gather_tokens(local, tp_group()).view(b, s, -1)
+        partial = conv(block(full, *args), packing)
+        return scatter_tokens(partial.view(b * s, -1), tp_group()).to(local.dtype)
 
 
 def inkling_layer_spec(hf: InklingTextConfig, layer: int) -> ModuleSpec:
@@ -225,7 +252,11 @@ def inkling_layer_spec(hf: InklingTextConfig, layer: int) -> ModuleSpec:
 
 
 class InklingGPT(nn.Module):
-    """Embedding (vocab-parallel) + embed norm, decoder layers from specs, final norm, muP-scaled LM head."""
+    """Embedding (vocab-parallel) + embed norm, decoder layers from specs, final norm, muP-scaled LM head.
+
+    With `sequence_parallel` (needs tp > 1) the embedding output is split over the TP ranks before its
+    norm and the final norm's output is all-gathered for the LM head.
+    """
 
     def __init__(
         self,
@@ -235,16 +266,21 @@ class InklingGPT(nn.Module):
         device: str,
         attention: str = "eager",
         compile_mode: str | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
         problem = layout_problem(hf, tp, ep)
         if problem:
             raise ValueError(problem[1])
+        if sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel splits the sequence over the TP group; it needs tp > 1")
         mc = megatron_config(hf, tp, ep, dtype, device)
         dev = torch.device(device) if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
-        build = Build(hf, mc, lora, dtype, dev, tp, ep, ps.get_expert_model_parallel_rank(), attention)
+        ep_rank = ps.get_expert_model_parallel_rank()
+        build = Build(hf, mc, lora, dtype, dev, tp, ep, ep_rank, attention, sequence_parallel)
         self.config = hf
+        self.sequence_parallel = sequence_parallel
         self.windows = tuple({None if t != "hybrid_sliding" else hf.sliding_window_size for t in hf.layer_types})
         self.embed_tokens = tensor_parallel.VocabParallelEmbedding(
             hf.vocab_size, hf.hidden_size, init_method=lambda _: None, config=mc
@@ -259,7 +295,13 @@ class InklingGPT(nn.Module):
         self.norm = RMSNorm(hf.hidden_size, hf_name="model.norm", **norm)
         head_lora = build.lora_for("lm_head")
         self.lm_head = ParallelLinear(
-            hf.hidden_size, hf.vocab_size, config=mc, parallel="column", hf_name="lm_head", lora=head_lora
+            hf.hidden_size,
+            hf.vocab_size,
+            config=mc,
+            parallel="column",
+            hf_name="lm_head",
+            lora=head_lora,
+            sequence_parallel=sequence_parallel,
         )
         if compile_mode is not None:
             compile_decoder_layers(self.layers, compile_mode)
@@ -269,10 +311,20 @@ class InklingGPT(nn.Module):
         if segments is None:
             segments = torch.zeros_like(input_ids)
         packing = Packing.build(segments, self.config.conv_kernel_size, self.windows)
-        x = self.embed_norm(self.embed_tokens(input_ids))
+        x = self.embed_tokens(input_ids)
+        b, s, h = x.shape
+        if self.sequence_parallel:  # the embedding is frozen: a plain slice, no gradient flows back through it
+            tp = ps.get_tensor_model_parallel_world_size()
+            if b * s % tp:
+                raise ValueError(f"sequence_parallel: batch*seq tokens ({b}*{s}) must split evenly over tp={tp}")
+            n, rank = b * s // tp, ps.get_tensor_model_parallel_rank()
+            x = x.view(b * s, h)[rank * n : (rank + 1) * n]
+        x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, packing)
         x = self.norm(x) / self.config.logits_mup_width_multiplier
+        if self.sequence_parallel:
+            x = gather_tokens(x, tp_group()).view(b, s, h)
         return self.lm_head(x)
 
     def set_attention(self, name: str) -> None:

@@ -8,6 +8,10 @@ LoRA shared-outer factors: gate/up A [r, H] shared by the experts (applied once 
 before dispatch), B [E, F, r] per expert; down A [E, r, F] per expert, B [H, r] shared (applied
 once per token after the combine). Routing replay: `replay_ids` replaces the top-k choice
 while the weights are still recomputed from the current router.
+
+Under sequence parallelism the layer all-gathers the tokens first (routing sees every token, as at
+TP=1) and reduce-scatters the result after its ShortConv, so the MoE returns this rank's partial
+sum (fp32) and leaves the input gradients partial for the gather's backward to sum.
 """
 
 from dataclasses import dataclass
@@ -18,7 +22,15 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from inkwell.trainer.lora import LoraSettings, lora_dropout, lora_param, mark
-from inkwell.trainer.parallel import ep_group, gather_tokens, gather_tokens_nograd, scatter_tokens, tp_group
+from inkwell.trainer.parallel import (
+    ep_group,
+    gather_tokens,
+    gather_tokens_nograd,
+    scatter_tokens,
+    tp_group,
+    tp_share,
+    tp_share_grad,
+)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -112,6 +124,7 @@ class ExpertBank(nn.Module):
             mark(self.up, f"{prefix}.up_proj", tp_dim=1)
             mark(self.down, f"{prefix}.down_proj", tp_dim=2)
         self.lora = lora
+        self.sequence_parallel = build.sequence_parallel
         if lora is not None:
             r, dev = lora.rank, build.device
             self.gate_A = lora_param((r, h), f"{prefix}.gate_proj.lora_A", device=dev)
@@ -125,7 +138,7 @@ class ExpertBank(nn.Module):
         """Rank-r gate|up activations of the shared A factors, full gradient over TP."""
         if self.lora is None:
             return None
-        xd = lora_dropout(x, self.lora.dropout, self.training)
+        xd = lora_dropout(tp_share_grad(x) if self.sequence_parallel else x, self.lora.dropout, self.training)
         u = torch.cat([F.linear(xd, self.gate_A.to(x.dtype)), F.linear(xd, self.up_A.to(x.dtype))], dim=-1)
         return tensor_parallel.copy_to_tensor_model_parallel_region(u, group=tp_group())
 
@@ -156,28 +169,38 @@ class InklingMoE(nn.Module):
             build, f"{prefix}.shared_experts", cfg.n_shared_experts, build.lora_for("shared_experts"), False
         )
         self.first_expert = build.ep_rank * self.experts.local
+        self.sequence_parallel = build.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE output in x's dtype, or under sequence parallelism this rank's partial sum in fp32."""
         shape, dtype = x.shape, x.dtype
         flat = x.reshape(-1, shape[-1])
         ids, weights, gammas = self.router(flat)
         tpg = tp_group()
-        x_tp = tensor_parallel.copy_to_tensor_model_parallel_region(flat, group=tpg)
-        weights = tensor_parallel.copy_to_tensor_model_parallel_region(weights, group=tpg)
-        gammas = tensor_parallel.copy_to_tensor_model_parallel_region(gammas, group=tpg)
+        x_tp = flat
+        if not self.sequence_parallel:  # under SP the layer's all-gather sums the input gradients
+            x_tp = tensor_parallel.copy_to_tensor_model_parallel_region(flat, group=tpg)
+            weights = tensor_parallel.copy_to_tensor_model_parallel_region(weights, group=tpg)
+            gammas = tensor_parallel.copy_to_tensor_model_parallel_region(gammas, group=tpg)
 
         routed, v_routed = self._routed(flat, x_tp, ids, weights)
         shared, v_shared = self._shared(flat, x_tp, gammas)
-        parts = [routed + shared] + [v for v in (v_routed, v_shared) if v is not None]
-        sizes = [p.shape[-1] for p in parts]
-        summed = tensor_parallel.reduce_from_tensor_model_parallel_region(torch.cat(parts, dim=-1), group=tpg)
-        pieces = list(torch.split(summed, sizes, dim=-1))
-        out = pieces.pop(0)
-        if v_routed is not None:
-            out = out + self.experts.lora_out(pieces.pop(0))
-        if v_shared is not None:
-            out = out + self.shared.lora_out(pieces.pop(0))
-        return out.to(dtype).view(shape)
+        out = routed + shared
+        # one all-reduce: the rank-r LoRA activations, and the output unless it stays partial (SP)
+        parts = [v for v in (v_routed, v_shared) if v is not None]
+        if not self.sequence_parallel:
+            parts.insert(0, out)
+        pieces = []
+        if parts:
+            summed = tensor_parallel.reduce_from_tensor_model_parallel_region(torch.cat(parts, dim=-1), group=tpg)
+            pieces = list(torch.split(summed, [p.shape[-1] for p in parts], dim=-1))
+        if not self.sequence_parallel:
+            out = pieces.pop(0)
+        for bank, v in ((self.experts, v_routed), (self.shared, v_shared)):
+            if v is not None:
+                delta = bank.lora_out(pieces.pop(0))
+                out = out + (tp_share(delta) if self.sequence_parallel else delta)
+        return out.view(shape) if self.sequence_parallel else out.to(dtype).view(shape)
 
     def _routed(self, flat, x_tp, ids, weights):
         """This rank's experts over the EP group's tokens; fp32 sums scattered back to the owners."""

@@ -3,6 +3,10 @@
 World size 1 (the embedded default, in-process) uses a private gloo group on a HashStore, so
 no port is taken and the service can call `train()` again in the same process. Under
 `torchrun` the usual environment variables describe the world; CPU runs use gloo, GPU runs NCCL.
+
+The token collectives along dim 0 serve both the EP dispatch and sequence parallelism over the TP
+group (megatron-core's sequence-parallel mappings allocate on `torch.cuda.current_device()`, so
+they cannot run on a CPU host).
 """
 
 import contextlib
@@ -97,7 +101,7 @@ def all_reduce_(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 class _GatherTokens(torch.autograd.Function):
-    """All-gather along dim 0 over the EP group; backward reduce-scatters the gradient."""
+    """All-gather along dim 0 over `group`; backward reduce-scatters the gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
@@ -110,7 +114,7 @@ class _GatherTokens(torch.autograd.Function):
 
 
 class _ScatterTokens(torch.autograd.Function):
-    """Reduce-scatter along dim 0 over the EP group; backward all-gathers the gradient."""
+    """Reduce-scatter along dim 0 over `group`; backward all-gathers the gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
@@ -130,14 +134,17 @@ def _scatter_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """Every EP rank's tokens, rank order, differentiable (identity for a group of one)."""
+    """Every rank's tokens, rank order, differentiable (identity for a group of one).
+
+    The backward sums the ranks' gradients, so each rank's gradient must be its own partial share.
+    """
     if dist.get_world_size(group) == 1:
         return x
     return _GatherTokens.apply(x, group)
 
 
 def scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over EP ranks and keep this rank's slice of tokens (inverse layout of gather_tokens)."""
+    """Sum over the ranks and keep this rank's slice of tokens (inverse layout of gather_tokens)."""
     if dist.get_world_size(group) == 1:
         return x
     return _ScatterTokens.apply(x, group)
@@ -148,6 +155,53 @@ def gather_tokens_nograd(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     return _all_gather(x, group)
+
+
+class _ShareOfSum(torch.autograd.Function):
+    """x / size forward; the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, size: int) -> torch.Tensor:
+        return x / size
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _ShareOfGradient(torch.autograd.Function):
+    """Identity forward; the gradient is divided by size."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, size: int) -> torch.Tensor:
+        ctx.size = size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.size, None
+
+
+def tp_share(x: torch.Tensor) -> torch.Tensor:
+    """A value replicated on every TP rank as this rank's share of a sum over the ranks (x / tp).
+
+    Under sequence parallelism the row-parallel outputs are reduce-scattered, whose backward hands
+    every rank the same full gradient; a replicated term (a LoRA B product of all-reduced rank-r
+    activations) added before that sum counts once, and its factors still get the full gradient.
+    """
+    size = dist.get_world_size(tp_group())
+    return x if size == 1 else _ShareOfSum.apply(x, size)
+
+
+def tp_share_grad(x: torch.Tensor) -> torch.Tensor:
+    """x unchanged, its gradient divided by tp: the share of a replicated path's full gradient.
+
+    Under sequence parallelism the layer input is all-gathered and the gather's backward sums the
+    ranks' gradients; a path whose gradient is already full on every rank (a LoRA A behind an
+    all-reduced rank-r gradient) would otherwise be counted tp times.
+    """
+    size = dist.get_world_size(tp_group())
+    return x if size == 1 else _ShareOfGradient.apply(x, size)
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""TP=2, EP=2 and DP=2 (two gloo processes under torchrun, launched by train()) equal TP=1 over 3 steps."""
+"""TP=2 (with and without sequence parallelism), EP=2 and DP=2 (two gloo processes under torchrun, launched
+by train()) equal TP=1 over 3 steps; so does TP=2 x EP=2 with sequence parallelism on four."""
 
 import pytest
 import torch
 
 from inkwell.adapters.io import load_adapter
 from inkwell.models import load_base_config
-from inkwell.trainer import TrainCallbacks, TrainingCancelled, train
+from inkwell.trainer import TrainCallbacks, TrainConfigError, TrainingCancelled, train
+from inkwell.trainer.config import parse_config
 from inkwell.trainer.dataset import bundled_dataset
 
 
@@ -22,23 +24,21 @@ def run(tmp_path, base, name, **layout):
     if not data.exists():
         data.write_text("".join(bundled_dataset("reverse").read_text().splitlines(keepends=True)[:40]))
     recorder = Losses()
-    result = train(
-        {
-            "base_model_dir": str(base),
-            "dataset_path": str(data),
-            "output_dir": str(tmp_path / name),
-            "eval_fraction": 0.1,
-            "lora": {"rank": 4, "alpha": 8, "targets": ["attn", "mlp", "experts", "shared_experts", "lm_head"]},
-            "learning_rate": 5e-3,
-            "max_steps": 3,
-            "batch_size": 4,
-            "seq_len": 64,
-            "lr_schedule": "constant",
-            **layout,
-        },
-        recorder,
-    )
-    assert len(recorder.losses) == 3
+    job = {
+        "base_model_dir": str(base),
+        "dataset_path": str(data),
+        "output_dir": str(tmp_path / name),
+        "eval_fraction": 0.1,
+        "lora": {"rank": 4, "alpha": 8, "targets": ["attn", "mlp", "experts", "shared_experts", "lm_head"]},
+        "learning_rate": 5e-3,
+        "max_steps": 3,
+        "batch_size": 4,
+        "seq_len": 64,
+        "lr_schedule": "constant",
+        **layout,
+    }
+    result = train(job, recorder)
+    assert len(recorder.losses) == job["max_steps"]
     return recorder.losses, result
 
 
@@ -49,12 +49,20 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    "layout", [{"tp": 2, "nproc": 2}, {"ep": 2, "nproc": 2}, {"nproc": 2}], ids=["tp2", "ep2", "dp2"]
+    "layout",
+    [
+        {"tp": 2, "nproc": 2},
+        {"tp": 2, "nproc": 2, "sequence_parallel": True},
+        {"ep": 2, "nproc": 2},
+        {"nproc": 2},
+        {"tp": 2, "ep": 2, "nproc": 4, "sequence_parallel": True},
+    ],
+    ids=["tp2", "tp2-sp", "ep2", "dp2", "tp2-ep2-sp"],
 )
-def test_two_process_layout_matches_single_process(reference, tiny_model_dir, layout):
+def test_parallel_layout_matches_single_process(reference, tiny_model_dir, layout):
     tmp, (ref_losses, ref_result) = reference
     losses, result = run(tmp, tiny_model_dir, "-".join(f"{k}{v}" for k, v in layout.items()), **layout)
-    assert result.metrics["layout"]["nproc"] == 2
+    assert result.metrics["layout"]["nproc"] == layout["nproc"]
     for ours, ref in zip(losses, ref_losses, strict=True):
         assert abs(ours - ref) / abs(ref) < 1e-5, (losses, ref_losses)
     assert abs(result.final_eval_loss - ref_result.final_eval_loss) / ref_result.final_eval_loss < 1e-5
@@ -68,6 +76,44 @@ def test_two_process_layout_matches_single_process(reference, tiny_model_dir, la
     # one lr step (5e-3) either way, so factors agree to 2% of a step, not to float epsilon.
     for name in ref:
         torch.testing.assert_close(ours[name], ref[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_sequence_parallel_keeps_tp_dropout(tmp_path, tiny_model_dir):
+    """LoRA dropout draws the same masks with and without SP (full-sequence inputs from the default stream,
+    row-parallel shards from megatron's model-parallel stream), so TP=2 with SP equals TP=2 without it."""
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.2, "targets": ["attn", "mlp", "experts", "shared_experts", "lm_head"]}
+    plain, _ = run(tmp_path, tiny_model_dir, "tp2", tp=2, nproc=2, lora=lora)
+    sp, _ = run(tmp_path, tiny_model_dir, "tp2-sp", tp=2, nproc=2, sequence_parallel=True, lora=lora)
+    for ours, ref in zip(sp, plain, strict=True):
+        assert abs(ours - ref) / abs(ref) < 1e-5, (sp, plain)
+
+
+@pytest.mark.parametrize(
+    "layout,match",
+    [({"tp": 1}, "needs tp > 1"), ({"tp": 3, "nproc": 3, "batch_size": 3, "seq_len": 64}, "divisible by tp")],
+)
+def test_sequence_parallel_layout_is_checked(tmp_path, layout, match):
+    job = {"base_model_dir": str(tmp_path), "dataset_path": str(tmp_path / "d.jsonl"), "output_dir": str(tmp_path)}
+    with pytest.raises(TrainConfigError, match=match) as info:
+        parse_config({**job, **layout, "sequence_parallel": True})
+    assert info.value.field == "sequence_parallel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_sequence_parallel_on_two_gpus(tmp_path, tiny_model_dir, dtype, tolerance):
+    """TP=2 over NCCL with and without SP: fp32 eager agrees to float noise; bf16 runs compiled layers
+    (CUDA graphs, the SP collectives inside them) and agrees to bf16 rounding."""
+    layout = {"tp": 2, "nproc": 2, "device": "cuda", "dtype": dtype, "max_steps": 6, "batch_size": 8, "seq_len": 128}
+    plain, plain_result = run(tmp_path, tiny_model_dir, f"tp2-{dtype}", **layout)
+    sp, sp_result = run(tmp_path, tiny_model_dir, f"tp2-sp-{dtype}", sequence_parallel=True, **layout)
+    print(f"{dtype} step  tp2  tp2-sp")
+    for step, (a, b) in enumerate(zip(plain, sp, strict=True), start=1):
+        print(f"{step:4d}  {a:.6f}  {b:.6f}")
+    print("tokens/s", plain_result.metrics["tokens_per_s"], sp_result.metrics["tokens_per_s"])
+    for ours, ref in zip(sp, plain, strict=True):
+        assert abs(ours - ref) / abs(ref) < tolerance, (sp, plain)
 
 
 def test_cancel_reaches_torchrun_workers(tmp_path, tiny_model_dir):
