@@ -13,17 +13,8 @@ from inkwell.service.serving.sources import DirectorySource
 from inkwell.service.serving.worker import WorkerConfig, WorkerHandle
 from inkwell.tests.serving.test_engine import PROMPT, merged_model, reference_greedy, reference_prompt_logprobs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    """fp32 means fp32 here: no TF32 in matmuls or in the cuDNN convolutions."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def cuda_engine(model_dir, adapters, dtype: str) -> Engine:

@@ -6,17 +6,8 @@ import torch
 
 from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    """fp32 means fp32 here: no TF32 in matmuls or in the cuDNN convolutions."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def cuda_engine(model_dir, adapters, dtype: str, max_loras: int = 6, **options) -> Engine:

@@ -77,15 +77,6 @@ def test_cuda_ipc_swap_equals_a_local_write(tiny_model_dir, tiny_adapters, tmp_p
         assert torch.equal(slots.memory[slot].cpu(), flat) and torch.equal(slots.scalings[slot].cpu(), scalings)
 
 
-@pytest.fixture
-def exact_fp32():
-    """fp32 without TF32, so a batch that gains a request decodes the others' tokens unchanged."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def test_cuda_ipc_swap_while_other_adapters_decode(tiny_model_dir, tiny_adapters, tmp_path, exact_fp32):
     config = EngineConfig(max_loras_per_batch=6, max_lora_rank=16, device="cuda")
     engine = Engine(tiny_model_dir, config)
