@@ -68,6 +68,19 @@ def validate_request(request: "Request", adapters, vocab: int, max_context: int,
         raise EngineError("invalid_n", f"n must be at most {max_seqs} on this engine", "n")
 
 
+def make_room(adapters, limit: int, pinned: set[str], in_use, unload) -> None:
+    """Unload idle (unpinned, unused) adapters in `adapters` order, least recently used first, until fewer
+    than `limit` remain; EngineError too_many_adapters when every one is pinned or in use."""
+    while len(adapters) >= limit:
+        idle = [k for k in adapters if k not in pinned and not in_use(k)]
+        if not idle:
+            raise EngineError(
+                "too_many_adapters",
+                f"{len(adapters)} adapters are loaded and all are pinned or in use (raise max_loaded_adapters)",
+            )
+        unload(idle[0])
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_loras_per_batch: int = 4
@@ -199,15 +212,7 @@ class Engine:
         return any(s.request.adapter == key for s in itertools.chain(self.waiting, self.running))
 
     def _make_room(self) -> None:
-        while len(self.adapters) >= self.config.max_loaded_adapters:
-            idle = [k for k in self.adapters if k not in self._pinned and not self._in_use(k)]
-            if not idle:
-                raise EngineError(
-                    "too_many_adapters",
-                    f"{len(self.adapters)} adapters are loaded and all are pinned or in use "
-                    "(raise max_loaded_adapters)",
-                )
-            self.unload_adapter(idle[0])
+        make_room(self.adapters, self.config.max_loaded_adapters, self._pinned, self._in_use, self.unload_adapter)
 
     def unload_adapter(self, key: str) -> None:
         if key not in self.adapters:

@@ -41,6 +41,7 @@ from inkwell.service.engine.engine import (
     Request,
     StepOutput,
     TokenLogprob,
+    make_room,
     validate_request,
 )
 from inkwell.service.engine.lora import AdapterIncompatibleError, check_adapter
@@ -297,15 +298,7 @@ class SglangEngine:
         return any(c.request.adapter == key for c in self._choices)
 
     def _make_room(self) -> None:
-        while len(self.adapters) >= self.config.max_loaded_adapters:
-            idle = [k for k in self.adapters if k not in self._pinned and not self._in_use(k)]
-            if not idle:
-                raise EngineError(
-                    "too_many_adapters",
-                    f"{len(self.adapters)} adapters are loaded and all are pinned or in use "
-                    "(raise max_loaded_adapters)",
-                )
-            self.unload_adapter(idle[0])
+        make_room(self.adapters, self.config.max_loaded_adapters, self._pinned, self._in_use, self.unload_adapter)
 
     def unload_adapter(self, key: str) -> None:
         if key not in self.adapters:
