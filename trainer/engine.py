@@ -70,15 +70,13 @@ class Trainer:
     def __post_init__(self):
         cfg, prep = self.config, self.prepared
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        # torch's grouped GEMM (the experts) compiles in bf16 only; fp32 runs stay eager
-        compiled = cfg.compile != "none" and cfg.device == "cuda" and cfg.dtype == "bfloat16"
         self.model = InklingGPT(
             prep.hf_config,
             cfg.lora,
             DTYPES[cfg.dtype],
             cfg.device,
             ATTENTION[cfg.device],
-            cfg.compile if compiled else None,
+            cfg.compile_mode,
             cfg.sequence_parallel,
         )
         load_state(self.model, load_base_weights(cfg.base_model_dir), lora=False)
@@ -266,6 +264,7 @@ class Trainer:
                 "layout": self.meta()["layout"],
                 "dtype": cfg.dtype,
                 "device": cfg.device,
+                "compile_mode": cfg.compile_mode,
             },
         )
 

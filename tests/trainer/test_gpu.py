@@ -18,8 +18,9 @@ class Losses(TrainCallbacks):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("compile_mode,grad_accum", [("default", 2), ("reduce-overhead", 1)])
-def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir, compile_mode, grad_accum):
+@pytest.mark.parametrize("grad_accum,compile_mode", [(2, "default"), (1, "reduce-overhead")])
+def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir, grad_accum, compile_mode):
+    """The default `compile: auto` resolves per grad_accum; both modes track fp32 on the CPU."""
     job = {
         "base_model_dir": str(tiny_model_dir),
         "dataset_path": str(bundled_dataset("uppercase")),
@@ -30,7 +31,6 @@ def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir, compile_mo
         "seq_len": 128,
         "warmup_steps": 4,
         "grad_accum": grad_accum,
-        "compile": compile_mode,
     }
     runs = {}
     for name, extra in {"cpu-fp32": {}, "cuda-bf16": {"device": "cuda", "dtype": "bfloat16"}}.items():
@@ -43,6 +43,7 @@ def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir, compile_mo
         print(f"{step:4d}  {a:.4f}  {b:.4f}")
     print("eval", cpu_result.final_eval_loss, gpu_result.final_eval_loss)
     assert gpu_result.metrics["dtype"] == "bfloat16" and gpu_result.metrics["device"] == "cuda"
+    assert gpu_result.metrics["compile_mode"] == compile_mode
     assert gpu_result.final_loss < 0.6 * gpu_result.first_loss
     for a, b in zip(cpu, gpu, strict=True):
         assert abs(a - b) / a < 0.05, (cpu, gpu)
