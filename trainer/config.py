@@ -64,7 +64,8 @@ class TrainJobConfig(BaseModel):
     compile: Literal["auto", "none", "default", "reduce-overhead"] = Field(
         "auto",
         description="torch.compile mode of every decoder layer on CUDA in bf16 (ignored elsewhere); "
-        "reduce-overhead also replays each layer as a CUDA graph; auto = reduce-overhead unless grad_accum > 1",
+        "reduce-overhead also replays each layer as a CUDA graph; auto = reduce-overhead for one process "
+        "without gradient accumulation, default for one process with it, none for several processes",
     )
     adapter_name: str = Field("adapter", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = only at start and end")
@@ -74,7 +75,9 @@ class TrainJobConfig(BaseModel):
         """The torch.compile mode the layers get on this device and dtype (None: not compiled)."""
         if self.device != "cuda" or self.dtype != "bfloat16" or self.compile == "none":
             return None  # torch's grouped GEMM (the experts) compiles in bf16 only
-        if self.compile == "auto":
+        if self.compile == "auto":  # compiled layers around NCCL collectives are not verified: one process only
+            if self.nproc > 1:
+                return None
             return "reduce-overhead" if self.grad_accum == 1 else "default"
         return self.compile
 

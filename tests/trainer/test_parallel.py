@@ -99,6 +99,25 @@ def test_sequence_parallel_layout_is_checked(tmp_path, layout, match):
     assert info.value.field == "sequence_parallel"
 
 
+@pytest.mark.parametrize(
+    "overrides,mode",
+    [
+        ({}, "reduce-overhead"),
+        ({"grad_accum": 2}, "default"),
+        ({"nproc": 2, "tp": 2}, None),
+        ({"compile": "none"}, None),
+        ({"dtype": "float32"}, None),
+        ({"device": "cpu"}, None),
+    ],
+)
+def test_compile_auto_resolves_per_layout(tmp_path, overrides, mode):
+    """auto: CUDA-graph layers for one bf16 GPU process without accumulation, compiled layers with it, eager
+    layers across processes (compiled TP=2+SP in bf16 ran past 280 s on two H200s, against ~30 s eager)."""
+    job = {"base_model_dir": str(tmp_path), "dataset_path": str(tmp_path / "d.jsonl"), "output_dir": str(tmp_path)}
+    config = parse_config({**job, "device": "cuda", "dtype": "bfloat16", "batch_size": 4, **overrides})
+    assert config.compile_mode == mode
+
+
 TWO_GPUS = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices"
 )
@@ -134,17 +153,16 @@ def test_layouts_on_two_gpus_match_one_gpu(tmp_path, tiny_model_dir, one_gpu_los
 
 @pytest.mark.gpu
 @TWO_GPUS
-def test_sequence_parallel_on_two_gpus_in_bf16(tmp_path, tiny_model_dir):
-    """bf16 TP=2 runs compiled layers replayed as CUDA graphs, the SP collectives inside them, and agrees
-    with TP=2 without SP to bf16 rounding."""
-    layout = {"tp": 2, "nproc": 2, "dtype": "bfloat16", **GPU_RUN}
-    plain, plain_result = run(tmp_path, tiny_model_dir, "tp2", **layout)
-    sp, sp_result = run(tmp_path, tiny_model_dir, "tp2-sp", sequence_parallel=True, **layout)
-    print("bf16 tp2", plain, "tp2-sp", sp)
-    print("tokens/s", plain_result.metrics["tokens_per_s"], sp_result.metrics["tokens_per_s"])
-    assert sp_result.metrics["compile_mode"] == "reduce-overhead"
-    for ours, ref in zip(sp, plain, strict=True):
-        assert abs(ours - ref) / abs(ref) < 2e-2, (sp, plain)
+def test_sequence_parallel_on_two_gpus_in_bf16(tmp_path, tiny_model_dir, one_gpu_losses):
+    """bf16 TP=2 with SP under the default compile (auto: eager layers across processes): the losses
+    track the fp32 run on one GPU to bf16 rounding."""
+    sp, result = run(
+        tmp_path, tiny_model_dir, "tp2-sp", tp=2, nproc=2, sequence_parallel=True, dtype="bfloat16", **GPU_RUN
+    )
+    print("bf16 tp2-sp", sp, "fp32 one GPU", one_gpu_losses, "tokens/s", result.metrics["tokens_per_s"])
+    assert result.metrics["compile_mode"] is None
+    for ours, ref in zip(sp, one_gpu_losses, strict=True):
+        assert abs(ours - ref) / abs(ref) < 2e-2, (sp, one_gpu_losses)
 
 
 def test_cancel_reaches_torchrun_workers(tmp_path, tiny_model_dir):
