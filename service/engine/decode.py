@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink
+from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.model import CONV_NAMES, InklingModel, rms_norm
 from inkwell.service.engine.state import StatePool
@@ -127,10 +127,9 @@ class DecodeForward:
         sliding = state.sliding[layer]
         head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         rows = h.shape[0]
-        q = m._linear(h, f"{p}.q_proj", slots, lora)
-        k = self._sconv(m._linear(h, f"{p}.k_proj", slots, lora), layer, 0, seq)
-        v = self._sconv(m._linear(h, f"{p}.v_proj", slots, lora), layer, 1, seq)
-        r = m._linear(h, f"{p}.r_proj", slots, lora)
+        q, k, v, r = m.qkvr(h, layer, slots, lora)
+        k = self._sconv(k, layer, 0, seq)
+        v = self._sconv(v, layer, 1, seq)
         q = rms_norm(q.view(rows, -1, head_dim), m.w[f"{p}.q_norm.weight"], m.eps)
         k = rms_norm(k.view(rows, -1, head_dim), m.w[f"{p}.k_norm.weight"], m.eps)
         v = v.view(rows, -1, head_dim)
@@ -151,23 +150,15 @@ class DecodeForward:
 
     # ---- MoE ------------------------------------------------------------------------------------
 
-    def _shrinks(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> dict:
-        """x @ A for every shared-A expert target of the layer (gate/up of routed and shared experts)."""
-        if lora is None:
-            return {}
-        p = f"model.layers.{layer}.mlp"
-        modules = [f"{p}.{bank}.{proj}" for bank in ("experts", "shared_experts") for proj in ("gate_proj", "up_proj")]
-        return {mod: lora_shrink(x, lora.buffers[mod].a, slots) for mod in modules if mod in lora.buffers}
-
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         m = self.model
         p = f"model.layers.{layer}.mlp"
         side = m.lora_stream if lora is not None else None
         if side is None:
-            shrunk = self._shrinks(x, layer, slots, lora)
+            shrunk = m.expert_input_shrinks(x, layer, slots, lora)
         else:
             with side.fork():
-                shrunk = self._shrinks(x, layer, slots, lora)
+                shrunk = m.expert_input_shrinks(x, layer, slots, lora)
         index, weights, gammas = m._route(x, layer)
         top_k = index.shape[1]
         order = torch.argsort(index.reshape(-1), stable=True)

@@ -41,6 +41,19 @@ class SlotBuffer:
     a: torch.Tensor
     b: torch.Tensor
     scalings: torch.Tensor
+    slice_offsets: tuple[int, ...] | None = None  # one LoRA over all output columns (see StackedBuffer)
+
+
+@dataclass
+class StackedBuffer:
+    """Targets that read one input, served by one launch: A [S, P*R, K] (views into the same memory as
+    their `SlotBuffer`s); for linears B [S, N, R], scalings [S, P] and the outputs' column ranges."""
+
+    modules: tuple[str, ...]
+    a: torch.Tensor
+    b: torch.Tensor | None
+    scalings: torch.Tensor
+    slice_offsets: tuple[int, ...] | None
 
 
 def check_adapter(adapter: Adapter, identity: BaseModelIdentity, layout: SlotLayout) -> None:
@@ -89,6 +102,11 @@ class LoraSlots:
         for j, entry in enumerate(self.layout.entries):
             a, b = self.layout.views(self.memory, entry)
             self.buffers[entry.module] = SlotBuffer(kind=entry.kind, a=a, b=b, scalings=self.scalings[:, j])
+        self.stacks: dict[tuple[str, ...], StackedBuffer] = {}
+        for stack in self.layout.stacks:
+            a, b = self.layout.stack_views(self.memory, stack)
+            scalings = self.scalings[:, stack.first_entry : stack.first_entry + len(stack.modules)]
+            self.stacks[stack.modules] = StackedBuffer(stack.modules, a, b, scalings, stack.slice_offsets)
         self._slot_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._users: dict[str, int] = {}

@@ -16,12 +16,13 @@ from transformers import InklingTextConfig
 
 from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink, lora_shrink_expand
 from inkwell.models import canonical_weight_names
-from inkwell.service.engine.lora import LoraSlots
+from inkwell.service.engine.lora import LoraSlots, SlotBuffer, StackedBuffer
+from inkwell.service.engine.slot_copy import STACKS
 from inkwell.service.engine.state import StatePool
 from inkwell.service.engine.streams import SideStream
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
-# transformers < 5.19 saved the embedding norm beside the embedding rather than inside it.
+QKVR, EXPERT_INPUTS = STACKS  # the projections that read one input: one GEMM / one LoRA launch each
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ class InklingModel:
                 self.w[f"{prefix}.up_proj"] = tensor[:, f:].contiguous()
             else:
                 self.w[name] = tensor
+        # q, k, v and r as one weight: one GEMM, whose output columns the four split as views.
+        self.qkvr_splits: list[list[int]] = []
+        for layer in range(config.num_hidden_layers):
+            names = [f"model.layers.{layer}.{proj}.weight" for proj in QKVR]
+            self.qkvr_splits.append([self.w[n].shape[0] for n in names])
+            self.w[f"model.layers.{layer}.self_attn.qkvr_proj.weight"] = torch.cat([self.w.pop(n) for n in names])
         self.eps = config.rms_norm_eps
         # CUDA only: where set, each projection's LoRA runs beside its base GEMM (see `_linear`).
         self.lora_stream: SideStream | None = None
@@ -111,26 +118,59 @@ class InklingModel:
     # ---- projections with LoRA -------------------------------------------------------------
 
     def _linear(self, x: torch.Tensor, module: str, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
-        """x @ W^T plus each token's LoRA delta (one fused launch on CUDA at decode sizes).
+        """x @ W^T plus each token's LoRA delta."""
+        buf = lora.buffers.get(module) if lora is not None else None
+        return self._project(x, self.w[f"{module}.weight"], slots, buf)
+
+    def qkvr(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> list[torch.Tensor]:
+        """q, k, v and r: one GEMM and one sliced LoRA launch; column views of one output."""
+        p = f"model.layers.{layer}"
+        modules = tuple(f"{p}.{proj}" for proj in QKVR)
+        stack = lora.stacks.get(modules) if lora is not None else None
+        y = self._project(x, self.w[f"{p}.self_attn.qkvr_proj.weight"], slots, stack)
+        parts = y.split(self.qkvr_splits[layer], dim=-1)
+        if stack is None and lora is not None:  # factors not stackable (padding): one launch per projection
+            for module, part in zip(modules, parts, strict=True):
+                if (buf := lora.buffers.get(module)) is not None:
+                    lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, part)
+        return parts
+
+    def _project(
+        self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, buf: SlotBuffer | StackedBuffer | None
+    ) -> torch.Tensor:
+        """x @ W^T plus each token's (sliced) LoRA delta from `buf` (one fused launch on CUDA at decode sizes).
 
         With `lora_stream` the delta goes into a zeroed buffer on the side stream while the base GEMM
         runs, and is added after the join: the kernels round delta the same way either way, so the
         result is bitwise the in-place one.
         """
-        weight = self.w[f"{module}.weight"]
-        buf = lora.buffers.get(module) if lora is not None else None
         if buf is None:
             return F.linear(x, weight)
+        offsets = buf.slice_offsets
         if self.lora_stream is None:
             y = F.linear(x, weight)
-            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, y)
+            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, y, offsets)
             return y
         delta = x.new_empty(x.shape[0], weight.shape[0])
         with self.lora_stream.fork():
-            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, delta.zero_())
+            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, delta.zero_(), offsets)
         y = F.linear(x, weight)
         self.lora_stream.join()
         return y.add_(delta)
+
+    def expert_input_shrinks(
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None
+    ) -> dict[str, torch.Tensor]:
+        """x @ A of every shared-A expert target of the layer (gate/up of routed and shared experts), by module:
+        one launch over their stacked A's."""
+        if lora is None:
+            return {}
+        p = f"model.layers.{layer}"
+        modules = tuple(m for m in (f"{p}.{name}" for name in EXPERT_INPUTS) if m in lora.buffers)
+        if (stack := lora.stacks.get(modules)) is not None:
+            y = lora_shrink(x, stack.a, slots)
+            return dict(zip(modules, y.split(y.shape[1] // len(modules), dim=1), strict=True))
+        return {m: lora_shrink(x, lora.buffers[m].a, slots) for m in modules}
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
 
@@ -221,10 +261,9 @@ class InklingModel:
         sliding = cfg.layer_types[layer] == "hybrid_sliding"
         head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         tokens = h.shape[0]
-        q = self._linear(h, f"{p}.q_proj", slots, lora)
-        k = self._sconv(self._linear(h, f"{p}.k_proj", slots, lora), layer, 0, batch, state)
-        v = self._sconv(self._linear(h, f"{p}.v_proj", slots, lora), layer, 1, batch, state)
-        r = self._linear(h, f"{p}.r_proj", slots, lora)
+        q, k, v, r = self.qkvr(h, layer, slots, lora)
+        k = self._sconv(k, layer, 0, batch, state)
+        v = self._sconv(v, layer, 1, batch, state)
         q = rms_norm(q.view(tokens, -1, head_dim), self.w[f"{p}.q_norm.weight"], self.eps)
         k = rms_norm(k.view(tokens, -1, head_dim), self.w[f"{p}.k_norm.weight"], self.eps)
         v = v.view(tokens, -1, head_dim)
@@ -269,17 +308,13 @@ class InklingModel:
         weights = weights * cfg.route_scale * self.w[f"{p}.global_scale"]
         return index, weights[:, :top_k], weights[:, top_k:]
 
-    def _expert_lora_in(
-        self, x_a: torch.Tensor | None, module: str, slots, experts, lora: LoraSlots | None, out: torch.Tensor
-    ) -> None:
-        """Add the per-expert B of a shared-A target (gate/up) to dispatched rows `out`."""
-        if x_a is not None:
+    def _expert_lora_in(self, shrunk: dict, module: str, rows, slots, experts, lora: LoraSlots, out) -> None:
+        """Add the per-expert B of a shared-A target (gate/up) to dispatched rows `out`, whose shrunk
+        inputs are `shrunk[module][rows]` (`rows` None: all of them)."""
+        if module in shrunk:
+            x_a = shrunk[module] if rows is None else shrunk[module][rows]
             buf = lora.buffers[module]
             expert_lora_expand(x_a, buf.b, slots, experts, buf.scalings, out)
-
-    def _shrink_shared(self, x: torch.Tensor, module: str, slots, lora: LoraSlots | None) -> torch.Tensor | None:
-        buf = lora.buffers.get(module) if lora is not None else None
-        return None if buf is None else lora_shrink(x, buf.a, slots)
 
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp"
@@ -302,11 +337,9 @@ class InklingModel:
         for e, s, t in hit:
             gate[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.gate_proj"][e])
             up[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.up_proj"][e])
+        shrunk = self.expert_input_shrinks(x, layer, slots, lora)
         for proj, rows_out in (("gate_proj", gate), ("up_proj", up)):
-            x_a = self._shrink_shared(x, f"{p}.experts.{proj}", slots, lora)
-            self._expert_lora_in(
-                None if x_a is None else x_a[tokens], f"{p}.experts.{proj}", row_slots, experts, lora, rows_out
-            )
+            self._expert_lora_in(shrunk, f"{p}.experts.{proj}", tokens, row_slots, experts, lora, rows_out)
         act = F.silu(gate) * up
         down = xs.new_empty(xs.shape[0], x.shape[1])
         for e, s, t in hit:
@@ -317,15 +350,13 @@ class InklingModel:
             y = expert_lora_shrink(act, down_buf.a, row_slots, experts) * row_w[:, None]
             y_tok = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, tokens, y)
             lora_expand(y_tok, down_buf.b, slots, down_buf.scalings, routed)
-        return routed + self._shared_experts(x, layer, gammas, slots, lora)
+        return routed + self._shared_experts(x, layer, gammas, slots, lora, shrunk)
 
     def _shared_experts(
-        self, x: torch.Tensor, layer: int, gammas: torch.Tensor, slots: torch.Tensor, lora: LoraSlots | None
+        self, x: torch.Tensor, layer: int, gammas: torch.Tensor, slots: torch.Tensor, lora: LoraSlots | None, shrunk
     ) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp.shared_experts"
         n_shared = self.config.n_shared_experts
-        gate_a = self._shrink_shared(x, f"{p}.gate_proj", slots, lora)
-        up_a = self._shrink_shared(x, f"{p}.up_proj", slots, lora)
         down_buf = lora.buffers.get(f"{p}.down_proj") if lora is not None else None
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         y_sum = None
@@ -333,8 +364,8 @@ class InklingModel:
             ids = torch.full_like(slots, s)
             gate = F.linear(x, self.w[f"{p}.gate_proj"][s])
             up = F.linear(x, self.w[f"{p}.up_proj"][s])
-            self._expert_lora_in(gate_a, f"{p}.gate_proj", slots, ids, lora, gate)
-            self._expert_lora_in(up_a, f"{p}.up_proj", slots, ids, lora, up)
+            self._expert_lora_in(shrunk, f"{p}.gate_proj", None, slots, ids, lora, gate)
+            self._expert_lora_in(shrunk, f"{p}.up_proj", None, slots, ids, lora, up)
             act = F.silu(gate) * up * gammas[:, s, None]
             out += F.linear(act, self.w[f"{p}.down_proj"][s]).float()
             if down_buf is not None:

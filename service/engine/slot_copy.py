@@ -14,6 +14,7 @@ process equal arguments return the same object, so a check that an image fits so
 identity test.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,12 @@ from inkwell.models.base import BaseModelIdentity
 # Every A and B starts at a multiple of this many elements (128 bytes in bf16), and so does every
 # slot: the kernels' base pointers keep the alignment they had with one allocation per buffer.
 ALIGN = 64
+# Targets of one layer that read the same input, so one launch can serve them all: their A's sit back to
+# back in a slot (and, for plain linears, their B's too), and a strided view stacks them (`SlotStack`).
+STACKS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.r_proj"),
+    ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+)
 
 
 @dataclass(frozen=True)
@@ -42,12 +49,23 @@ class SlotEntry:
     b_offset: int
 
 
+@dataclass(frozen=True)
+class SlotStack:
+    """Targets whose A's are contiguous in a slot: A stacked along the rank [P*R, K]; for linears also B
+    stacked along the output [N_1+...+N_P, R] (expert B's are per expert and stay apart)."""
+
+    modules: tuple[str, ...]
+    first_entry: int  # entries first_entry .. first_entry + P - 1, so scalings[:, that range] is [S, P]
+    a_offset: int
+    a_shape: tuple[int, int]
+    b_offset: int | None
+    b_shape: tuple[int, int] | None
+    slice_offsets: tuple[int, ...] | None  # (0, N_1, N_1+N_2, ..., N): the outputs' column ranges
+
+
 def _view(memory: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
     """`shape` at `offset` of the last dim of `memory` ([..., slot_elems]); leading dims stay (strided)."""
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return memory[..., offset : offset + numel].unflatten(-1, shape)
+    return memory[..., offset : offset + math.prod(shape)].unflatten(-1, shape)
 
 
 @dataclass(frozen=True)
@@ -59,10 +77,16 @@ class SlotLayout:
     max_rank: int
     groups: tuple[str, ...]
     dtype: torch.dtype
+    stacks: tuple[SlotStack, ...] = ()
 
     def views(self, memory: torch.Tensor, entry: SlotEntry) -> tuple[torch.Tensor, torch.Tensor]:
         """`entry`'s A and B in `memory`: a whole [S, slot_elems] buffer gives [S, ...] views, an image [...]."""
         return _view(memory, entry.a_offset, entry.a_shape), _view(memory, entry.b_offset, entry.b_shape)
+
+    def stack_views(self, memory: torch.Tensor, stack: SlotStack) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`stack`'s stacked A (and B, for linears) in `memory`, like `views`."""
+        b = None if stack.b_offset is None else _view(memory, stack.b_offset, stack.b_shape)
+        return _view(memory, stack.a_offset, stack.a_shape), b
 
     def image(
         self, adapter: Adapter, device: torch.device | str | None = None, out: torch.Tensor | None = None
@@ -120,26 +144,73 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
     key = (config.to_json_string(), max_rank, tuple(groups), dtype)
     if key in _layouts:
         return _layouts[key]
-    entries, offset = [], 0
+    entries: list[SlotEntry] = []
+    families: list[int] = []  # first entry of each stacked family
+    offset = 0
 
     def take(shape: tuple[int, ...]) -> int:
         nonlocal offset
         start = offset
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        offset = -(-(start + numel) // ALIGN) * ALIGN
+        offset = -(-(start + math.prod(shape)) // ALIGN) * ALIGN
         return start
 
-    for target in model_targets(config, LoraSpec(rank=max_rank, targets=tuple(groups))):
-        shapes = target.shapes(max_rank)
-        a_offset = take(shapes["lora_A"])
-        b_offset = take(shapes["lora_B"])
-        entries.append(
-            SlotEntry(target.module, target.group, target.kind, shapes["lora_A"], a_offset, shapes["lora_B"], b_offset)
-        )
-    _layouts[key] = SlotLayout(tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype)
+    targets = model_targets(config, LoraSpec(rank=max_rank, targets=tuple(groups)))
+    stacked = _family_members(targets)
+    for target in targets:
+        members = stacked.get(target.module, [target])
+        if target is not members[0]:
+            continue  # placed with its family
+        if len(members) > 1:
+            families.append(len(entries))
+        shapes = [member.shapes(max_rank) for member in members]
+        a_offsets = [take(shape["lora_A"]) for shape in shapes]  # a family's A's back to back, then its B's
+        b_offsets = [take(shape["lora_B"]) for shape in shapes]
+        for member, shape, a_offset, b_offset in zip(members, shapes, a_offsets, b_offsets, strict=True):
+            entries.append(
+                SlotEntry(
+                    member.module, member.group, member.kind, shape["lora_A"], a_offset, shape["lora_B"], b_offset
+                )
+            )
+    stacks = [_stack(entries, first, len(stacked[entries[first].module])) for first in families]
+    _layouts[key] = SlotLayout(
+        tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype, tuple(s for s in stacks if s is not None)
+    )
     return _layouts[key]
+
+
+def _family_members(targets: list) -> dict[str, list]:
+    """module -> the present targets of its `STACKS` family in its layer, for families of two or more."""
+    by_module = {t.module: t for t in targets}
+    out: dict[str, list] = {}
+    for layer in sorted({t.layer for t in targets if t.layer is not None}):
+        for family in STACKS:
+            members = [by_module[m] for m in (f"model.layers.{layer}.{name}" for name in family) if m in by_module]
+            if len(members) > 1:
+                out.update({member.module: members for member in members})
+    return out
+
+
+def _stack(entries: list[SlotEntry], first: int, count: int) -> SlotStack | None:
+    """The stack of entries[first : first + count], or None where padding split their factors apart."""
+    members = entries[first : first + count]
+
+    def contiguous(offsets: list[int], shapes: list[tuple[int, ...]]) -> bool:
+        return all(o + math.prod(shape) == nxt for o, shape, nxt in zip(offsets, shapes, offsets[1:], strict=False))
+
+    a_shapes = [m.a_shape for m in members]
+    if len({shape[1:] for shape in a_shapes}) != 1 or not contiguous([m.a_offset for m in members], a_shapes):
+        return None
+    a_shape = (sum(shape[0] for shape in a_shapes), *a_shapes[0][1:])
+    b_shapes = [m.b_shape for m in members]
+    linear = all(m.kind == "linear" for m in members) and contiguous([m.b_offset for m in members], b_shapes)
+    if not linear:
+        return SlotStack(tuple(m.module for m in members), first, members[0].a_offset, a_shape, None, None, None)
+    bounds = [0]
+    for shape in b_shapes:
+        bounds.append(bounds[-1] + shape[0])
+    b_shape = (bounds[-1], b_shapes[0][1])
+    modules = tuple(m.module for m in members)
+    return SlotStack(modules, first, members[0].a_offset, a_shape, members[0].b_offset, b_shape, tuple(bounds))
 
 
 class ImageAdapter(Adapter):

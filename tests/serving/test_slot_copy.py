@@ -65,11 +65,15 @@ def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
     slots = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=3, max_rank=8, dtype=torch.bfloat16)
     layout = slots.layout
     assert layout.slot_elems % ALIGN == 0
+    ranges = sorted(
+        (offset, offset + torch.Size(shape).numel())
+        for entry in layout.entries
+        for offset, shape in ((entry.a_offset, entry.a_shape), (entry.b_offset, entry.b_shape))
+    )
     end = 0
-    for entry in layout.entries:  # back to back, aligned, no overlap, all inside the slot
-        for offset, shape in ((entry.a_offset, entry.a_shape), (entry.b_offset, entry.b_shape)):
-            assert offset % ALIGN == 0 and offset >= end
-            end = offset + torch.Size(shape).numel()
+    for start, stop in ranges:  # aligned, no overlap, all inside the slot
+        assert start % ALIGN == 0 and start >= end
+        end = stop
     assert end <= layout.slot_elems
     for j, (module, buf) in enumerate(slots.buffers.items()):
         assert buf.a.untyped_storage().data_ptr() == slots.memory.untyped_storage().data_ptr(), module
@@ -77,9 +81,32 @@ def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
         assert buf.a.dtype == torch.bfloat16 and buf.scalings.dtype == torch.float32
         assert buf.scalings.data_ptr() == slots.scalings[:, j].data_ptr()
     slots.memory[1].fill_(1.0)  # a slot's range is exactly its views
+    assert {len(stack.modules) for stack in slots.stacks.values()} == {4}  # q/k/v/r, routed+shared gate/up
     for buf in slots.buffers.values():
         assert torch.all(buf.a[1] == 1) and torch.all(buf.b[1] == 1)
         assert not buf.a[0].any() and not buf.b[2].any()
+
+
+def test_stacks_are_views_of_their_members(tiny_model_dir):
+    """A stack's A (and, for linears, B and scalings) is exactly its members' factors side by side."""
+    config = load_base_config(tiny_model_dir)
+    slots = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=2, max_rank=8)
+    torch.manual_seed(0)
+    slots.memory.normal_()
+    slots.scalings.normal_()
+    layers = config.num_hidden_layers
+    moe_layers = sum(kind != "dense" for kind in config.mlp_layer_types)
+    assert len(slots.stacks) == layers + moe_layers
+    for modules, stack in slots.stacks.items():
+        members = [slots.buffers[m] for m in modules]
+        assert torch.equal(stack.a, torch.cat([m.a for m in members], dim=1)), modules
+        if members[0].kind == "linear":
+            assert torch.equal(stack.b, torch.cat([m.b for m in members], dim=1)), modules
+            assert torch.equal(stack.scalings, torch.stack([m.scalings for m in members], dim=1)), modules
+            widths = [m.b.shape[1] for m in members]
+            assert stack.slice_offsets == tuple(sum(widths[:i]) for i in range(len(widths) + 1))
+        else:
+            assert stack.b is None and all(m.kind == "expert_in" for m in members)
 
 
 def test_image_adapter_factors_and_placement_equal_the_adapter(tiny_model_dir, tiny_adapters):
