@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand
 from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import CONV_NAMES, InklingModel, rms_norm
+from inkwell.service.engine.model import CONV_NAMES, Dispatch, InklingModel, rms_norm
 from inkwell.service.engine.state import StatePool
 
 
@@ -160,12 +160,8 @@ class DecodeForward:
             with side.fork():
                 shrunk = m.expert_input_shrinks(x, layer, slots, lora)
         index, weights, gammas = m._route(x, layer)
-        top_k = index.shape[1]
-        order = torch.argsort(index.reshape(-1), stable=True)
-        experts = index.reshape(-1)[order]
-        tokens = order // top_k
-        row_w = weights.reshape(-1)[order]
-        row_slots = slots[tokens]
+        rows = Dispatch.of(index, weights, slots)
+        experts, tokens = rows.experts, rows.tokens
         gate_w, up_w, down_w = (
             m.w[f"{p}.experts.{proj}"].transpose(1, 2) for proj in ("gate_proj", "up_proj", "down_proj")
         )
@@ -179,11 +175,7 @@ class DecodeForward:
             up = torch.matmul(x, up_w)[experts, tokens]
         if side is not None:
             side.join()
-        for proj, rows_out in (("gate_proj", gate), ("up_proj", up)):
-            module = f"{p}.experts.{proj}"
-            if module in shrunk:
-                buf = lora.buffers[module]
-                expert_lora_expand(shrunk[module][tokens], buf.b, row_slots, experts, buf.scalings, rows_out)
+        m.routed_lora_in(shrunk, layer, rows, lora, gate, up)
         act = F.silu(gate) * up
         if self.grouped_mm:
             down = torch._grouped_mm(act, down_w, offs=offsets)
@@ -191,12 +183,7 @@ class DecodeForward:
             cells = act.new_zeros(down_w.shape[0], x.shape[0], act.shape[1])
             cells[experts, tokens] = act
             down = torch.matmul(cells, down_w)[experts, tokens]
-        routed = torch.zeros_like(x).index_add_(0, tokens, (down * row_w[:, None]).to(x.dtype))
-        down_buf = lora.buffers.get(f"{p}.experts.down_proj") if lora is not None else None
-        if down_buf is not None:
-            y = expert_lora_shrink(act, down_buf.a, row_slots, experts) * row_w[:, None]
-            y_tok = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, tokens, y)
-            lora_expand(y_tok, down_buf.b, slots, down_buf.scalings, routed)
+        routed = m.combine_routed(x, layer, rows, down, act, slots, lora)
         return routed + self._shared_experts(x, layer, gammas, slots, lora, shrunk)
 
     def _shared_experts(

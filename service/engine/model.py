@@ -74,6 +74,23 @@ class ForwardBatch:
         return group, chunks
 
 
+@dataclass(frozen=True)
+class Dispatch:
+    """Routed (token, expert) rows sorted by expert: each row's token, expert, routing weight and LoRA slot."""
+
+    tokens: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def of(cls, index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> "Dispatch":
+        """From top-k expert ids and weights [T, k] and the tokens' LoRA slots [T] (no host sync)."""
+        order = torch.argsort(index.reshape(-1), stable=True)
+        tokens = order // index.shape[1]
+        return cls(tokens, index.reshape(-1)[order], weights.reshape(-1)[order], slots[tokens])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
@@ -308,49 +325,60 @@ class InklingModel:
         weights = weights * cfg.route_scale * self.w[f"{p}.global_scale"]
         return index, weights[:, :top_k], weights[:, top_k:]
 
-    def _expert_lora_in(self, shrunk: dict, module: str, rows, slots, experts, lora: LoraSlots, out) -> None:
-        """Add the per-expert B of a shared-A target (gate/up) to dispatched rows `out`, whose shrunk
-        inputs are `shrunk[module][rows]` (`rows` None: all of them)."""
-        if module in shrunk:
-            x_a = shrunk[module] if rows is None else shrunk[module][rows]
-            buf = lora.buffers[module]
-            expert_lora_expand(x_a, buf.b, slots, experts, buf.scalings, out)
+    def routed_lora_in(
+        self, shrunk: dict, layer: int, rows: Dispatch, lora: LoraSlots, gate: torch.Tensor, up: torch.Tensor
+    ) -> None:
+        """Add the routed experts' gate/up LoRA to dispatched rows: per-expert B over each row's token's
+        shared-A shrink (`shrunk`, from `expert_input_shrinks`)."""
+        for proj, out in (("gate_proj", gate), ("up_proj", up)):
+            module = f"model.layers.{layer}.mlp.experts.{proj}"
+            if module in shrunk:
+                buf = lora.buffers[module]
+                expert_lora_expand(shrunk[module][rows.tokens], buf.b, rows.slots, rows.experts, buf.scalings, out)
 
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp"
         index, weights, gammas = self._route(x, layer)
-        top_k = index.shape[1]
-        # Routed experts on dispatched rows, grouped by expert.
-        experts = index.reshape(-1)
-        order = torch.argsort(experts, stable=True)
-        experts = experts[order]
-        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)[order]
-        row_w = weights.reshape(-1)[order]
-        row_slots = slots[tokens]
-        xs = x[tokens]
+        rows = Dispatch.of(index, weights, slots)  # routed experts on dispatched rows, grouped by expert
+        xs = x[rows.tokens]
         f = self.config.moe_intermediate_size
         gate = xs.new_empty(xs.shape[0], f)
         up = xs.new_empty(xs.shape[0], f)
-        bounds = torch.bincount(experts, minlength=self.config.n_routed_experts).cumsum(0).tolist()
+        bounds = torch.bincount(rows.experts, minlength=self.config.n_routed_experts).cumsum(0).tolist()
         starts = [0, *bounds[:-1]]
         hit = [(e, s, t) for e, (s, t) in enumerate(zip(starts, bounds, strict=True)) if t > s]
         for e, s, t in hit:
             gate[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.gate_proj"][e])
             up[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.up_proj"][e])
         shrunk = self.expert_input_shrinks(x, layer, slots, lora)
-        for proj, rows_out in (("gate_proj", gate), ("up_proj", up)):
-            self._expert_lora_in(shrunk, f"{p}.experts.{proj}", tokens, row_slots, experts, lora, rows_out)
+        self.routed_lora_in(shrunk, layer, rows, lora, gate, up)
         act = F.silu(gate) * up
         down = xs.new_empty(xs.shape[0], x.shape[1])
         for e, s, t in hit:
             down[s:t] = F.linear(act[s:t], self.w[f"{p}.experts.down_proj"][e])
-        routed = torch.zeros_like(x).index_add_(0, tokens, (down * row_w[:, None]).to(x.dtype))
-        down_buf = lora.buffers.get(f"{p}.experts.down_proj") if lora is not None else None
-        if down_buf is not None:
-            y = expert_lora_shrink(act, down_buf.a, row_slots, experts) * row_w[:, None]
-            y_tok = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, tokens, y)
-            lora_expand(y_tok, down_buf.b, slots, down_buf.scalings, routed)
+        routed = self.combine_routed(x, layer, rows, down, act, slots, lora)
         return routed + self._shared_experts(x, layer, gammas, slots, lora, shrunk)
+
+    def combine_routed(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        rows: Dispatch,
+        down: torch.Tensor,
+        act: torch.Tensor,
+        slots: torch.Tensor,
+        lora: LoraSlots | None,
+    ) -> torch.Tensor:
+        """Dispatched rows' down projections weighted back into their tokens, plus the routed down LoRA: the
+        shrink per row's (slot, expert), weighted and summed per token, then one expand with the shared B."""
+        weights = rows.weights[:, None]
+        routed = torch.zeros_like(x).index_add_(0, rows.tokens, (down * weights).to(x.dtype))
+        buf = lora.buffers.get(f"model.layers.{layer}.mlp.experts.down_proj") if lora is not None else None
+        if buf is not None:
+            y = expert_lora_shrink(act, buf.a, rows.slots, rows.experts) * weights
+            y_tok = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, rows.tokens, y)
+            lora_expand(y_tok, buf.b, slots, buf.scalings, routed)
+        return routed
 
     def _shared_experts(
         self, x: torch.Tensor, layer: int, gammas: torch.Tensor, slots: torch.Tensor, lora: LoraSlots | None, shrunk
@@ -364,8 +392,10 @@ class InklingModel:
             ids = torch.full_like(slots, s)
             gate = F.linear(x, self.w[f"{p}.gate_proj"][s])
             up = F.linear(x, self.w[f"{p}.up_proj"][s])
-            self._expert_lora_in(shrunk, f"{p}.gate_proj", None, slots, ids, lora, gate)
-            self._expert_lora_in(shrunk, f"{p}.up_proj", None, slots, ids, lora, up)
+            for proj, rows_out in (("gate_proj", gate), ("up_proj", up)):
+                if f"{p}.{proj}" in shrunk:
+                    buf = lora.buffers[f"{p}.{proj}"]
+                    expert_lora_expand(shrunk[f"{p}.{proj}"], buf.b, slots, ids, buf.scalings, rows_out)
             act = F.silu(gate) * up * gammas[:, s, None]
             out += F.linear(act, self.w[f"{p}.down_proj"][s]).float()
             if down_buf is not None:
