@@ -7,7 +7,6 @@ dim 1), never from the layout module's own helpers.
 
 import ast
 import importlib.util
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,29 +20,20 @@ from inkwell.adapters.layouts.sglang import SglangLayoutError, from_sglang, sgla
 from inkwell.adapters.spec import TARGET_GROUPS, LoraSpec
 from inkwell.models import base_model_identity, load_base_config, preset_config
 from inkwell.models.presets import PRESETS
+from inkwell.tests.sglang_import import import_sglang
 
 ALL = LoraSpec(rank=8, alpha=16, targets=TARGET_GROUPS)
 
 
 @pytest.fixture(scope="module")
 def sgl():
-    """SGLang's LoRA loader; a missing install fails loudly (the Makefile installs it)."""
-    if os.environ.get("INKWELL_SKIP_SGLANG") == "1":
-        pytest.skip("INKWELL_SKIP_SGLANG=1")
-    try:
-        from sglang.srt.configs.load_config import LoadConfig
-        from sglang.srt.lora.lora import LoRAAdapter
-        from sglang.srt.lora.lora_config import LoRAConfig
-        from sglang.srt.lora.utils import get_normalized_target_modules
-        from sglang.srt.models.inkling_common.lora import InklingBatchDenseMLPWithLoRA
-    except ImportError as exc:
-        pytest.fail(f"SGLang 0.5.23 is not importable ({exc}); run `make sglang-test-deps`")
-    return SimpleNamespace(
-        LoadConfig=LoadConfig,
-        LoRAAdapter=LoRAAdapter,
-        LoRAConfig=LoRAConfig,
-        normalize_targets=get_normalized_target_modules,
-        Sink=InklingBatchDenseMLPWithLoRA,
+    """SGLang's LoRA loader and Inkling LoRA layers."""
+    return import_sglang(
+        LoadConfig="sglang.srt.configs.load_config:LoadConfig",
+        LoRAAdapter="sglang.srt.lora.lora:LoRAAdapter",
+        LoRAConfig="sglang.srt.lora.lora_config:LoRAConfig",
+        normalize_targets="sglang.srt.lora.utils:get_normalized_target_modules",
+        Sink="sglang.srt.models.inkling_common.lora:InklingBatchDenseMLPWithLoRA",
     )
 
 

@@ -8,7 +8,6 @@ by transformers. The end-to-end test needs a CUDA device and an SGLang install t
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -39,27 +38,19 @@ from inkwell.service.engine.sglang_engine import (
     sglang_sampling_params,
 )
 from inkwell.service.engine.text import TextTracker
+from inkwell.tests.sglang_import import import_sglang
 
 PROMPT = list(range(10, 40))
 
 
 @pytest.fixture(scope="module")
 def sgl():
-    """SGLang's pure-Python pieces; a missing install fails loudly (the Makefile installs it)."""
-    if os.environ.get("INKWELL_SKIP_SGLANG") == "1":
-        pytest.skip("INKWELL_SKIP_SGLANG=1")
-    try:
-        from sglang.srt.configs.inkling import InklingMMConfig
-        from sglang.srt.lora.utils import get_normalized_target_modules
-        from sglang.srt.sampling.sampling_params import SamplingParams as SglSamplingParams
-        from sglang.srt.server_args import ServerArgs
-    except ImportError as exc:
-        pytest.fail(f"SGLang 0.5.23 is not importable ({exc}); run `make sglang-test-deps`")
-    return SimpleNamespace(
-        ServerArgs=ServerArgs,
-        SamplingParams=SglSamplingParams,
-        normalize_targets=get_normalized_target_modules,
-        InklingMMConfig=InklingMMConfig,
+    """SGLang's pure-Python pieces: server arguments, sampling parameters, target names, Inkling's config."""
+    return import_sglang(
+        ServerArgs="sglang.srt.server_args:ServerArgs",
+        SamplingParams="sglang.srt.sampling.sampling_params:SamplingParams",
+        normalize_targets="sglang.srt.lora.utils:get_normalized_target_modules",
+        InklingMMConfig="sglang.srt.configs.inkling:InklingMMConfig",
     )
 
 
