@@ -44,7 +44,7 @@ from inkwell.adapters.io import load_adapter, save_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, init_base_model, load_base_config, load_base_model
 from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.serving.loader import loader_main
+from inkwell.service.serving.loader import loader_main, stop_loader
 from inkwell.service.serving.sources import DirectorySource
 from inkwell.service.serving.transfer import ImageReceiver
 
@@ -319,11 +319,7 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
         out["decode_step_with_swap_ms"] = max(swapped) * 1e3
         out["stall_steps"] = (max(swapped) - median_step) / median_step
     finally:
-        receiver.close()
-        inbox.put(("stop",))
-        loader.join(30)
-        if loader.is_alive():
-            loader.kill()
+        stop_loader(loader, inbox, receiver)
     ratios = {}
     for key, value in out.items():
         if key.endswith("_us") and not key.startswith("d2d"):

@@ -81,6 +81,14 @@ def make_room(adapters, limit: int, pinned: set[str], in_use, unload) -> None:
         unload(idle[0])
 
 
+def check_unload(adapters, key: str, in_use) -> None:
+    """EngineError unless `key` is loaded and no queued or running request uses it."""
+    if key not in adapters:
+        raise EngineError("adapter_not_loaded", f"adapter {key!r} is not loaded")
+    if in_use(key):
+        raise EngineError("adapter_busy", f"adapter {key!r} has queued or running requests")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_loras_per_batch: int = 4
@@ -215,10 +223,7 @@ class Engine:
         make_room(self.adapters, self.config.max_loaded_adapters, self._pinned, self._in_use, self.unload_adapter)
 
     def unload_adapter(self, key: str) -> None:
-        if key not in self.adapters:
-            raise EngineError("adapter_not_loaded", f"adapter {key!r} is not loaded")
-        if self._in_use(key):
-            raise EngineError("adapter_busy", f"adapter {key!r} has queued or running requests")
+        check_unload(self.adapters, key, self._in_use)
         if self.lora.slot_of(key) is not None:
             self.lora.evict(key)
         self._pinned.discard(key)

@@ -41,6 +41,7 @@ from inkwell.service.engine.engine import (
     Request,
     StepOutput,
     TokenLogprob,
+    check_unload,
     make_room,
     validate_request,
 )
@@ -301,10 +302,7 @@ class SglangEngine:
         make_room(self.adapters, self.config.max_loaded_adapters, self._pinned, self._in_use, self.unload_adapter)
 
     def unload_adapter(self, key: str) -> None:
-        if key not in self.adapters:
-            raise EngineError("adapter_not_loaded", f"adapter {key!r} is not loaded")
-        if self._in_use(key):
-            raise EngineError("adapter_busy", f"adapter {key!r} has queued or running requests")
+        check_unload(self.adapters, key, self._in_use)
         result = self._sgl.unload_lora_adapter(key)
         if not result.success:
             raise EngineError("adapter_unload_failed", f"SGLang could not unload {key!r}: {result.error_message}")

@@ -21,7 +21,18 @@ from inkwell.models import base_model_identity, load_base_config
 from inkwell.service.engine.engine import EngineConfig
 from inkwell.service.engine.lora import AdapterIncompatibleError, check_adapter
 from inkwell.service.engine.slot_copy import slot_layout
-from inkwell.service.serving.transfer import RING_SIZE, StagingRing
+from inkwell.service.serving.transfer import RING_SIZE, ImageReceiver, StagingRing
+
+
+def stop_loader(process, inbox, receiver: ImageReceiver, timeout: float = 30.0) -> None:
+    """Stop a loader process: unmap its staging ring first (the ring is the loader's memory), then ask it
+    to stop and wait; one that does not stop in `timeout` seconds is killed."""
+    receiver.close()
+    inbox.put(("stop",))
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_size: int = RING_SIZE) -> None:

@@ -34,7 +34,7 @@ from inkwell.service.engine import (
 from inkwell.service.engine.engine import StepOutput
 from inkwell.service.engine.interface import make_engine
 from inkwell.service.engine.slot_copy import slot_layout
-from inkwell.service.serving.loader import loader_main
+from inkwell.service.serving.loader import loader_main, stop_loader
 from inkwell.service.serving.transfer import ImageReceiver, StagedAdapter
 
 if TYPE_CHECKING:  # sources import boto3, which a GPU worker that never reads S3 need not have
@@ -115,9 +115,7 @@ class _WorkerLoop:
                 msg = None
             while msg is not None:
                 if msg[0] == "stop":
-                    self.receiver.close()  # unmap the loader's ring before the loader exits
-                    self.loader_inbox.put(("stop",))
-                    self.loader.join(timeout=5)
+                    stop_loader(self.loader, self.loader_inbox, self.receiver, timeout=5)
                     self.outbox.put(("stopped",))
                     return
                 self.handle(msg)

@@ -12,7 +12,7 @@ from inkwell.models import base_model_identity, load_base_config
 from inkwell.service.engine import EngineConfig
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.slot_copy import slot_layout
-from inkwell.service.serving.loader import loader_main
+from inkwell.service.serving.loader import loader_main, stop_loader
 from inkwell.service.serving.sources import DirectorySource
 from inkwell.service.serving.transfer import ImageReceiver, StagingRing
 
@@ -88,9 +88,5 @@ def test_loader_process_stages_through_a_one_row_ring(tiny_model_dir, tiny_adapt
         for adapter, (flat, scalings) in kept:  # the row was rewritten after each; the kept images were not
             assert torch.equal(adapter.flat, flat) and torch.equal(adapter.scalings, scalings)
     finally:
-        receiver.close()
-        inbox.put(("stop",))
-        loader.join(30)
-        if loader.is_alive():
-            loader.kill()
+        stop_loader(loader, inbox, receiver)
     assert loader.exitcode == 0
