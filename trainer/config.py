@@ -98,6 +98,11 @@ class TrainJobConfig(BaseModel):
                 "compile: 'reduce-overhead' replays CUDA graphs whose gradient outputs a second micro-batch "
                 "would overwrite; use grad_accum 1 with it, or compile 'default'"
             )
+        if self.compile == "reduce-overhead" and self.nproc > 1:
+            raise ValueError(
+                "compile: 'reduce-overhead' across several processes is not supported (CUDA-graph layers around "
+                "the NCCL collectives did not finish on two GPUs); use compile 'auto' (eager), 'none' or 'default'"
+            )
         if self.nproc % (self.tp * self.ep):
             raise ValueError(f"nproc ({self.nproc}) must be a multiple of tp*ep ({self.tp * self.ep})")
         dp = self.nproc // self.tp

@@ -109,7 +109,10 @@ def test_checkpoint_of_another_base_model_is_refused(tmp_path, tiny_model_dir):
     fails(job(tmp_path, tiny_model_dir, data, resume_from=str(tmp_path)), "resume_from", match="not a checkpoint")
 
 
-def test_cuda_graph_layers_with_grad_accumulation_are_refused(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize(
+    "overrides,match",
+    [({"grad_accum": 2, "batch_size": 4}, "use grad_accum 1"), ({"nproc": 2, "tp": 2}, "several processes")],
+)
+def test_cuda_graph_layers_are_refused_where_they_cannot_work(tmp_path, tiny_model_dir, overrides, match):
     data = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 4)
-    config = job(tmp_path, tiny_model_dir, data, compile="reduce-overhead", grad_accum=2, batch_size=4)
-    fails(config, None, match="use grad_accum 1")
+    fails(job(tmp_path, tiny_model_dir, data, compile="reduce-overhead", **overrides), None, match=match)
