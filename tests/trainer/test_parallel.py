@@ -19,6 +19,15 @@ class Losses(TrainCallbacks):
         self.losses.append(event.loss)
 
 
+TWO_PROCESSES = [
+    {"tp": 2, "nproc": 2},
+    {"tp": 2, "nproc": 2, "sequence_parallel": True},
+    {"ep": 2, "nproc": 2},
+    {"nproc": 2},
+]
+TWO_PROCESS_IDS = ["tp2", "tp2-sp", "ep2", "dp2"]
+
+
 def run(tmp_path, base, name, **layout):
     data = tmp_path / "data.jsonl"
     if not data.exists():
@@ -50,14 +59,8 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        {"tp": 2, "nproc": 2},
-        {"tp": 2, "nproc": 2, "sequence_parallel": True},
-        {"ep": 2, "nproc": 2},
-        {"nproc": 2},
-        {"tp": 2, "ep": 2, "nproc": 4, "sequence_parallel": True},
-    ],
-    ids=["tp2", "tp2-sp", "ep2", "dp2", "tp2-ep2-sp"],
+    [*TWO_PROCESSES, {"tp": 2, "ep": 2, "nproc": 4, "sequence_parallel": True}],
+    ids=[*TWO_PROCESS_IDS, "tp2-ep2-sp"],
 )
 def test_parallel_layout_matches_single_process(reference, tiny_model_dir, layout):
     tmp, (ref_losses, ref_result) = reference
@@ -132,16 +135,7 @@ def one_gpu_losses(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.gpu
 @TWO_GPUS
-@pytest.mark.parametrize(
-    "layout",
-    [
-        {"tp": 2, "nproc": 2},
-        {"tp": 2, "nproc": 2, "sequence_parallel": True},
-        {"ep": 2, "nproc": 2},
-        {"nproc": 2},
-    ],
-    ids=["tp2", "tp2-sp", "ep2", "dp2"],
-)
+@pytest.mark.parametrize("layout", TWO_PROCESSES, ids=TWO_PROCESS_IDS)
 def test_layouts_on_two_gpus_match_one_gpu(tmp_path, tiny_model_dir, one_gpu_losses, layout):
     """TP, TP+SP, EP and DP over NCCL (two GPUs under torchrun) equal one GPU in fp32 over 6 steps."""
     ref = one_gpu_losses
