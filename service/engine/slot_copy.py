@@ -7,6 +7,10 @@ small fp32 vector of per-buffer scalings (0 where the adapter adapts nothing). W
 into a slot is then one `copy_` of the image and one of its scalings, however many tensors it has
 (inkling-small: 346), instead of hundreds of views, zero fills and per-tensor copies.
 
+Targets that read the same input (q/k/v/r; the gate/up of routed and shared experts) are laid out as
+families, their A's back to back and then their B's, so one strided view stacks them and one kernel
+launch serves the whole family (`SlotStack`).
+
 The layout depends only on (model config, max rank, target groups, dtype), and `slot_layout` is the
 one place that computes it: the engine's `LoraSlots` and the adapter loader (which builds images on
 the GPU for the worker to copy) call it with the same arguments and get the same layout. Within one
