@@ -143,14 +143,9 @@ class InklingModel:
         """q, k, v and r: one GEMM and one sliced LoRA launch; column views of one output."""
         p = f"model.layers.{layer}"
         modules = tuple(f"{p}.{proj}" for proj in QKVR)
-        stack = lora.stacks.get(modules) if lora is not None else None
+        stack = lora.stacks.get(modules) if lora is not None else None  # None: attn not adapted
         y = self._project(x, self.w[f"{p}.self_attn.qkvr_proj.weight"], slots, stack)
-        parts = y.split(self.qkvr_splits[layer], dim=-1)
-        if stack is None and lora is not None:  # factors not stackable (padding): one launch per projection
-            for module, part in zip(modules, parts, strict=True):
-                if (buf := lora.buffers.get(module)) is not None:
-                    lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, part)
-        return parts
+        return y.split(self.qkvr_splits[layer], dim=-1)
 
     def _project(
         self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, buf: SlotBuffer | StackedBuffer | None
@@ -184,10 +179,10 @@ class InklingModel:
             return {}
         p = f"model.layers.{layer}"
         modules = tuple(m for m in (f"{p}.{name}" for name in EXPERT_INPUTS) if m in lora.buffers)
-        if (stack := lora.stacks.get(modules)) is not None:
-            y = lora_shrink(x, stack.a, slots)
-            return dict(zip(modules, y.split(y.shape[1] // len(modules), dim=1), strict=True))
-        return {m: lora_shrink(x, lora.buffers[m].a, slots) for m in modules}
+        if not modules:
+            return {}
+        y = lora_shrink(x, lora.stacks[modules].a, slots)  # groups come whole, so gate and up make a stack
+        return dict(zip(modules, y.split(y.shape[1] // len(modules), dim=1), strict=True))
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
 

@@ -149,14 +149,18 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
     if key in _layouts:
         return _layouts[key]
     entries: list[SlotEntry] = []
-    families: list[int] = []  # first entry of each stacked family
+    families: list[int] = []  # first entry of each family
     offset = 0
 
-    def take(shape: tuple[int, ...]) -> int:
+    def take(shapes: list[tuple[int, ...]]) -> list[int]:
+        """Offsets of `shapes` back to back; whatever comes next starts aligned."""
         nonlocal offset
-        start = offset
-        offset = -(-(start + math.prod(shape)) // ALIGN) * ALIGN
-        return start
+        starts = []
+        for shape in shapes:
+            starts.append(offset)
+            offset += math.prod(shape)
+        offset = -(-offset // ALIGN) * ALIGN
+        return starts
 
     targets = model_targets(config, LoraSpec(rank=max_rank, targets=tuple(groups)))
     stacked = _family_members(targets)
@@ -167,18 +171,16 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
         if len(members) > 1:
             families.append(len(entries))
         shapes = [member.shapes(max_rank) for member in members]
-        a_offsets = [take(shape["lora_A"]) for shape in shapes]  # a family's A's back to back, then its B's
-        b_offsets = [take(shape["lora_B"]) for shape in shapes]
+        a_offsets = take([shape["lora_A"] for shape in shapes])  # a family's A's back to back, then its B's
+        b_offsets = take([shape["lora_B"] for shape in shapes])
         for member, shape, a_offset, b_offset in zip(members, shapes, a_offsets, b_offsets, strict=True):
             entries.append(
                 SlotEntry(
                     member.module, member.group, member.kind, shape["lora_A"], a_offset, shape["lora_B"], b_offset
                 )
             )
-    stacks = [_stack(entries, first, len(stacked[entries[first].module])) for first in families]
-    _layouts[key] = SlotLayout(
-        tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype, tuple(s for s in stacks if s is not None)
-    )
+    stacks = tuple(_stack(entries[first : first + len(stacked[entries[first].module])], first) for first in families)
+    _layouts[key] = SlotLayout(tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype, stacks)
     return _layouts[key]
 
 
@@ -194,26 +196,16 @@ def _family_members(targets: list) -> dict[str, list]:
     return out
 
 
-def _stack(entries: list[SlotEntry], first: int, count: int) -> SlotStack | None:
-    """The stack of entries[first : first + count], or None where padding split their factors apart."""
-    members = entries[first : first + count]
-
-    def contiguous(offsets: list[int], shapes: list[tuple[int, ...]]) -> bool:
-        return all(o + math.prod(shape) == nxt for o, shape, nxt in zip(offsets, shapes, offsets[1:], strict=False))
-
-    a_shapes = [m.a_shape for m in members]
-    if len({shape[1:] for shape in a_shapes}) != 1 or not contiguous([m.a_offset for m in members], a_shapes):
-        return None
-    a_shape = (sum(shape[0] for shape in a_shapes), *a_shapes[0][1:])
-    b_shapes = [m.b_shape for m in members]
-    linear = all(m.kind == "linear" for m in members) and contiguous([m.b_offset for m in members], b_shapes)
-    if not linear:
-        return SlotStack(tuple(m.module for m in members), first, members[0].a_offset, a_shape, None, None, None)
-    bounds = [0]
-    for shape in b_shapes:
-        bounds.append(bounds[-1] + shape[0])
-    b_shape = (bounds[-1], b_shapes[0][1])
+def _stack(members: list[SlotEntry], first: int) -> SlotStack:
+    """The stack of a family's entries (`first`: the first one's index), laid out back to back by `take`."""
     modules = tuple(m.module for m in members)
+    a_shape = (sum(m.a_shape[0] for m in members), *members[0].a_shape[1:])  # one input: the same K
+    if any(m.kind != "linear" for m in members):  # expert B's are per expert: no stacked B
+        return SlotStack(modules, first, members[0].a_offset, a_shape, None, None, None)
+    bounds = [0]
+    for m in members:
+        bounds.append(bounds[-1] + m.b_shape[0])
+    b_shape = (bounds[-1], members[0].b_shape[1])
     return SlotStack(modules, first, members[0].a_offset, a_shape, members[0].b_offset, b_shape, tuple(bounds))
 
 

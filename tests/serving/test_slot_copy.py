@@ -71,8 +71,8 @@ def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
         for offset, shape in ((entry.a_offset, entry.a_shape), (entry.b_offset, entry.b_shape))
     )
     end = 0
-    for start, stop in ranges:  # aligned, no overlap, all inside the slot
-        assert start % ALIGN == 0 and start >= end
+    for start, stop in ranges:  # no overlap, all inside the slot; aligned unless it continues a family
+        assert start >= end and (start % ALIGN == 0 or start == end)
         end = stop
     assert end <= layout.slot_elems
     for j, (module, buf) in enumerate(slots.buffers.items()):
