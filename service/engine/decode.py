@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand
+from inkwell.kernels import expert_lora_shrink, lora_expand
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.model import CONV_NAMES, Dispatch, InklingModel, rms_norm
 from inkwell.service.engine.state import StatePool
@@ -175,7 +175,7 @@ class DecodeForward:
             up = torch.matmul(x, up_w)[experts, tokens]
         if side is not None:
             side.join()
-        m.routed_lora_in(shrunk, layer, rows, lora, gate, up)
+        m.gate_up_lora(shrunk, f"{p}.experts", lora, rows.slots, experts, gate, up, tokens)
         act = F.silu(gate) * up
         if self.grouped_mm:
             down = torch._grouped_mm(act, down_w, offs=offsets)
@@ -193,7 +193,7 @@ class DecodeForward:
         gammas: torch.Tensor,
         slots: torch.Tensor,
         lora: LoraSlots | None,
-        shrunk: dict,
+        shrunk: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """Every shared expert on every token in batched GEMMs; its LoRA rows stacked expert-major."""
         m = self.model
@@ -203,12 +203,9 @@ class DecodeForward:
         slots_n = slots.repeat(n_shared)
         gate = torch.matmul(x, m.w[f"{p}.gate_proj"].transpose(1, 2))  # [n_shared, T, f]
         up = torch.matmul(x, m.w[f"{p}.up_proj"].transpose(1, 2))
-        for proj, out in (("gate_proj", gate), ("up_proj", up)):
-            module = f"{p}.{proj}"
-            if module in shrunk:
-                buf = lora.buffers[module]
-                flat = out.view(n_shared * tokens, -1)
-                expert_lora_expand(shrunk[module].repeat(n_shared, 1), buf.b, slots_n, ids, buf.scalings, flat)
+        repeated = {mod: y.repeat(n_shared, 1) for mod, y in shrunk.items() if mod.startswith(f"{p}.")}  # expert-major
+        flat = [t.view(n_shared * tokens, -1) for t in (gate, up)]
+        m.gate_up_lora(repeated, p, lora, slots_n, ids, *flat)
         act = F.silu(gate) * up * gammas.t()[:, :, None]
         out = torch.matmul(act, m.w[f"{p}.down_proj"].transpose(1, 2)).float().sum(0).to(x.dtype)
         down_buf = lora.buffers.get(f"{p}.down_proj") if lora is not None else None

@@ -46,10 +46,10 @@ class SlotBuffer:
 
 @dataclass
 class StackedBuffer:
-    """Targets that read one input, served by one launch: A [S, P*R, K] (views into the same memory as
-    their `SlotBuffer`s); for linears B [S, N, R], scalings [S, P] and the outputs' column ranges."""
+    """Targets that read one input (its key in `LoraSlots.stacks`), served by one launch: A [S, P*R, K]
+    (views into the same memory as their `SlotBuffer`s); for linears B [S, N, R], scalings [S, P] and the
+    outputs' column ranges."""
 
-    modules: tuple[str, ...]
     a: torch.Tensor
     b: torch.Tensor | None
     scalings: torch.Tensor
@@ -106,7 +106,7 @@ class LoraSlots:
         for stack in self.layout.stacks:
             a, b = self.layout.stack_views(self.memory, stack)
             scalings = self.scalings[:, stack.first_entry : stack.first_entry + len(stack.modules)]
-            self.stacks[stack.modules] = StackedBuffer(stack.modules, a, b, scalings, stack.slice_offsets)
+            self.stacks[stack.modules] = StackedBuffer(a, b, scalings, stack.slice_offsets)
         self._slot_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._users: dict[str, int] = {}

@@ -320,16 +320,25 @@ class InklingModel:
         weights = weights * cfg.route_scale * self.w[f"{p}.global_scale"]
         return index, weights[:, :top_k], weights[:, top_k:]
 
-    def routed_lora_in(
-        self, shrunk: dict, layer: int, rows: Dispatch, lora: LoraSlots, gate: torch.Tensor, up: torch.Tensor
+    def gate_up_lora(
+        self,
+        shrunk: dict[str, torch.Tensor],
+        bank: str,
+        lora: LoraSlots | None,
+        slots: torch.Tensor,
+        experts: torch.Tensor,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> None:
-        """Add the routed experts' gate/up LoRA to dispatched rows: per-expert B over each row's token's
-        shared-A shrink (`shrunk`, from `expert_input_shrinks`)."""
+        """Add an expert bank's gate/up LoRA (per-expert B over the shared-A shrink `shrunk`, from
+        `expert_input_shrinks`) to the rows of `gate`/`up`; row i reads shrunk row rows[i] (None: row i)."""
         for proj, out in (("gate_proj", gate), ("up_proj", up)):
-            module = f"model.layers.{layer}.mlp.experts.{proj}"
+            module = f"{bank}.{proj}"
             if module in shrunk:
+                x_a = shrunk[module] if rows is None else shrunk[module][rows]
                 buf = lora.buffers[module]
-                expert_lora_expand(shrunk[module][rows.tokens], buf.b, rows.slots, rows.experts, buf.scalings, out)
+                expert_lora_expand(x_a, buf.b, slots, experts, buf.scalings, out)
 
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp"
@@ -346,7 +355,7 @@ class InklingModel:
             gate[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.gate_proj"][e])
             up[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.up_proj"][e])
         shrunk = self.expert_input_shrinks(x, layer, slots, lora)
-        self.routed_lora_in(shrunk, layer, rows, lora, gate, up)
+        self.gate_up_lora(shrunk, f"{p}.experts", lora, rows.slots, rows.experts, gate, up, rows.tokens)
         act = F.silu(gate) * up
         down = xs.new_empty(xs.shape[0], x.shape[1])
         for e, s, t in hit:
@@ -376,7 +385,13 @@ class InklingModel:
         return routed
 
     def _shared_experts(
-        self, x: torch.Tensor, layer: int, gammas: torch.Tensor, slots: torch.Tensor, lora: LoraSlots | None, shrunk
+        self,
+        x: torch.Tensor,
+        layer: int,
+        gammas: torch.Tensor,
+        slots: torch.Tensor,
+        lora: LoraSlots | None,
+        shrunk: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp.shared_experts"
         n_shared = self.config.n_shared_experts
@@ -387,10 +402,7 @@ class InklingModel:
             ids = torch.full_like(slots, s)
             gate = F.linear(x, self.w[f"{p}.gate_proj"][s])
             up = F.linear(x, self.w[f"{p}.up_proj"][s])
-            for proj, rows_out in (("gate_proj", gate), ("up_proj", up)):
-                if f"{p}.{proj}" in shrunk:
-                    buf = lora.buffers[f"{p}.{proj}"]
-                    expert_lora_expand(shrunk[f"{p}.{proj}"], buf.b, slots, ids, buf.scalings, rows_out)
+            self.gate_up_lora(shrunk, p, lora, slots, ids, gate, up)
             act = F.silu(gate) * up * gammas[:, s, None]
             out += F.linear(act, self.w[f"{p}.down_proj"][s]).float()
             if down_buf is not None:

@@ -81,7 +81,7 @@ def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
         assert buf.a.dtype == torch.bfloat16 and buf.scalings.dtype == torch.float32
         assert buf.scalings.data_ptr() == slots.scalings[:, j].data_ptr()
     slots.memory[1].fill_(1.0)  # a slot's range is exactly its views
-    assert {len(stack.modules) for stack in slots.stacks.values()} == {4}  # q/k/v/r, routed+shared gate/up
+    assert {len(modules) for modules in slots.stacks} == {4}  # q/k/v/r, routed+shared gate/up
     for buf in slots.buffers.values():
         assert torch.all(buf.a[1] == 1) and torch.all(buf.b[1] == 1)
         assert not buf.a[0].any() and not buf.b[2].any()
