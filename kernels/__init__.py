@@ -1,17 +1,21 @@
 """Multi-LoRA ops over a per-token adapter slot index: Triton kernels on CUDA, pure-torch references elsewhere."""
 
 from inkwell.kernels.dispatch import (
-    expert_lora_expand,
+    expert_in_lora_expand,
     expert_lora_shrink,
+    expert_out_lora_expand,
     lora_expand,
     lora_expand_sliced,
     lora_shrink,
     lora_shrink_expand,
 )
+from inkwell.kernels.torch_ops import ExpertGroups
 
 __all__ = [
-    "expert_lora_expand",
+    "ExpertGroups",
+    "expert_in_lora_expand",
     "expert_lora_shrink",
+    "expert_out_lora_expand",
     "lora_expand",
     "lora_expand_sliced",
     "lora_shrink",

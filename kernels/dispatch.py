@@ -11,6 +11,7 @@ from types import ModuleType
 import torch
 
 from inkwell.kernels import torch_ops
+from inkwell.kernels.torch_ops import ExpertGroups
 
 
 def _triton() -> ModuleType:
@@ -34,24 +35,46 @@ def lora_expand(
 
 
 def expert_lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    groups: ExpertGroups | None = None,
 ) -> torch.Tensor:
-    """Dispatched rows x[M,K] @ A[slot, expert]^T -> [M,R] (A: [S,E,R,K]); slot -1 rows are zero."""
+    """Dispatched rows x[M,K] @ A[slot, expert - first]^T -> [M,R] (A: [S,E,R,K]); uncovered rows are zero."""
     ops = _triton() if x.is_cuda else torch_ops
-    return ops.expert_lora_shrink(x, lora_a, slots, expert_ids)
+    return ops.expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
 
 
-def expert_lora_expand(
+def expert_in_lora_expand(
     y: torch.Tensor,
     lora_b: torch.Tensor,
     slots: torch.Tensor,
     expert_ids: torch.Tensor,
     scalings: torch.Tensor,
     out: torch.Tensor,
+    token_of_row: torch.Tensor,
+    groups: ExpertGroups,
 ) -> torch.Tensor:
-    """out[M,N] += scaling[slot] * y[M,R] @ B[slot, expert]^T (B: [S,E,N,R]), in place."""
+    """Gate/up LoRA of dispatched rows, in place: per-expert B over the tokens' shrink by each group's shared A
+    (y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]; `torch_ops` says it exactly)."""
     ops = _triton() if out.is_cuda else torch_ops
-    return ops.expert_lora_expand(y, lora_b, slots, expert_ids, scalings, out)
+    return ops.expert_in_lora_expand(y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups)
+
+
+def expert_out_lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    groups: ExpertGroups,
+) -> torch.Tensor:
+    """Down LoRA of dispatched rows, in place: out[M,N] += scaling[slot, g] * y[M,R] @ B[slot, g]^T, g the row's
+    expert group (lora_b [S, G, N, R], scalings [S, G])."""
+    ops = _triton() if out.is_cuda else torch_ops
+    return ops.expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
 
 
 def _torch_expand_sliced(

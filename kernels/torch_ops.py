@@ -7,6 +7,8 @@ smaller rank is zero-padded, so padding rows contribute nothing. Signatures are 
 Triton twins in this package match.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -27,10 +29,6 @@ def _groups(keys: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     return out
 
 
-def _expert_keys(slots: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return torch.where(slots >= 0, slots * num_experts + expert_ids, torch.full_like(slots, -1))
-
-
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero."""
     out = x.new_zeros(x.shape[0], lora_a.shape[1])
@@ -49,29 +47,92 @@ def lora_expand(
     return out
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Which expert ids of dispatched rows a LoRA covers, when routed and shared experts share one id space.
+
+    Ids first .. first+count-1 have factors, indexed from `first`; rows of other experts are left alone
+    (like slot -1). With `split` the ids form two groups, ids >= split (the shared experts) the second;
+    each group has its own shared factor (gate/up: A, down: B), and its own scalings.
+    """
+
+    first: int
+    count: int
+    split: int | None = None
+
+    @property
+    def groups(self) -> int:
+        return 1 if self.split is None else 2
+
+    def group_of(self, expert: int) -> int:
+        return int(self.split is not None and expert >= self.split)
+
+
+def _expert_keys(slots: torch.Tensor, expert_ids: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """slot * count + (expert - first) for rows with a slot and a covered expert; -1 elsewhere."""
+    local = expert_ids - groups.first
+    covered = (slots >= 0) & (local >= 0) & (local < groups.count)
+    return torch.where(covered, slots * groups.count + local, torch.full_like(slots, -1))
+
+
 def expert_lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    groups: ExpertGroups | None = None,
 ) -> torch.Tensor:
-    """Dispatched rows x[M,K] @ A[slot, expert]^T -> [M,R] (A: [S,E,R,K]); slot -1 rows are zero."""
-    num_experts = lora_a.shape[1]
+    """Dispatched rows x[M,K] @ A[slot, expert - first]^T -> [M,R] (A: [S,E,R,K]); uncovered rows are zero."""
+    groups = groups or ExpertGroups(0, lora_a.shape[1])
     out = x.new_zeros(x.shape[0], lora_a.shape[2])
-    for key, rows in _groups(_expert_keys(slots, expert_ids, num_experts)):
-        out[rows] = x[rows] @ lora_a[key // num_experts, key % num_experts].to(x.dtype).t()
+    for key, rows in _groups(_expert_keys(slots, expert_ids, groups)):
+        out[rows] = x[rows] @ lora_a[key // groups.count, key % groups.count].to(x.dtype).t()
     return out
 
 
-def expert_lora_expand(
+def expert_in_lora_expand(
     y: torch.Tensor,
     lora_b: torch.Tensor,
     slots: torch.Tensor,
     expert_ids: torch.Tensor,
     scalings: torch.Tensor,
     out: torch.Tensor,
+    token_of_row: torch.Tensor,
+    groups: ExpertGroups,
 ) -> torch.Tensor:
-    """out[M,N] += scaling[slot] * y[M,R] @ B[slot, expert]^T (B: [S,E,N,R]), in place."""
-    num_experts = lora_b.shape[1]
-    for key, rows in _groups(_expert_keys(slots, expert_ids, num_experts)):
-        slot = key // num_experts
-        delta = (y[rows].float() @ lora_b[slot, key % num_experts].float().t()) * scalings[slot]
+    """Per-expert B of P projections that read one input (gate/up), in place on the dispatched rows.
+
+    y [T, P*G*R] is the tokens' shrink over each group's shared A, block p*G+g for projection p of
+    group g; lora_b [S, P, E, N, R]; scalings [S, P*G]; out [M, P*N]. Row i (token token_of_row[i],
+    expert e of group g) adds scaling[slot, p*G+g] * y[token, block p*G+g] @ B[slot, p, e - first]^T
+    to its columns p*N .. (p+1)*N.
+    """
+    _, parts, _, n, rank = lora_b.shape
+    for key, rows in _groups(_expert_keys(slots, expert_ids, groups)):
+        slot, local = divmod(key, groups.count)
+        block0 = groups.group_of(groups.first + local)
+        src = y[token_of_row[rows]].float()
+        for p in range(parts):
+            block = p * groups.groups + block0
+            delta = src[:, block * rank : (block + 1) * rank] @ lora_b[slot, p, local].float().t()
+            out[rows, p * n : (p + 1) * n] += (delta * scalings[slot, block]).to(out.dtype)
+    return out
+
+
+def expert_out_lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    groups: ExpertGroups,
+) -> torch.Tensor:
+    """Each group's shared B of a down projection, in place: out[M,N] += scaling[slot, g] * y[M,R] @ B[slot, g]^T
+    (lora_b [S, G, N, R], scalings [S, G]) for rows whose expert the groups cover."""
+    for key, rows in _groups(_expert_keys(slots, expert_ids, groups)):
+        slot, local = divmod(key, groups.count)
+        g = groups.group_of(groups.first + local)
+        delta = (y[rows].float() @ lora_b[slot, g].float().t()) * scalings[slot, g]
         out.index_add_(0, rows, delta.to(out.dtype))
     return out

@@ -15,9 +15,13 @@ output column n belongs to slice p(n) and reads rank block p(n) of the stacked s
 expand multiplies by a block-diagonal B it never materializes.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from inkwell.kernels.torch_ops import ExpertGroups
 
 _NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
 MAX_SLICES = 4
@@ -34,10 +38,27 @@ def _slice_of(n, o1, o2, o3):
 
 
 @triton.jit
-def _row_keys(rows, slots, expert_ptr, rt, E, HAS_EXPERTS: tl.constexpr):
-    """Group key slot * E + expert of each selected row; _NONE elsewhere."""
-    experts = tl.load(expert_ptr + rt, mask=rows, other=0).to(tl.int32) if HAS_EXPERTS else tl.zeros_like(rt)
-    return tl.where(rows, slots.to(tl.int32) * E + experts, _NONE)
+def _slice_start(part, o1, o2, o3):
+    """First output column of slice(s) `part`."""
+    return tl.where(part >= 1, o1, 0) + tl.where(part >= 2, o2 - o1, 0) + tl.where(part >= 3, o3 - o2, 0)
+
+
+@triton.jit
+def _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS: tl.constexpr):
+    """Each row's slot and expert - first; rows of experts outside first .. first+E-1 get slot -1."""
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    if HAS_EXPERTS:
+        local = tl.load(expert_ptr + rt, mask=in_t, other=0).to(tl.int32) - first
+        slots = tl.where((local >= 0) & (local < E), slots, -1)
+    else:
+        local = tl.zeros_like(rt)
+    return slots, local
+
+
+@triton.jit
+def _row_keys(rows, slots, local, E):
+    """Group key slot * E + local expert of each selected row; _NONE elsewhere."""
+    return tl.where(rows, slots.to(tl.int32) * E + local, _NONE)
 
 
 @triton.jit
@@ -50,6 +71,7 @@ def _shrink_kernel(
     T,
     K,
     R,
+    first,
     E,
     stride_xt,
     stride_xk,
@@ -66,7 +88,7 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """y[t, r-block] = x[t] @ A[slot, expert]^T; slot -1 rows get zeros.
+    """y[t, r-block] = x[t] @ A[slot, expert - first]^T; slot -1 rows (and uncovered experts') get zeros.
 
     SLOT_LOOP: one program per token tile walks the tile's (slot, expert) groups (long segments);
     otherwise program_id(1) - 1 picks the slot (-1: the zeros), so slots run in parallel (decode).
@@ -74,7 +96,7 @@ def _shrink_kernel(
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_t = rt < T
-    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    slots, local = _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
     y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
     in_r = rr[None, :] < R
     zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
@@ -87,7 +109,7 @@ def _shrink_kernel(
             tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
             return
         rows = in_t & (slots == slot)
-    keys = _row_keys(rows, slots, expert_ptr, rt, E, HAS_EXPERTS)
+    keys = _row_keys(rows, slots, local, E)
     key = tl.min(keys, 0)
     while key < _NONE:
         sel = keys == key
@@ -115,17 +137,22 @@ def _expand_kernel(
     out_ptr,
     slot_ptr,
     expert_ptr,
+    yrow_ptr,
     scale_ptr,
     T,
     N,
     R,
+    first,
     E,
+    split,
+    G,
     o1,
     o2,
     o3,
     stride_yt,
     stride_yr,
     stride_bs,
+    stride_bp,
     stride_be,
     stride_bn,
     stride_br,
@@ -134,6 +161,7 @@ def _expand_kernel(
     stride_ss,
     stride_sp,
     HAS_EXPERTS: tl.constexpr,
+    EXPERT_IN: tl.constexpr,
     SLOT_LOOP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -141,40 +169,50 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """out[t, n] += scale[slot, p(n)] * y[t, p(n) rank block] @ B[slot, expert, n]^T; slot -1 rows untouched.
+    """out[t, n] += scale[slot, p*G + g] * y[., rank block] @ B[slot, ., ., n]^T; slot -1 rows untouched.
 
+    Column n belongs to slice p = p(n); a row's expert, as e = expert - first, is in group g = (e >= split)
+    of G (linears: g = 0, G = 1). Linears and expert_out (down): y row t, rank block p; B [S, 1, G, N, R]
+    stacked along N, per group. EXPERT_IN (gate/up): y row yrow[t] (the row's token), rank block p*G + g;
+    B [S, P, E, N_p, R], per slice and expert, indexed by the column inside the slice.
     SLOT_LOOP as in _shrink_kernel; otherwise program_id(1) is the slot.
     """
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
-    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    slots, local_e = _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
     rows = in_t & (slots >= 0) if SLOT_LOOP else in_t & (slots == tl.program_id(1))
     if tl.max(rows.to(tl.int32), 0) == 0:
         return
-    keys = _row_keys(rows, slots, expert_ptr, rt, E, HAS_EXPERTS)
+    keys = _row_keys(rows, slots, local_e, E)
+    y_rows = tl.load(yrow_ptr + rt, mask=in_t, other=0) if EXPERT_IN else rt
     n0 = tl.program_id(2) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
     part = _slice_of(rn, o1, o2, o3)
     r_lo = _slice_of(n0, o1, o2, o3) * R  # rank blocks this column tile reads
     r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    # expert_in: slice p's B at p * stride_bp, by the column inside the slice; else B stacked along N
+    b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
     key = tl.min(keys, 0)
     while key < _NONE:
         sel = keys == key
         slot = key // E
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs + (key % E).to(tl.int64) * stride_be
+        group = (key % E >= split).to(tl.int32)
+        b_index = key % E if EXPERT_IN else group
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs + b_index.to(tl.int64) * stride_be
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for r0 in range(r_lo, r_hi, BLOCK_R):
             rj = r0 + tl.arange(0, BLOCK_R)
+            y_cols = (rj // R) * (G * R) + group * R + rj % R if EXPERT_IN else rj
             yt = tl.load(
-                y_ptr + rt[:, None] * stride_yt + rj[None, :] * stride_yr,
+                y_ptr + y_rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
                 mask=sel[:, None] & (rj[None, :] < r_hi),
                 other=0.0,
             )
             local = rj[:, None] - (part * R)[None, :]  # rank inside column n's slice
             bt = tl.load(
-                b_base + rn[None, :] * stride_bn + local * stride_br,
+                b_base + b_cols[None, :] + local * stride_br,
                 mask=(local >= 0) & (local < R) & in_n[None, :],
                 other=0.0,
             )
@@ -182,7 +220,8 @@ def _expand_kernel(
                 acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
-        scale = tl.load(scale_ptr + slot * stride_ss + part * stride_sp, mask=in_n, other=0.0).to(tl.float32)
+        scale_ptrs = scale_ptr + slot * stride_ss + (part * G + group) * stride_sp
+        scale = tl.load(scale_ptrs, mask=in_n, other=0.0).to(tl.float32)
         delta = (acc * scale[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
         m = sel[:, None] & in_n[None, :]
         old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
@@ -323,10 +362,12 @@ def _scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int,
     return scalings.stride(0), scalings.stride(1)
 
 
-def _shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
-    """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case)."""
+def _shrink(
+    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | None, first: int = 0
+) -> torch.Tensor:
+    """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case); rows read A[slot, expert - first]."""
     tokens, k = x.shape
-    num_slots, _, rank, _ = a.shape
+    num_slots, num_experts, rank, _ = a.shape
     y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
     if tokens == 0 or rank == 0:
         return y
@@ -343,7 +384,8 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torc
         tokens,
         k,
         rank,
-        a.shape[1],
+        first,
+        num_experts,
         *x.stride(),
         *a.stride(),
         *y.stride(),
@@ -357,23 +399,40 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torc
     return y
 
 
+@dataclass(frozen=True)
+class _ExpertRows:
+    """Dispatched rows for the expand kernel: each row's expert, the LoRA's groups, and for expert_in
+    (gate/up) each row's token, whose row of the shrink result it reads."""
+
+    experts: torch.Tensor
+    groups: ExpertGroups
+    tokens: torch.Tensor | None = None
+
+
 def _expand(
     y: torch.Tensor,
     b: torch.Tensor,
     slots: torch.Tensor,
-    experts: torch.Tensor | None,
     scalings: torch.Tensor,
     out: torch.Tensor,
     slice_offsets: tuple[int, ...] | None,
+    rows: _ExpertRows | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """b is [S, E, N, R] (E=1 with expert stride 0 for the linear case); y holds P rank blocks of R."""
-    tokens, stacked = y.shape
-    num_slots, _, n, rank = b.shape
+    """out [M, N] += the expand of y's rank blocks over P slices of out's columns; b is [S, P_b, E_b, N_b, R]
+    as `_expand_kernel` reads it (linears [S, 1, 1, N, R])."""
+    num_slots, _, _, _, rank = b.shape
+    tokens, n = out.shape
     parts, o1, o2, o3 = _slices(slice_offsets, n)
-    _check(stacked == parts * rank, f"y has {stacked} columns; {parts} slice(s) of B's rank {rank} need {parts * rank}")
-    _check(tuple(out.shape) == (tokens, n), f"out must be [T={tokens}, N={n}], got {tuple(out.shape)}")
-    ss, sp = _scale_strides(scalings, num_slots, parts)
+    groups = ExpertGroups(0, 1) if rows is None else rows.groups
+    expert_in = rows is not None and rows.tokens is not None
+    blocks = parts * groups.groups if expert_in else parts
+    _check(
+        y.shape[1] == blocks * rank,
+        f"y has {y.shape[1]} columns; {blocks} block(s) of B's rank {rank} need {blocks * rank}",
+    )
+    _check(expert_in or y.shape[0] == tokens, f"out must be [T={y.shape[0]}, N], got {tuple(out.shape)}")
+    ss, sp = _scale_strides(scalings, num_slots, parts * groups.groups)
     if tokens == 0 or rank == 0 or n == 0:
         return out
     block_t = _block_t(tokens)
@@ -386,12 +445,16 @@ def _expand(
         b,
         out,
         slots,
-        slots if experts is None else experts,
+        slots if rows is None else rows.experts,
+        rows.tokens if expert_in else slots,
         scalings,
         tokens,
         n,
         rank,
-        b.shape[1],
+        groups.first,
+        groups.count,
+        _NONE.value if groups.split is None else groups.split - groups.first,
+        groups.groups,
         o1,
         o2,
         o3,
@@ -400,7 +463,8 @@ def _expand(
         *out.stride(),
         ss,
         sp,
-        HAS_EXPERTS=experts is not None,
+        HAS_EXPERTS=rows is not None,
+        EXPERT_IN=expert_in,
         SLOT_LOOP=slot_loop,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else "tf32",
@@ -501,7 +565,8 @@ def lora_expand_sliced(
     """
     _check(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
     _check(token_slots.shape == (y.shape[0],), f"token_slots must be [T={y.shape[0]}]")
-    return _expand(y, lora_b.unsqueeze(1), token_slots, None, scalings, out, slice_offsets)
+    _check(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
+    return _expand(y, lora_b[:, None, None], token_slots, scalings, out, slice_offsets)
 
 
 def lora_shrink_expand(
@@ -533,24 +598,59 @@ def lora_shrink_expand(
 
 
 def expert_lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    groups: ExpertGroups | None = None,
 ) -> torch.Tensor:
-    """Dispatched rows x[M,K] @ A[slot, expert]^T -> [M,R] (A: [S,E,R,K]); slot -1 rows are zero."""
+    """Dispatched rows x[M,K] @ A[slot, expert - first]^T -> [M,R] (A: [S,E,R,K]); uncovered rows are zero."""
     _check(x.dim() == 2 and lora_a.dim() == 4, "expert_lora_shrink needs x [M,K] and lora_a [S,E,R,K]")
     _check(lora_a.shape[3] == x.shape[1], f"lora_a's K={lora_a.shape[3]} differs from x's K={x.shape[1]}")
     _check(slots.shape == expert_ids.shape == (x.shape[0],), f"slots and expert_ids must be [M={x.shape[0]}]")
-    return _shrink(x, lora_a, slots, expert_ids)
+    groups = groups or ExpertGroups(0, lora_a.shape[1])
+    _check(groups.count == lora_a.shape[1], f"groups cover {groups.count} experts, lora_a has {lora_a.shape[1]}")
+    return _shrink(x, lora_a, slots, expert_ids, groups.first)
 
 
-def expert_lora_expand(
+def expert_in_lora_expand(
     y: torch.Tensor,
     lora_b: torch.Tensor,
     slots: torch.Tensor,
     expert_ids: torch.Tensor,
     scalings: torch.Tensor,
     out: torch.Tensor,
+    token_of_row: torch.Tensor,
+    groups: ExpertGroups,
 ) -> torch.Tensor:
-    """out[M,N] += scaling[slot] * y[M,R] @ B[slot, expert]^T (B: [S,E,N,R]), in place."""
-    _check(y.dim() == 2 and lora_b.dim() == 4, "expert_lora_expand needs y [M,R] and lora_b [S,E,N,R]")
+    """Per-expert B of the projections that read one input (gate/up) on dispatched rows, in place; see the
+    torch twin. y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]."""
+    _check(y.dim() == 2 and lora_b.dim() == 5, "expert_in_lora_expand needs y [T, P*G*R] and lora_b [S,P,E,N,R]")
+    rows = out.shape[0]
+    _check(
+        slots.shape == expert_ids.shape == token_of_row.shape == (rows,),
+        f"slots, expert_ids and token_of_row must be [M={rows}]",
+    )
+    _, parts, count, n, _ = lora_b.shape
+    _check(groups.count == count, f"groups cover {groups.count} experts, lora_b has {count}")
+    _check(out.shape[1] == parts * n, f"out must be [M, P*N={parts * n}], got {tuple(out.shape)}")
+    offsets = tuple(range(0, parts * n + 1, n))
+    return _expand(y, lora_b, slots, scalings, out, offsets, _ExpertRows(expert_ids, groups, token_of_row))
+
+
+def expert_out_lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    groups: ExpertGroups,
+) -> torch.Tensor:
+    """out[M,N] += scaling[slot, g] * y[M,R] @ B[slot, g]^T for rows whose expert the groups cover (lora_b
+    [S, G, N, R], one shared B per group: the down projection), in place."""
+    _check(y.dim() == 2 and lora_b.dim() == 4, "expert_out_lora_expand needs y [M,R] and lora_b [S,G,N,R]")
     _check(slots.shape == expert_ids.shape == (y.shape[0],), f"slots and expert_ids must be [M={y.shape[0]}]")
-    return _expand(y, lora_b, slots, expert_ids, scalings, out, None)
+    _check(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
+    _check(tuple(out.shape) == (y.shape[0], lora_b.shape[2]), f"out must be [M={y.shape[0]}, N={lora_b.shape[2]}]")
+    return _expand(y, lora_b[:, None], slots, scalings, out, None, _ExpertRows(expert_ids, groups))

@@ -8,13 +8,13 @@ obey it):
     state slot with no adapter, so they never touch a real sequence's state;
   - full-attention layers attend over a fixed number of keys (`context`) masked by position,
     sliding layers over their whole ring as before;
-  - routed experts run as grouped GEMMs over device offsets (tokens sorted by expert on the
-    device), or where no capturable grouped GEMM exists (it needs bf16 on sm90+), as one batched
-    GEMM of every expert over every token;
+  - routed and shared experts (one id space) run as grouped GEMMs over device offsets (rows sorted
+    by expert on the device), or where no capturable grouped GEMM exists (it needs bf16 on sm90+),
+    as one batched GEMM of every expert over every token;
   - LoRA always goes through the kernels (rows of slot -1 are untouched), with no "any adapter?"
     check; the caller picks a forward without LoRA on the host when no row has an adapter.
-With the model's `lora_stream` set, the LoRA shrinks that read only a layer's input run on the
-side stream while the router and the base expert GEMMs run.
+With the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
+input) runs on the side stream while the router and the gate/up GEMM run.
 """
 
 from dataclasses import dataclass
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkwell.kernels import expert_lora_shrink, lora_expand
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.model import CONV_NAMES, Dispatch, InklingModel, rms_norm
 from inkwell.service.engine.state import StatePool
@@ -78,7 +77,7 @@ class DecodeForward:
         device = model.device
         self.ring = torch.arange(state.window, device=device)
         self.key_positions = torch.arange(state.max_context, device=device)
-        self.expert_ids = torch.arange(cfg.n_routed_experts, device=device)
+        self.expert_ids = torch.arange(cfg.n_routed_experts + cfg.n_shared_experts, device=device)  # shared last
 
     @torch.inference_mode()
     def __call__(self, inputs: DecodeInputs, context: int, use_lora: bool = True) -> torch.Tensor:
@@ -151,65 +150,33 @@ class DecodeForward:
     # ---- MoE ------------------------------------------------------------------------------------
 
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+        """Routed and shared experts (one id space) as one gate/up and one down GEMM over the dispatched rows."""
         m = self.model
-        p = f"model.layers.{layer}.mlp"
-        side = m.lora_stream if lora is not None else None
+        p = f"model.layers.{layer}.mlp.all_experts"
+        experts = lora.experts.get(layer) if lora is not None else None
+        side = m.lora_stream if experts is not None else None
         if side is None:
-            shrunk = m.expert_input_shrinks(x, layer, slots, lora)
+            shrunk = m.expert_shrink(x, slots, experts)
         else:
             with side.fork():
-                shrunk = m.expert_input_shrinks(x, layer, slots, lora)
-        index, weights, gammas = m._route(x, layer)
-        rows = Dispatch.of(index, weights, slots)
-        experts, tokens = rows.experts, rows.tokens
-        gate_w, up_w, down_w = (
-            m.w[f"{p}.experts.{proj}"].transpose(1, 2) for proj in ("gate_proj", "up_proj", "down_proj")
-        )
+                shrunk = m.expert_shrink(x, slots, experts)
+        rows = Dispatch.of(*m._route(x, layer), slots)
+        gate_up_w, down_w = (m.w[f"{p}.{proj}"].transpose(1, 2) for proj in ("gate_up_proj", "down_proj"))
         if self.grouped_mm:
-            offsets = torch.searchsorted(experts, self.expert_ids, right=True, out_int32=True)
-            xs = x[tokens]
-            gate = torch._grouped_mm(xs, gate_w, offs=offsets)
-            up = torch._grouped_mm(xs, up_w, offs=offsets)
+            offsets = torch.searchsorted(rows.experts, self.expert_ids, right=True, out_int32=True)
+            gate_up = torch._grouped_mm(x[rows.tokens], gate_up_w, offs=offsets)
         else:  # every expert on every token, then each dispatched row's own
-            gate = torch.matmul(x, gate_w)[experts, tokens]
-            up = torch.matmul(x, up_w)[experts, tokens]
+            gate_up = torch.matmul(x, gate_up_w)[rows.experts, rows.tokens]
         if side is not None:
             side.join()
-        m.gate_up_lora(shrunk, f"{p}.experts", lora, rows.slots, experts, gate, up, tokens)
-        act = F.silu(gate) * up
+        m.add_gate_up_lora(shrunk, rows, experts, gate_up)
+        f = gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
         if self.grouped_mm:
             down = torch._grouped_mm(act, down_w, offs=offsets)
-        else:  # top-k experts are distinct, so each (expert, token) cell holds one dispatched row
+        else:  # a token's experts are distinct, so each (expert, token) cell holds one dispatched row
             cells = act.new_zeros(down_w.shape[0], x.shape[0], act.shape[1])
-            cells[experts, tokens] = act
-            down = torch.matmul(cells, down_w)[experts, tokens]
-        routed = m.combine_routed(x, layer, rows, down, act, slots, lora)
-        return routed + self._shared_experts(x, layer, gammas, slots, lora, shrunk)
-
-    def _shared_experts(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        gammas: torch.Tensor,
-        slots: torch.Tensor,
-        lora: LoraSlots | None,
-        shrunk: dict[str, torch.Tensor],
-    ) -> torch.Tensor:
-        """Every shared expert on every token in batched GEMMs; its LoRA rows stacked expert-major."""
-        m = self.model
-        p = f"model.layers.{layer}.mlp.shared_experts"
-        n_shared, tokens = self.model.config.n_shared_experts, x.shape[0]
-        ids = self.expert_ids[:n_shared].repeat_interleave(tokens)
-        slots_n = slots.repeat(n_shared)
-        gate = torch.matmul(x, m.w[f"{p}.gate_proj"].transpose(1, 2))  # [n_shared, T, f]
-        up = torch.matmul(x, m.w[f"{p}.up_proj"].transpose(1, 2))
-        repeated = {mod: y.repeat(n_shared, 1) for mod, y in shrunk.items() if mod.startswith(f"{p}.")}  # expert-major
-        flat = [t.view(n_shared * tokens, -1) for t in (gate, up)]
-        m.gate_up_lora(repeated, p, lora, slots_n, ids, *flat)
-        act = F.silu(gate) * up * gammas.t()[:, :, None]
-        out = torch.matmul(act, m.w[f"{p}.down_proj"].transpose(1, 2)).float().sum(0).to(x.dtype)
-        down_buf = lora.buffers.get(f"{p}.down_proj") if lora is not None else None
-        if down_buf is not None:
-            y = expert_lora_shrink(act.view(n_shared * tokens, -1), down_buf.a, slots_n, ids)
-            lora_expand(y.view(n_shared, tokens, -1).sum(0), down_buf.b, slots, down_buf.scalings, out)
-        return out
+            cells[rows.experts, rows.tokens] = act
+            down = torch.matmul(cells, down_w)[rows.experts, rows.tokens]
+        m.add_down_lora(act, rows, experts, down)
+        return rows.combine(down, x.shape[0]).to(x.dtype)

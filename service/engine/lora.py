@@ -19,8 +19,11 @@ from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import TARGET_GROUPS
+from inkwell.kernels import ExpertGroups
 from inkwell.models.base import BaseModelIdentity
-from inkwell.service.engine.slot_copy import ImageAdapter, SlotLayout, slot_layout
+from inkwell.service.engine.slot_copy import STACKS, ImageAdapter, SlotLayout, slot_layout
+
+EXPERT_GROUPS = ("experts", "shared_experts")  # routed ids first, then shared: the order of the id space
 
 
 class AdapterIncompatibleError(ValueError):
@@ -46,14 +49,25 @@ class SlotBuffer:
 
 @dataclass
 class StackedBuffer:
-    """Targets that read one input (its key in `LoraSlots.stacks`), served by one launch: A [S, P*R, K]
-    (views into the same memory as their `SlotBuffer`s); for linears B [S, N, R], scalings [S, P] and the
-    outputs' column ranges."""
+    """A family of targets that one launch serves (its key in `LoraSlots.stacks`): A, B and scalings [S, P] as
+    views into the same memory as their `SlotBuffer`s (shapes in `SlotStack`); for linears the outputs'
+    column ranges."""
 
     a: torch.Tensor
-    b: torch.Tensor | None
+    b: torch.Tensor
     scalings: torch.Tensor
     slice_offsets: tuple[int, ...] | None
+
+
+@dataclass
+class ExpertLora:
+    """One MoE layer's expert LoRA, routed and shared experts as one id space (`groups`): gate/up A [S, 2*G*R, H]
+    (each group's gate and up A, so the tokens' shrink is one launch), B [S, 2, E, F, R], scalings [S, 2*G];
+    down A [S, E, R, F], B [S, G, H, R], scalings [S, G]."""
+
+    groups: ExpertGroups
+    gate_up: StackedBuffer
+    down: StackedBuffer
 
 
 def check_adapter(adapter: Adapter, identity: BaseModelIdentity, layout: SlotLayout) -> None:
@@ -107,11 +121,27 @@ class LoraSlots:
             a, b = self.layout.stack_views(self.memory, stack)
             scalings = self.scalings[:, stack.first_entry : stack.first_entry + len(stack.modules)]
             self.stacks[stack.modules] = StackedBuffer(a, b, scalings, stack.slice_offsets)
+        self.experts = {layer: lora for layer in range(config.num_hidden_layers) if (lora := self._experts(layer))}
         self._slot_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._users: dict[str, int] = {}
         self._pinned: set[str] = set()
         self._lru: OrderedDict[str, None] = OrderedDict()
+
+    def _experts(self, layer: int) -> ExpertLora | None:
+        """The layer's expert LoRA, if it has experts and an expert group is enabled."""
+        cfg = self.config
+        covered = [group for group in EXPERT_GROUPS if group in self.groups]
+        if cfg.mlp_layer_types[layer] == "dense" or not covered:
+            return None
+        routed, shared = cfg.n_routed_experts, cfg.n_shared_experts
+        if len(covered) == 2:
+            groups = ExpertGroups(0, routed + shared, split=routed)
+        else:
+            groups = ExpertGroups(0, routed) if covered == ["experts"] else ExpertGroups(routed, shared)
+        family = {name: tuple(f"model.layers.{layer}.{m}" for m in STACKS[i]) for i, name in ((1, "in"), (2, "out"))}
+        present = {name: tuple(m for m in modules if m in self.buffers) for name, modules in family.items()}
+        return ExpertLora(groups, self.stacks[present["in"]], self.stacks[present["out"]])
 
     def check(self, adapter: Adapter) -> None:
         """Raise AdapterIncompatibleError saying why `adapter` cannot go into these slots."""

@@ -14,15 +14,21 @@ import torch
 import torch.nn.functional as F
 from transformers import InklingTextConfig
 
-from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink, lora_shrink_expand
+from inkwell.kernels import (
+    expert_in_lora_expand,
+    expert_lora_shrink,
+    expert_out_lora_expand,
+    lora_shrink,
+    lora_shrink_expand,
+)
 from inkwell.models import canonical_weight_names
-from inkwell.service.engine.lora import LoraSlots, SlotBuffer, StackedBuffer
+from inkwell.service.engine.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.service.engine.slot_copy import STACKS
 from inkwell.service.engine.state import StatePool
 from inkwell.service.engine.streams import SideStream
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
-QKVR, EXPERT_INPUTS = STACKS  # the projections that read one input: one GEMM / one LoRA launch each
+QKVR = STACKS[0]  # the projections that read one input: one GEMM and one LoRA launch
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,10 @@ class ForwardBatch:
 
 @dataclass(frozen=True)
 class Dispatch:
-    """Routed (token, expert) rows sorted by expert: each row's token, expert, routing weight and LoRA slot."""
+    """(token, expert) rows sorted by expert: each row's place in the token-major order, token, expert, weight
+    and LoRA slot. Shared experts are experts too (ids after the routed ones, weight = their gamma)."""
 
+    order: torch.Tensor
     tokens: torch.Tensor
     experts: torch.Tensor
     weights: torch.Tensor
@@ -85,10 +93,18 @@ class Dispatch:
 
     @classmethod
     def of(cls, index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> "Dispatch":
-        """From top-k expert ids and weights [T, k] and the tokens' LoRA slots [T] (no host sync)."""
+        """From each token's expert ids and weights [T, k] and the tokens' LoRA slots [T] (no host sync)."""
         order = torch.argsort(index.reshape(-1), stable=True)
         tokens = order // index.shape[1]
-        return cls(tokens, index.reshape(-1)[order], weights.reshape(-1)[order], slots[tokens])
+        return cls(order, tokens, index.reshape(-1)[order], weights.reshape(-1)[order], slots[tokens])
+
+    def combine(self, out: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Each token's rows of `out` [M, H], weighted and summed in fp32 in the token's own order (deterministic,
+        unlike an index_add): [T, H] fp32."""
+        weighted = out.float() * self.weights[:, None]
+        token_major = torch.empty_like(weighted)
+        token_major[self.order] = weighted
+        return token_major.view(tokens, -1, out.shape[1]).sum(1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,16 +128,22 @@ class InklingModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.w: dict[str, torch.Tensor] = {}
-        f = config.moe_intermediate_size
         for name, tensor in canonical_weight_names(weights).items():
             keep_fp32 = any(f".{conv}." in name for conv in CONV_NAMES)
-            tensor = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else dtype)
-            if name.endswith("mlp.experts.gate_up_proj"):  # gate rows first, then up
-                prefix = name.rsplit(".", 1)[0]
-                self.w[f"{prefix}.gate_proj"] = tensor[:, :f].contiguous()
-                self.w[f"{prefix}.up_proj"] = tensor[:, f:].contiguous()
-            else:
-                self.w[name] = tensor
+            self.w[name] = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else dtype)
+        # Shared experts are experts E .. E+n-1 after the routed ones, so one grouped GEMM serves both:
+        # all_experts.gate_up_proj [E+n, 2F, H] (gate rows, then up) and all_experts.down_proj [E+n, H, F].
+        for layer in range(config.num_hidden_layers):
+            if config.mlp_layer_types[layer] == "dense":
+                continue
+            p = f"model.layers.{layer}.mlp"
+            shared = [self.w.pop(f"{p}.shared_experts.{proj}") for proj in ("gate_proj", "up_proj", "down_proj")]
+            gate_up = torch.cat([self.w.pop(f"{p}.experts.gate_up_proj"), torch.cat(shared[:2], dim=1)])
+            self.w[f"{p}.all_experts.gate_up_proj"] = gate_up
+            self.w[f"{p}.all_experts.down_proj"] = torch.cat([self.w.pop(f"{p}.experts.down_proj"), shared[2]])
+        self.shared_expert_ids = torch.arange(
+            config.n_routed_experts, config.n_routed_experts + config.n_shared_experts, device=self.device
+        )
         # q, k, v and r as one weight: one GEMM, whose output columns the four split as views.
         self.qkvr_splits: list[list[int]] = []
         for layer in range(config.num_hidden_layers):
@@ -170,19 +192,31 @@ class InklingModel:
         self.lora_stream.join()
         return y.add_(delta)
 
-    def expert_input_shrinks(
-        self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None
-    ) -> dict[str, torch.Tensor]:
-        """x @ A of every shared-A expert target of the layer (gate/up of routed and shared experts), by module:
-        one launch over their stacked A's."""
-        if lora is None:
-            return {}
-        p = f"model.layers.{layer}"
-        modules = tuple(m for m in (f"{p}.{name}" for name in EXPERT_INPUTS) if m in lora.buffers)
-        if not modules:
-            return {}
-        y = lora_shrink(x, lora.stacks[modules].a, slots)  # groups come whole, so gate and up make a stack
-        return dict(zip(modules, y.split(y.shape[1] // len(modules), dim=1), strict=True))
+    # ---- experts with LoRA: routed and shared experts as one id space ---------------------------
+
+    @staticmethod
+    def expert_shrink(x: torch.Tensor, slots: torch.Tensor, experts: ExpertLora | None) -> torch.Tensor | None:
+        """The tokens' x @ A of every expert group's gate and up (shared A), in one launch: [T, 2*G*R]."""
+        return None if experts is None else lora_shrink(x, experts.gate_up.a, slots)
+
+    @staticmethod
+    def add_gate_up_lora(
+        shrunk: torch.Tensor | None, rows: Dispatch, experts: ExpertLora | None, gate_up: torch.Tensor
+    ) -> None:
+        """Add each dispatched row's gate/up LoRA (its expert's B over its token's `shrunk` row) to `gate_up`."""
+        if experts is not None:
+            buf = experts.gate_up
+            expert_in_lora_expand(
+                shrunk, buf.b, rows.slots, rows.experts, buf.scalings, gate_up, rows.tokens, experts.groups
+            )
+
+    @staticmethod
+    def add_down_lora(act: torch.Tensor, rows: Dispatch, experts: ExpertLora | None, down: torch.Tensor) -> None:
+        """Add each dispatched row's down LoRA (its expert's A, its group's shared B) to `down`."""
+        if experts is not None:
+            buf = experts.down
+            y = expert_lora_shrink(act, buf.a, rows.slots, rows.experts, experts.groups)
+            expert_out_lora_expand(y, buf.b, rows.slots, rows.experts, buf.scalings, down, experts.groups)
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
 
@@ -305,8 +339,9 @@ class InklingModel:
         out = self._linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
         return out * self.w[f"{p}.global_scale"]
 
-    def _route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Top-k routed experts and weights plus the shared-expert gammas (shared experts are the sink)."""
+    def _route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
+        sink) weighted by their gammas."""
         cfg = self.config
         p = f"model.layers.{layer}.mlp.gate"
         n_shared, top_k = cfg.n_shared_experts, cfg.num_experts_per_tok
@@ -318,100 +353,28 @@ class InklingModel:
         log_probs = F.logsigmoid(picked)
         weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
         weights = weights * cfg.route_scale * self.w[f"{p}.global_scale"]
-        return index, weights[:, :top_k], weights[:, top_k:]
-
-    def gate_up_lora(
-        self,
-        shrunk: dict[str, torch.Tensor],
-        bank: str,
-        lora: LoraSlots | None,
-        slots: torch.Tensor,
-        experts: torch.Tensor,
-        gate: torch.Tensor,
-        up: torch.Tensor,
-        rows: torch.Tensor | None = None,
-    ) -> None:
-        """Add an expert bank's gate/up LoRA (per-expert B over the shared-A shrink `shrunk`, from
-        `expert_input_shrinks`) to the rows of `gate`/`up`; row i reads shrunk row rows[i] (None: row i)."""
-        for proj, out in (("gate_proj", gate), ("up_proj", up)):
-            module = f"{bank}.{proj}"
-            if module in shrunk:
-                x_a = shrunk[module] if rows is None else shrunk[module][rows]
-                buf = lora.buffers[module]
-                expert_lora_expand(x_a, buf.b, slots, experts, buf.scalings, out)
+        return torch.cat([index, self.shared_expert_ids.expand(x.shape[0], -1)], dim=1), weights
 
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
-        p = f"model.layers.{layer}.mlp"
-        index, weights, gammas = self._route(x, layer)
-        rows = Dispatch.of(index, weights, slots)  # routed experts on dispatched rows, grouped by expert
+        """Routed and shared experts on their dispatched rows, one expert at a time."""
+        p = f"model.layers.{layer}.mlp.all_experts"
+        experts = lora.experts.get(layer) if lora is not None else None
+        index, weights = self._route(x, layer)
+        rows = Dispatch.of(index, weights, slots)  # grouped by expert
         xs = x[rows.tokens]
         f = self.config.moe_intermediate_size
-        gate = xs.new_empty(xs.shape[0], f)
-        up = xs.new_empty(xs.shape[0], f)
-        bounds = torch.bincount(rows.experts, minlength=self.config.n_routed_experts).cumsum(0).tolist()
-        starts = [0, *bounds[:-1]]
-        hit = [(e, s, t) for e, (s, t) in enumerate(zip(starts, bounds, strict=True)) if t > s]
+        gate_up = xs.new_empty(xs.shape[0], 2 * f)
+        down = xs.new_empty(xs.shape)
+        bounds = torch.bincount(rows.experts, minlength=len(self.w[f"{p}.down_proj"])).cumsum(0).tolist()
+        hit = [(e, s, t) for e, (s, t) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)) if t > s]
         for e, s, t in hit:
-            gate[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.gate_proj"][e])
-            up[s:t] = F.linear(xs[s:t], self.w[f"{p}.experts.up_proj"][e])
-        shrunk = self.expert_input_shrinks(x, layer, slots, lora)
-        self.gate_up_lora(shrunk, f"{p}.experts", lora, rows.slots, rows.experts, gate, up, rows.tokens)
-        act = F.silu(gate) * up
-        down = xs.new_empty(xs.shape[0], x.shape[1])
+            gate_up[s:t] = F.linear(xs[s:t], self.w[f"{p}.gate_up_proj"][e])
+        self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
+        act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
         for e, s, t in hit:
-            down[s:t] = F.linear(act[s:t], self.w[f"{p}.experts.down_proj"][e])
-        routed = self.combine_routed(x, layer, rows, down, act, slots, lora)
-        return routed + self._shared_experts(x, layer, gammas, slots, lora, shrunk)
-
-    def combine_routed(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        rows: Dispatch,
-        down: torch.Tensor,
-        act: torch.Tensor,
-        slots: torch.Tensor,
-        lora: LoraSlots | None,
-    ) -> torch.Tensor:
-        """Dispatched rows' down projections weighted back into their tokens, plus the routed down LoRA: the
-        shrink per row's (slot, expert), weighted and summed per token, then one expand with the shared B."""
-        weights = rows.weights[:, None]
-        routed = torch.zeros_like(x).index_add_(0, rows.tokens, (down * weights).to(x.dtype))
-        buf = lora.buffers.get(f"model.layers.{layer}.mlp.experts.down_proj") if lora is not None else None
-        if buf is not None:
-            y = expert_lora_shrink(act, buf.a, rows.slots, rows.experts) * weights
-            y_tok = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, rows.tokens, y)
-            lora_expand(y_tok, buf.b, slots, buf.scalings, routed)
-        return routed
-
-    def _shared_experts(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        gammas: torch.Tensor,
-        slots: torch.Tensor,
-        lora: LoraSlots | None,
-        shrunk: dict[str, torch.Tensor],
-    ) -> torch.Tensor:
-        p = f"model.layers.{layer}.mlp.shared_experts"
-        n_shared = self.config.n_shared_experts
-        down_buf = lora.buffers.get(f"{p}.down_proj") if lora is not None else None
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        y_sum = None
-        for s in range(n_shared):
-            ids = torch.full_like(slots, s)
-            gate = F.linear(x, self.w[f"{p}.gate_proj"][s])
-            up = F.linear(x, self.w[f"{p}.up_proj"][s])
-            self.gate_up_lora(shrunk, p, lora, slots, ids, gate, up)
-            act = F.silu(gate) * up * gammas[:, s, None]
-            out += F.linear(act, self.w[f"{p}.down_proj"][s]).float()
-            if down_buf is not None:
-                y = expert_lora_shrink(act, down_buf.a, slots, ids)
-                y_sum = y if y_sum is None else y_sum + y
-        out = out.to(x.dtype)
-        if y_sum is not None:
-            lora_expand(y_sum, down_buf.b, slots, down_buf.scalings, out)
-        return out
+            down[s:t] = F.linear(act[s:t], self.w[f"{p}.down_proj"][e])
+        self.add_down_lora(act, rows, experts, down)
+        return rows.combine(down, x.shape[0]).to(x.dtype)
 
     # ---- the whole model ----------------------------------------------------------------------
 

@@ -7,9 +7,10 @@ small fp32 vector of per-buffer scalings (0 where the adapter adapts nothing). W
 into a slot is then one `copy_` of the image and one of its scalings, however many tensors it has
 (inkling-small: 346), instead of hundreds of views, zero fills and per-tensor copies.
 
-Targets that read the same input (q/k/v/r; the gate/up of routed and shared experts) are laid out as
-families, their A's back to back and then their B's, so one strided view stacks them and one kernel
-launch serves the whole family (`SlotStack`).
+Targets that one launch serves together are laid out as families, their A's back to back and then
+their B's, so one strided view stacks them (`SlotStack`): q/k/v/r (one input); the gate/up of routed and
+shared experts (one input; gates first, then ups, so B is [2, routed + shared experts, F, R]); the down
+projections of routed and shared experts (A [routed + shared experts, R, F]).
 
 The layout depends only on (model config, max rank, target groups, dtype), and `slot_layout` is the
 one place that computes it: the engine's `LoraSlots` and the adapter loader (which builds images on
@@ -32,11 +33,13 @@ from inkwell.models.base import BaseModelIdentity
 # Every A and B starts at a multiple of this many elements (128 bytes in bf16), and so does every
 # slot: the kernels' base pointers keep the alignment they had with one allocation per buffer.
 ALIGN = 64
-# Targets of one layer that read the same input, so one launch can serve them all: their A's sit back to
-# back in a slot (and, for plain linears, their B's too), and a strided view stacks them (`SlotStack`).
+# Targets of one layer that one launch serves: their A's sit back to back in a slot, then their B's, and
+# a strided view stacks them (`SlotStack`). The engine runs routed and shared experts as one id space
+# (shared ids after the routed), so the expert families list routed before shared, gate before up.
 STACKS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.r_proj"),
-    ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+    ("mlp.experts.gate_proj", "mlp.shared_experts.gate_proj", "mlp.experts.up_proj", "mlp.shared_experts.up_proj"),
+    ("mlp.experts.down_proj", "mlp.shared_experts.down_proj"),
 )
 
 
@@ -55,16 +58,17 @@ class SlotEntry:
 
 @dataclass(frozen=True)
 class SlotStack:
-    """Targets whose A's are contiguous in a slot: A stacked along the rank [P*R, K]; for linears also B
-    stacked along the output [N_1+...+N_P, R] (expert B's are per expert and stay apart)."""
+    """A family's factors, contiguous in a slot, as one A and one B. Linears: A stacked along the rank
+    [P*R, K], B along the output [N_1+...+N_P, R]. Expert gate/up (G groups, gates then ups): A [2*G*R, K],
+    B [2, E, F, R]. Expert down: A [E, R, F], B [G, H, R]."""
 
     modules: tuple[str, ...]
     first_entry: int  # entries first_entry .. first_entry + P - 1, so scalings[:, that range] is [S, P]
     a_offset: int
-    a_shape: tuple[int, int]
-    b_offset: int | None
-    b_shape: tuple[int, int] | None
-    slice_offsets: tuple[int, ...] | None  # (0, N_1, N_1+N_2, ..., N): the outputs' column ranges
+    a_shape: tuple[int, ...]
+    b_offset: int
+    b_shape: tuple[int, ...]
+    slice_offsets: tuple[int, ...] | None  # linears: (0, N_1, N_1+N_2, ..., N), the outputs' column ranges
 
 
 def _view(memory: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -87,10 +91,9 @@ class SlotLayout:
         """`entry`'s A and B in `memory`: a whole [S, slot_elems] buffer gives [S, ...] views, an image [...]."""
         return _view(memory, entry.a_offset, entry.a_shape), _view(memory, entry.b_offset, entry.b_shape)
 
-    def stack_views(self, memory: torch.Tensor, stack: SlotStack) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`stack`'s stacked A (and B, for linears) in `memory`, like `views`."""
-        b = None if stack.b_offset is None else _view(memory, stack.b_offset, stack.b_shape)
-        return _view(memory, stack.a_offset, stack.a_shape), b
+    def stack_views(self, memory: torch.Tensor, stack: SlotStack) -> tuple[torch.Tensor, torch.Tensor]:
+        """`stack`'s stacked A and B in `memory`, like `views`."""
+        return _view(memory, stack.a_offset, stack.a_shape), _view(memory, stack.b_offset, stack.b_shape)
 
     def image(
         self, adapter: Adapter, device: torch.device | str | None = None, out: torch.Tensor | None = None
@@ -168,7 +171,7 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
         members = stacked.get(target.module, [target])
         if target is not members[0]:
             continue  # placed with its family
-        if len(members) > 1:
+        if target.module in stacked:
             families.append(len(entries))
         shapes = [member.shapes(max_rank) for member in members]
         a_offsets = take([shape["lora_A"] for shape in shapes])  # a family's A's back to back, then its B's
@@ -185,28 +188,37 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
 
 
 def _family_members(targets: list) -> dict[str, list]:
-    """module -> the present targets of its `STACKS` family in its layer, for families of two or more."""
+    """module -> the present targets of its `STACKS` family in its layer."""
     by_module = {t.module: t for t in targets}
     out: dict[str, list] = {}
     for layer in sorted({t.layer for t in targets if t.layer is not None}):
         for family in STACKS:
             members = [by_module[m] for m in (f"model.layers.{layer}.{name}" for name in family) if m in by_module]
-            if len(members) > 1:
-                out.update({member.module: members for member in members})
+            out.update({member.module: members for member in members})
     return out
 
 
 def _stack(members: list[SlotEntry], first: int) -> SlotStack:
     """The stack of a family's entries (`first`: the first one's index), laid out back to back by `take`."""
-    modules = tuple(m.module for m in members)
+    modules, kind = tuple(m.module for m in members), members[0].kind
+    b_offset = members[0].b_offset
+    if kind == "expert_in":  # gates of each group, then ups: A [2*G*R, H], B [2, E, F, R]
+        rank, hidden = members[0].a_shape
+        experts = sum(m.b_shape[0] for m in members[: len(members) // 2])
+        a_shape, b_shape = (len(members) * rank, hidden), (2, experts, members[0].b_shape[1], rank)
+        return SlotStack(modules, first, members[0].a_offset, a_shape, b_offset, b_shape, None)
+    if kind == "expert_out":  # per-expert A's of the groups: A [E, R, F], B [G, H, R]
+        a_shape = (sum(m.a_shape[0] for m in members), *members[0].a_shape[1:])
+        return SlotStack(
+            modules, first, members[0].a_offset, a_shape, b_offset, (len(members), *members[0].b_shape), None
+        )
     a_shape = (sum(m.a_shape[0] for m in members), *members[0].a_shape[1:])  # one input: the same K
-    if any(m.kind != "linear" for m in members):  # expert B's are per expert: no stacked B
-        return SlotStack(modules, first, members[0].a_offset, a_shape, None, None, None)
     bounds = [0]
     for m in members:
         bounds.append(bounds[-1] + m.b_shape[0])
-    b_shape = (bounds[-1], members[0].b_shape[1])
-    return SlotStack(modules, first, members[0].a_offset, a_shape, members[0].b_offset, b_shape, tuple(bounds))
+    return SlotStack(
+        modules, first, members[0].a_offset, a_shape, b_offset, (bounds[-1], members[0].b_shape[1]), tuple(bounds)
+    )
 
 
 class ImageAdapter(Adapter):

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from inkwell.kernels import expert_lora_expand, expert_lora_shrink, lora_expand, lora_shrink
+from inkwell.kernels import (
+    ExpertGroups,
+    expert_in_lora_expand,
+    expert_lora_shrink,
+    expert_out_lora_expand,
+    lora_expand,
+    lora_shrink,
+)
 
 
 def _slots(t: int, s: int, gen: torch.Generator) -> torch.Tensor:
@@ -65,26 +72,44 @@ def test_zero_padded_rank_equals_unpadded():
     torch.testing.assert_close(out, 2.0 * x @ a.t() @ b.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("covered", ["both", "routed", "shared"])
 @pytest.mark.parametrize("m,s,e,r,k,n", [(1, 1, 2, 4, 8, 8), (37, 3, 6, 8, 24, 40)])
-def test_expert_shrink_expand_match_per_row_loop(m, s, e, r, k, n):
+def test_expert_ops_match_per_row_loop(m, s, e, r, k, n, covered):
+    """Routed ids 0..e-1 and 2 shared ids after them; the LoRA covers `covered` (both: two groups)."""
     gen = torch.Generator().manual_seed(m + e)
+    groups = {"both": ExpertGroups(0, e + 2, split=e), "routed": ExpertGroups(0, e), "shared": ExpertGroups(e, 2)}[
+        covered
+    ]
+    g_count = groups.groups
+    tokens = max(m // 2, 1)
+    token_of_row = torch.randint(0, tokens, (m,), generator=gen)
+    slots = _slots(tokens, s, gen)[token_of_row]
+    experts = torch.randint(0, e + 2, (m,), generator=gen)
     x = torch.randn(m, k, generator=gen)
-    a = torch.randn(s, e, r, k, generator=gen)
-    b = torch.randn(s, e, n, r, generator=gen)
-    scalings = torch.rand(s, generator=gen) + 0.5
-    slots = _slots(m, s, gen)
-    experts = torch.randint(0, e, (m,), generator=gen)
-    base = torch.randn(m, n, generator=gen)
+    a = torch.randn(s, groups.count, r, k, generator=gen)
+    b_out = torch.randn(s, g_count, n, r, generator=gen)
+    y_in = torch.randn(tokens, 2 * g_count * r, generator=gen)
+    b_in = torch.randn(s, 2, groups.count, n, r, generator=gen)
+    scalings = torch.rand(s, 2 * g_count, generator=gen) + 0.5
+    base = torch.randn(m, 2 * n, generator=gen)
 
-    y = expert_lora_shrink(x, a, slots, experts)
-    out = expert_lora_expand(y, b, slots, experts, scalings, base.clone())
+    y = expert_lora_shrink(x, a, slots, experts, groups)
+    down = expert_out_lora_expand(y, b_out, slots, experts, scalings[:, :g_count], base[:, :n].clone(), groups)
+    gate_up = expert_in_lora_expand(y_in, b_in, slots, experts, scalings, base.clone(), token_of_row, groups)
 
     for i in range(m):
-        s_i, e_i = int(slots[i]), int(experts[i])
-        if s_i < 0:
+        s_i, e_i = int(slots[i]), int(experts[i]) - groups.first
+        if s_i < 0 or not 0 <= e_i < groups.count:
             assert torch.equal(y[i], torch.zeros(r))
-            assert torch.equal(out[i], base[i])
+            assert torch.equal(down[i], base[i, :n]) and torch.equal(gate_up[i], base[i])
             continue
+        g = int(groups.split is not None and e_i + groups.first >= groups.split)
         ref_y = a[s_i, e_i] @ x[i]
         torch.testing.assert_close(y[i], ref_y, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out[i], base[i] + scalings[s_i] * (b[s_i, e_i] @ ref_y), rtol=1e-5, atol=1e-4)
+        ref_down = base[i, :n] + scalings[s_i, g] * (b_out[s_i, g] @ ref_y)
+        torch.testing.assert_close(down[i], ref_down, rtol=1e-5, atol=1e-4)
+        for p in range(2):
+            block = p * g_count + g
+            y_block = y_in[int(token_of_row[i]), block * r : (block + 1) * r]
+            ref = base[i, p * n : (p + 1) * n] + scalings[s_i, block] * (b_in[s_i, p, e_i] @ y_block)
+            torch.testing.assert_close(gate_up[i, p * n : (p + 1) * n], ref, rtol=1e-5, atol=1e-4)

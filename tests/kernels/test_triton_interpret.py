@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 
 from inkwell.kernels import dispatch, torch_ops
+from inkwell.kernels.torch_ops import ExpertGroups
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
@@ -109,32 +110,77 @@ def check_sliced(
     assert_close(fused, ref, dtype, f"lora_shrink_expand {offsets}")
 
 
-def check_experts(
-    ops: ModuleType, device: str, dtype: torch.dtype, rows: int, num_slots: int, experts: int, rank: int, k: int, n: int
-):
-    gen = torch.Generator().manual_seed(rows * 3 + experts)
-    slots = make_slots(rows, num_slots, num_slots - 1, gen)
-    expert_ids = torch.randint(0, experts, (rows,), generator=gen)
-    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
-    a = torch.randn(num_slots, experts, rank, k, generator=gen, dtype=torch.float64) / k**0.5
-    b = torch.randn(num_slots, experts, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
-    a[1, :, rank // 2 :] = 0  # slot 1 holds a smaller rank
-    b[1, :, :, rank // 2 :] = 0
-    scalings = torch.rand(num_slots, generator=gen) + 0.5
-    base = torch.randn(rows, n, generator=gen, dtype=torch.float64)
-    ref_y = torch_ops.expert_lora_shrink(x, a, slots, expert_ids)
-    ref_out = torch_ops.expert_lora_expand(ref_y, b, slots, expert_ids, scalings.double(), base.clone())
+def expert_groups(routed: int, shared: int, covered: str) -> ExpertGroups:
+    """The LoRA's expert groups when routed ids 0..routed-1 and shared ids after them share one id space."""
+    return {
+        "both": ExpertGroups(0, routed + shared, split=routed),
+        "routed": ExpertGroups(0, routed),
+        "shared": ExpertGroups(routed, shared),
+    }[covered]
 
+
+def check_experts(
+    ops: ModuleType,
+    device: str,
+    dtype: torch.dtype,
+    rows: int,
+    num_slots: int,
+    experts: int,
+    rank: int,
+    k: int,
+    n: int,
+    covered: str = "both",
+):
+    """The three expert ops on dispatched rows of `experts` routed + 2 shared experts, of which `covered` have LoRA.
+
+    Rows of uncovered experts and of slot -1 must stay untouched (zero after the shrink)."""
+    gen = torch.Generator().manual_seed(rows * 3 + experts + len(covered))
+    groups = expert_groups(experts, 2, covered)
+    tokens = max(rows // 3, 1)
+    token_slots = make_slots(tokens, num_slots, num_slots - 1, gen)
+    token_of_row = torch.randint(0, tokens, (rows,), generator=gen)
+    slots = token_slots[token_of_row]
+    expert_ids = torch.randint(0, experts + 2, (rows,), generator=gen)
+    scalings = torch.rand(num_slots, 2 * groups.groups, generator=gen) + 0.5
     dev = dict(device=device, dtype=dtype)
     d_slots, d_experts = slots.to(device), expert_ids.to(device)
-    y = ops.expert_lora_shrink(x.to(**dev), a.to(**dev), d_slots, d_experts)
+    local = expert_ids - groups.first
+    untouched = ((slots < 0) | (local < 0) | (local >= groups.count)).to(device)
+
+    # down: per-expert A, each group's shared B
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    a = torch.randn(num_slots, groups.count, rank, k, generator=gen, dtype=torch.float64) / k**0.5
+    a[1, :, rank // 2 :] = 0  # slot 1 holds a smaller rank
+    b = torch.randn(num_slots, groups.groups, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    b[1, :, :, rank // 2 :] = 0
+    base = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    ref_y = torch_ops.expert_lora_shrink(x, a, slots, expert_ids, groups)
+    down_scalings = scalings[:, : groups.groups].double()
+    ref_out = torch_ops.expert_out_lora_expand(ref_y, b, slots, expert_ids, down_scalings, base.clone(), groups)
+    y = ops.expert_lora_shrink(x.to(**dev), a.to(**dev), d_slots, d_experts, groups)
     assert_close(y, ref_y, dtype, "expert_lora_shrink")
+    assert bool((y[untouched] == 0).all()), "expert_lora_shrink: uncovered rows must be zero"
     out = base.to(**dev)
     before = out.clone()
-    ops.expert_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, scalings.to(device), out)
-    assert_close(out, ref_out, dtype, "expert_lora_expand")
-    base_rows = (slots < 0).to(device)
-    assert torch.equal(out[base_rows], before[base_rows]), "expert_lora_expand touched base-model rows"
+    d_scal = scalings[:, : groups.groups].to(device)
+    ops.expert_out_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, out, groups)
+    assert_close(out, ref_out, dtype, "expert_out_lora_expand")
+    assert torch.equal(out[untouched], before[untouched]), "expert_out_lora_expand touched uncovered rows"
+
+    # gate/up: each group's shared A (the tokens' shrink y_in), per-expert B per projection
+    y_in = torch.randn(tokens, 2 * groups.groups * rank, generator=gen, dtype=torch.float64)
+    b_in = torch.randn(num_slots, 2, groups.count, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    base = torch.randn(rows, 2 * n, generator=gen, dtype=torch.float64)
+    ref_out = torch_ops.expert_in_lora_expand(
+        y_in, b_in, slots, expert_ids, scalings.double(), base.clone(), token_of_row, groups
+    )
+    out = base.to(**dev)
+    before = out.clone()
+    ops.expert_in_lora_expand(
+        y_in.to(**dev), b_in.to(**dev), d_slots, d_experts, scalings.to(device), out, token_of_row.to(device), groups
+    )
+    assert_close(out, ref_out, dtype, f"expert_in_lora_expand ({covered})")
+    assert torch.equal(out[untouched], before[untouched]), "expert_in_lora_expand touched uncovered rows"
 
 
 def run_interpreted_cases() -> None:
@@ -148,7 +194,8 @@ def run_interpreted_cases() -> None:
         check_linear(**dev, dtype=dtype, tokens=70, num_slots=4, used=3, rank=16, k=72, n=130)
         check_sliced(**dev, dtype=dtype, tokens=9, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
         check_sliced(**dev, dtype=dtype, tokens=66, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
-        check_experts(**dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40)
+        for covered in ("both", "routed", "shared"):
+            check_experts(**dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered)
         check_experts(**dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
     check_linear(**dev, dtype=torch.float32, tokens=20, num_slots=2, used=2, rank=80, k=16, n=16)  # 2 rank tiles
     print("interpreted cases passed")
@@ -166,7 +213,8 @@ def test_dispatch_torch_path_of_sliced_and_fused_ops():
     """On CPU tensors dispatch runs the torch twins; the sliced and fused ops compose them per slice."""
     check_linear(dispatch, "cpu", torch.float32, tokens=9, num_slots=3, used=2, rank=8, k=16, n=12)
     check_sliced(dispatch, "cpu", torch.float32, tokens=9, num_slots=3, rank=4, k=16, offsets=(0, 8, 12, 16, 20))
-    check_experts(dispatch, "cpu", torch.float32, rows=11, num_slots=3, experts=4, rank=4, k=8, n=12)
+    for covered in ("both", "routed", "shared"):
+        check_experts(dispatch, "cpu", torch.float32, 11, num_slots=3, experts=4, rank=4, k=8, n=12, covered=covered)
 
 
 def test_triton_launchers_reject_bad_shapes():

@@ -24,6 +24,7 @@ from inkwell.service.engine import (
     SamplingError,
     SamplingParams,
 )
+from inkwell.service.engine.graphs import CudaGraphDecoder
 from inkwell.service.engine.text import TextTracker
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -91,6 +92,19 @@ def test_prompt_logprobs_match_transformers(engine, tiny_model_dir, tiny_adapter
     assert got[0] is None and len(got) == len(ids)
     diff = (torch.tensor(got[1:]) - reference_prompt_logprobs(model, ids)).abs().max().item()
     assert diff < 1e-4
+
+
+@pytest.mark.parametrize("groups,adapter_index", [(("experts",), 2), (("shared_experts", "lm_head"), 4)])
+def test_engine_with_one_expert_group_equals_transformers_merged(tiny_model_dir, tiny_adapters, groups, adapter_index):
+    """Slots over routed experts only (or shared experts only) cover part of the expert id space: the eager
+    prefill and the bucketed decode (run eagerly on the CPU) must leave the other experts' rows alone."""
+    eng = Engine(tiny_model_dir, EngineConfig(max_loras_per_batch=2, max_lora_rank=16, lora_groups=groups))
+    eng.decoder = CudaGraphDecoder(eng.model, eng.state, eng.lora, eng.config.max_seqs)
+    eng.load_adapter("a", tiny_adapters[adapter_index])
+    got = eng.generate([Request("x", PROMPT, GREEDY, "a"), Request("b", PROMPT, GREEDY)])
+    merged = merged_model(tiny_model_dir, tiny_adapters[adapter_index])
+    assert got["x"][0].token_ids == reference_greedy(merged, PROMPT, 32)
+    assert got["b"][0].token_ids == reference_greedy(load_base_model(tiny_model_dir), PROMPT, 32)
 
 
 def test_decode_across_window_edge_matches_full_forward(tiny_model_dir):

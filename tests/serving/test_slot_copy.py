@@ -81,14 +81,14 @@ def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
         assert buf.a.dtype == torch.bfloat16 and buf.scalings.dtype == torch.float32
         assert buf.scalings.data_ptr() == slots.scalings[:, j].data_ptr()
     slots.memory[1].fill_(1.0)  # a slot's range is exactly its views
-    assert {len(modules) for modules in slots.stacks} == {4}  # q/k/v/r, routed+shared gate/up
+    assert {len(modules) for modules in slots.stacks} == {4, 2}  # q/k/v/r and gate/up; routed+shared down
     for buf in slots.buffers.values():
         assert torch.all(buf.a[1] == 1) and torch.all(buf.b[1] == 1)
         assert not buf.a[0].any() and not buf.b[2].any()
 
 
 def test_stacks_are_views_of_their_members(tiny_model_dir):
-    """A stack's A (and, for linears, B and scalings) is exactly its members' factors side by side."""
+    """A stack's A, B and scalings are exactly its members' factors side by side."""
     config = load_base_config(tiny_model_dir)
     slots = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=2, max_rank=8)
     torch.manual_seed(0)
@@ -96,17 +96,28 @@ def test_stacks_are_views_of_their_members(tiny_model_dir):
     slots.scalings.normal_()
     layers = config.num_hidden_layers
     moe_layers = sum(kind != "dense" for kind in config.mlp_layer_types)
-    assert len(slots.stacks) == layers + moe_layers
+    assert len(slots.stacks) == layers + 2 * moe_layers
     for modules, stack in slots.stacks.items():
         members = [slots.buffers[m] for m in modules]
+        kind = members[0].kind
+        assert all(m.kind == kind for m in members), modules
         assert torch.equal(stack.a, torch.cat([m.a for m in members], dim=1)), modules
-        if members[0].kind == "linear":
+        assert torch.equal(stack.scalings, torch.stack([m.scalings for m in members], dim=1)), modules
+        if kind == "linear":
             assert torch.equal(stack.b, torch.cat([m.b for m in members], dim=1)), modules
-            assert torch.equal(stack.scalings, torch.stack([m.scalings for m in members], dim=1)), modules
             widths = [m.b.shape[1] for m in members]
             assert stack.slice_offsets == tuple(sum(widths[:i]) for i in range(len(widths) + 1))
-        else:
-            assert stack.b is None and all(m.kind == "expert_in" for m in members)
+        elif kind == "expert_in":  # routed then shared experts' gates, then their ups: B [S, 2, E+n, F, R]
+            assert [m.split(".")[-2:] for m in modules] == [
+                ["experts", "gate_proj"],
+                ["shared_experts", "gate_proj"],
+                ["experts", "up_proj"],
+                ["shared_experts", "up_proj"],
+            ]
+            for p in range(2):
+                assert torch.equal(stack.b[:, p], torch.cat([m.b for m in members[2 * p : 2 * p + 2]], dim=1))
+        else:  # down: A [S, E+n, R, F], one B per group [S, 2, H, R]
+            assert torch.equal(stack.b, torch.stack([m.b for m in members], dim=1)), modules
 
 
 def test_image_adapter_factors_and_placement_equal_the_adapter(tiny_model_dir, tiny_adapters):
