@@ -55,7 +55,9 @@ def test_sliced_ops_match_torch(offsets, tokens, rank):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,rank,covered", [(48, 16, "both"), (2048, 32, "both"), (128, 64, "routed"), (96, 8, "shared")])
+@pytest.mark.parametrize(
+    "rows,rank,covered", [(48, 16, "both"), (2048, 32, "both"), (128, 64, "routed"), (96, 8, "shared")]
+)
 def test_expert_ops_match_torch(dtype, rows, rank, covered):
     """Dispatched rows of 16 routed + 2 shared experts (decode: 8 tokens x 6 rows), the LoRA over `covered`."""
     check_experts(dispatch, "cuda", dtype, rows, num_slots=8, experts=16, rank=rank, k=512, n=2048, covered=covered)
