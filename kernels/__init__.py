@@ -1,6 +1,7 @@
 """Multi-LoRA ops over a per-token adapter slot index: Triton kernels on CUDA, pure-torch references elsewhere."""
 
 from inkwell.kernels.dispatch import (
+    expert_down_lora,
     expert_in_lora_expand,
     expert_lora_shrink,
     expert_out_lora_expand,
@@ -13,6 +14,7 @@ from inkwell.kernels.torch_ops import ExpertGroups
 
 __all__ = [
     "ExpertGroups",
+    "expert_down_lora",
     "expert_in_lora_expand",
     "expert_lora_shrink",
     "expert_out_lora_expand",

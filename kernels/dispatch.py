@@ -55,11 +55,17 @@ def expert_in_lora_expand(
     out: torch.Tensor,
     token_of_row: torch.Tensor,
     groups: ExpertGroups,
+    expert_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gate/up LoRA of dispatched rows, in place: per-expert B over the tokens' shrink by each group's shared A
-    (y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]; `torch_ops` says it exactly)."""
-    ops = _triton() if out.is_cuda else torch_ops
-    return ops.expert_in_lora_expand(y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups)
+    (y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]; `torch_ops` says it exactly).
+
+    `expert_ends` (rows sorted by expert, ends[e] = rows of experts <= e) lets CUDA run a program per expert."""
+    if out.is_cuda:
+        return _triton().expert_in_lora_expand(
+            y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups, expert_ends
+        )
+    return torch_ops.expert_in_lora_expand(y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups)
 
 
 def expert_out_lora_expand(
@@ -75,6 +81,25 @@ def expert_out_lora_expand(
     expert group (lora_b [S, G, N, R], scalings [S, G])."""
     ops = _triton() if out.is_cuda else torch_ops
     return ops.expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
+
+
+def expert_down_lora(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    groups: ExpertGroups,
+    expert_ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out += the down LoRA of dispatched rows x (per-expert A [S,E,R,K], each group's B [S,G,N,R]), in place:
+    `expert_out_lora_expand(expert_lora_shrink(x, A), B, ...)`; on CUDA with `expert_ends` one launch."""
+    if out.is_cuda:
+        return _triton().expert_down_lora(x, lora_a, lora_b, slots, expert_ids, scalings, out, groups, expert_ends)
+    y = torch_ops.expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
+    return torch_ops.expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
 
 
 def _torch_expand_sliced(

@@ -29,6 +29,9 @@ MAX_SLICES = 4
 # column tile re-reads its slot's A, which past them costs more than the second launch saves.
 FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
 SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
+# Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
+# per (expert, slot): decode's few rows per expert then take one step each instead of a walk over all groups.
+SEGMENT_MAX_ROWS = 1024
 
 
 @triton.jit
@@ -316,6 +319,179 @@ def _fused_kernel(
     tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _segment(ends_ptr, expert):
+    """Rows start .. end-1 of `expert` among dispatched rows sorted by expert (ends: cumulative row counts)."""
+    start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
+    return start, tl.load(ends_ptr + expert)
+
+
+@triton.jit
+def _segment_expand_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    yrow_ptr,
+    ends_ptr,
+    scale_ptr,
+    N,
+    R,
+    first,
+    split,
+    G,
+    o1,
+    o2,
+    o3,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bp,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    EXPERT_IN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """`_expand_kernel`'s expert cases with one program per (expert, slot, column tile) over the expert's
+    segment of the sorted rows: at decode each program has one group, where a token tile's program walks
+    every (slot, expert) group of its rows one after another."""
+    e = tl.program_id(0)
+    slot = tl.program_id(1)
+    start, end = _segment(ends_ptr, first + e)
+    group = (e >= split).to(tl.int32)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + (e if EXPERT_IN else group).to(tl.int64) * stride_be
+    n0 = tl.program_id(2) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    part = _slice_of(rn, o1, o2, o3)
+    r_lo = _slice_of(n0, o1, o2, o3) * R
+    r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
+    scale = tl.load(scale_ptr + slot * stride_ss + (part * G + group) * stride_sp, mask=in_n, other=0.0)
+    for t0 in range(start, end, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        sel = (rt < end) & (tl.load(slot_ptr + rt, mask=rt < end, other=-1) == slot)
+        if tl.max(sel.to(tl.int32), 0) > 0:
+            y_rows = tl.load(yrow_ptr + rt, mask=sel, other=0) if EXPERT_IN else rt
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for r0 in range(r_lo, r_hi, BLOCK_R):
+                rj = r0 + tl.arange(0, BLOCK_R)
+                y_cols = (rj // R) * (G * R) + group * R + rj % R if EXPERT_IN else rj
+                yt = tl.load(
+                    y_ptr + y_rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
+                    mask=sel[:, None] & (rj[None, :] < r_hi),
+                    other=0.0,
+                )
+                local = rj[:, None] - (part * R)[None, :]
+                bt = tl.load(
+                    b_base + b_cols[None, :] + local * stride_br,
+                    mask=(local >= 0) & (local < R) & in_n[None, :],
+                    other=0.0,
+                )
+                if DOT_FP32:
+                    acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+            delta = (acc * scale.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
+            out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+            m = sel[:, None] & in_n[None, :]
+            old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _segment_down_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    ends_ptr,
+    scale_ptr,
+    K,
+    N,
+    R,
+    first,
+    split,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_bs,
+    stride_bg,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sg,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The down projection's LoRA in one launch, one program per (expert, slot, column tile) over the expert's
+    segment: x @ A[slot, expert]^T stays in registers, then @ B[slot, group]^T is added to the column tile."""
+    e = tl.program_id(0)
+    slot = tl.program_id(1)
+    start, end = _segment(ends_ptr, first + e)
+    group = (e >= split).to(tl.int32)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + e.to(tl.int64) * stride_ae
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + group.to(tl.int64) * stride_bg
+    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    rr = tl.arange(0, BLOCK_R)
+    in_r = rr < R
+    scale = tl.load(scale_ptr + slot * stride_ss + group * stride_sg).to(tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        sel = (rt < end) & (tl.load(slot_ptr + rt, mask=rt < end, other=-1) == slot)
+        if tl.max(sel.to(tl.int32), 0) > 0:
+            y = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                in_k = rk < K
+                xt = tl.load(
+                    x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk,
+                    mask=sel[:, None] & in_k[None, :],
+                    other=0.0,
+                )
+                at = tl.load(
+                    a_base + rk[:, None] * stride_ak + rr[None, :] * stride_ar,
+                    mask=in_k[:, None] & in_r[None, :],
+                    other=0.0,
+                )
+                y = tl.dot(xt, at.to(xt.dtype), y, input_precision=PRECISION)
+            yt = y.to(x_ptr.dtype.element_ty)  # rounded, as the two-launch path stores it
+            bt = tl.load(
+                b_base + rn[None, :] * stride_bn + rr[:, None] * stride_br,
+                mask=in_r[:, None] & in_n[None, :],
+                other=0.0,
+            )
+            if DOT_FP32:
+                acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), input_precision=PRECISION)
+            else:
+                acc = tl.dot(yt, bt.to(yt.dtype), input_precision=PRECISION)
+            delta = (acc * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+            out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+            m = sel[:, None] & in_n[None, :]
+            old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+
+
 # ---- launchers ------------------------------------------------------------------------------------
 
 
@@ -407,6 +583,7 @@ class _ExpertRows:
     experts: torch.Tensor
     groups: ExpertGroups
     tokens: torch.Tensor | None = None
+    ends: torch.Tensor | None = None  # rows sorted by expert: ends[e] = rows of experts <= e (segment kernels)
 
 
 def _expand(
@@ -435,9 +612,41 @@ def _expand(
     ss, sp = _scale_strides(scalings, num_slots, parts * groups.groups)
     if tokens == 0 or rank == 0 or n == 0:
         return out
+    dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype
+    split = _NONE.value if groups.split is None else groups.split - groups.first
+    if rows is not None and rows.ends is not None and tokens <= SEGMENT_MAX_ROWS:
+        block_n = block_n or 256
+        _segment_expand_kernel[(groups.count, num_slots, triton.cdiv(n, block_n))](
+            y,
+            b,
+            out,
+            slots,
+            rows.tokens if expert_in else slots,
+            rows.ends,
+            scalings,
+            n,
+            rank,
+            groups.first,
+            split,
+            groups.groups,
+            o1,
+            o2,
+            o3,
+            *y.stride(),
+            *b.stride(),
+            *out.stride(),
+            ss,
+            sp,
+            EXPERT_IN=expert_in,
+            DOT_FP32=dot_fp32,
+            PRECISION="ieee" if dot_fp32 else "tf32",
+            BLOCK_T=16,
+            BLOCK_N=block_n,
+            BLOCK_R=_pow2(rank * parts, 16, 64),
+        )
+        return out
     block_t = _block_t(tokens)
     block_n = block_n or (256 if tokens <= 16 else 128)
-    dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots, triton.cdiv(n, block_n))
     _expand_kernel[grid](
@@ -453,7 +662,7 @@ def _expand(
         rank,
         groups.first,
         groups.count,
-        _NONE.value if groups.split is None else groups.split - groups.first,
+        split,
         groups.groups,
         o1,
         o2,
@@ -622,9 +831,11 @@ def expert_in_lora_expand(
     out: torch.Tensor,
     token_of_row: torch.Tensor,
     groups: ExpertGroups,
+    expert_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-expert B of the projections that read one input (gate/up) on dispatched rows, in place; see the
-    torch twin. y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]."""
+    torch twin. y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]. `expert_ends`: the
+    rows are sorted by expert and ends[e] counts those of experts <= e (one program per expert and slot)."""
     _check(y.dim() == 2 and lora_b.dim() == 5, "expert_in_lora_expand needs y [T, P*G*R] and lora_b [S,P,E,N,R]")
     rows = out.shape[0]
     _check(
@@ -635,7 +846,8 @@ def expert_in_lora_expand(
     _check(groups.count == count, f"groups cover {groups.count} experts, lora_b has {count}")
     _check(out.shape[1] == parts * n, f"out must be [M, P*N={parts * n}], got {tuple(out.shape)}")
     offsets = tuple(range(0, parts * n + 1, n))
-    return _expand(y, lora_b, slots, scalings, out, offsets, _ExpertRows(expert_ids, groups, token_of_row))
+    rows_of = _ExpertRows(expert_ids, groups, token_of_row, expert_ends)
+    return _expand(y, lora_b, slots, scalings, out, offsets, rows_of)
 
 
 def expert_out_lora_expand(
@@ -654,3 +866,64 @@ def expert_out_lora_expand(
     _check(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
     _check(tuple(out.shape) == (y.shape[0], lora_b.shape[2]), f"out must be [M={y.shape[0]}, N={lora_b.shape[2]}]")
     return _expand(y, lora_b[:, None], slots, scalings, out, None, _ExpertRows(expert_ids, groups))
+
+
+def expert_down_lora(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    groups: ExpertGroups,
+    expert_ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out += the down LoRA of dispatched rows x: `expert_out_lora_expand(expert_lora_shrink(x, A), B, ...)`.
+
+    With `expert_ends` (rows sorted by expert) and up to SEGMENT_MAX_ROWS rows this is one launch, one program
+    per (expert, slot, column tile); the shrink result stays in registers.
+    """
+    _check(lora_a.dim() == 4 and lora_b.dim() == 4, "expert_down_lora needs lora_a [S,E,R,K] and lora_b [S,G,N,R]")
+    if expert_ends is None or x.shape[0] > SEGMENT_MAX_ROWS:
+        y = expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
+        return expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
+    rows, k = x.shape
+    num_slots, count, rank, _ = lora_a.shape
+    _check(lora_a.shape[3] == k, f"lora_a's K={lora_a.shape[3]} differs from x's K={k}")
+    _check(groups.count == count, f"groups cover {groups.count} experts, lora_a has {count}")
+    _check(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
+    _check(tuple(out.shape) == (rows, lora_b.shape[2]), f"out must be [M={rows}, N={lora_b.shape[2]}]")
+    ss, sg = _scale_strides(scalings, num_slots, groups.groups)
+    if rows == 0 or rank == 0:
+        return out
+    n = out.shape[1]
+    dot_fp32 = x.dtype == torch.float32 or x.dtype != lora_b.dtype
+    block_n = 256
+    _segment_down_kernel[(count, num_slots, triton.cdiv(n, block_n))](
+        x,
+        lora_a,
+        lora_b,
+        out,
+        slots,
+        expert_ends,
+        scalings,
+        k,
+        n,
+        rank,
+        groups.first,
+        _NONE.value if groups.split is None else groups.split - groups.first,
+        *x.stride(),
+        *lora_a.stride(),
+        *lora_b.stride(),
+        *out.stride(),
+        ss,
+        sg,
+        DOT_FP32=dot_fp32,
+        PRECISION="ieee" if dot_fp32 else "tf32",
+        BLOCK_T=16,
+        BLOCK_N=block_n,
+        BLOCK_K=_pow2(k, 16, 256 if x.element_size() <= 2 else 64),
+        BLOCK_R=_pow2(rank, 16, 64),
+    )
+    return out

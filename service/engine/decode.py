@@ -77,7 +77,6 @@ class DecodeForward:
         device = model.device
         self.ring = torch.arange(state.window, device=device)
         self.key_positions = torch.arange(state.max_context, device=device)
-        self.expert_ids = torch.arange(cfg.n_routed_experts + cfg.n_shared_experts, device=device)  # shared last
 
     @torch.inference_mode()
     def __call__(self, inputs: DecodeInputs, context: int, use_lora: bool = True) -> torch.Tensor:
@@ -160,11 +159,10 @@ class DecodeForward:
         else:
             with side.fork():
                 shrunk = m.expert_shrink(x, slots, experts)
-        rows = Dispatch.of(*m._route(x, layer), slots)
+        rows = Dispatch.of(*m._route(x, layer), slots, m.expert_ids)
         gate_up_w, down_w = (m.w[f"{p}.{proj}"].transpose(1, 2) for proj in ("gate_up_proj", "down_proj"))
         if self.grouped_mm:
-            offsets = torch.searchsorted(rows.experts, self.expert_ids, right=True, out_int32=True)
-            gate_up = torch._grouped_mm(x[rows.tokens], gate_up_w, offs=offsets)
+            gate_up = torch._grouped_mm(x[rows.tokens], gate_up_w, offs=rows.ends)
         else:  # every expert on every token, then each dispatched row's own
             gate_up = torch.matmul(x, gate_up_w)[rows.experts, rows.tokens]
         if side is not None:
@@ -173,7 +171,7 @@ class DecodeForward:
         f = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
         if self.grouped_mm:
-            down = torch._grouped_mm(act, down_w, offs=offsets)
+            down = torch._grouped_mm(act, down_w, offs=rows.ends)
         else:  # a token's experts are distinct, so each (expert, token) cell holds one dispatched row
             cells = act.new_zeros(down_w.shape[0], x.shape[0], act.shape[1])
             cells[rows.experts, rows.tokens] = act

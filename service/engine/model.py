@@ -14,13 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import InklingTextConfig
 
-from inkwell.kernels import (
-    expert_in_lora_expand,
-    expert_lora_shrink,
-    expert_out_lora_expand,
-    lora_shrink,
-    lora_shrink_expand,
-)
+from inkwell.kernels import expert_down_lora, expert_in_lora_expand, lora_shrink, lora_shrink_expand
 from inkwell.models import canonical_weight_names
 from inkwell.service.engine.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.service.engine.slot_copy import STACKS
@@ -83,20 +77,26 @@ class ForwardBatch:
 @dataclass(frozen=True)
 class Dispatch:
     """(token, expert) rows sorted by expert: each row's place in the token-major order, token, expert, weight
-    and LoRA slot. Shared experts are experts too (ids after the routed ones, weight = their gamma)."""
+    and LoRA slot, and where each expert's rows end. Shared experts are experts too (ids after the routed
+    ones, weight = their gamma)."""
 
     order: torch.Tensor
     tokens: torch.Tensor
     experts: torch.Tensor
     weights: torch.Tensor
     slots: torch.Tensor
+    ends: torch.Tensor  # int32 [experts]: ends[e] = rows of experts <= e (grouped GEMM offsets)
 
     @classmethod
-    def of(cls, index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> "Dispatch":
-        """From each token's expert ids and weights [T, k] and the tokens' LoRA slots [T] (no host sync)."""
+    def of(
+        cls, index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor
+    ) -> "Dispatch":
+        """From each token's expert ids and weights [T, k], the tokens' LoRA slots [T] and every expert id in
+        order (no host sync)."""
         order = torch.argsort(index.reshape(-1), stable=True)
-        tokens = order // index.shape[1]
-        return cls(order, tokens, index.reshape(-1)[order], weights.reshape(-1)[order], slots[tokens])
+        tokens, experts = order // index.shape[1], index.reshape(-1)[order]
+        ends = torch.searchsorted(experts, expert_ids, right=True, out_int32=True)
+        return cls(order, tokens, experts, weights.reshape(-1)[order], slots[tokens], ends)
 
     def combine(self, out: torch.Tensor, tokens: int) -> torch.Tensor:
         """Each token's rows of `out` [M, H], weighted and summed in fp32 in the token's own order (deterministic,
@@ -141,9 +141,7 @@ class InklingModel:
             gate_up = torch.cat([self.w.pop(f"{p}.experts.gate_up_proj"), torch.cat(shared[:2], dim=1)])
             self.w[f"{p}.all_experts.gate_up_proj"] = gate_up
             self.w[f"{p}.all_experts.down_proj"] = torch.cat([self.w.pop(f"{p}.experts.down_proj"), shared[2]])
-        self.shared_expert_ids = torch.arange(
-            config.n_routed_experts, config.n_routed_experts + config.n_shared_experts, device=self.device
-        )
+        self.expert_ids = torch.arange(config.n_routed_experts + config.n_shared_experts, device=self.device)
         # q, k, v and r as one weight: one GEMM, whose output columns the four split as views.
         self.qkvr_splits: list[list[int]] = []
         for layer in range(config.num_hidden_layers):
@@ -207,7 +205,7 @@ class InklingModel:
         if experts is not None:
             buf = experts.gate_up
             expert_in_lora_expand(
-                shrunk, buf.b, rows.slots, rows.experts, buf.scalings, gate_up, rows.tokens, experts.groups
+                shrunk, buf.b, rows.slots, rows.experts, buf.scalings, gate_up, rows.tokens, experts.groups, rows.ends
             )
 
     @staticmethod
@@ -215,8 +213,7 @@ class InklingModel:
         """Add each dispatched row's down LoRA (its expert's A, its group's shared B) to `down`."""
         if experts is not None:
             buf = experts.down
-            y = expert_lora_shrink(act, buf.a, rows.slots, rows.experts, experts.groups)
-            expert_out_lora_expand(y, buf.b, rows.slots, rows.experts, buf.scalings, down, experts.groups)
+            expert_down_lora(act, buf.a, buf.b, rows.slots, rows.experts, buf.scalings, down, experts.groups, rows.ends)
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
 
@@ -353,19 +350,20 @@ class InklingModel:
         log_probs = F.logsigmoid(picked)
         weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
         weights = weights * cfg.route_scale * self.w[f"{p}.global_scale"]
-        return torch.cat([index, self.shared_expert_ids.expand(x.shape[0], -1)], dim=1), weights
+        shared = self.expert_ids[cfg.n_routed_experts :].expand(x.shape[0], -1)
+        return torch.cat([index, shared], dim=1), weights
 
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         """Routed and shared experts on their dispatched rows, one expert at a time."""
         p = f"model.layers.{layer}.mlp.all_experts"
         experts = lora.experts.get(layer) if lora is not None else None
         index, weights = self._route(x, layer)
-        rows = Dispatch.of(index, weights, slots)  # grouped by expert
+        rows = Dispatch.of(index, weights, slots, self.expert_ids)  # grouped by expert
         xs = x[rows.tokens]
         f = self.config.moe_intermediate_size
         gate_up = xs.new_empty(xs.shape[0], 2 * f)
         down = xs.new_empty(xs.shape)
-        bounds = torch.bincount(rows.experts, minlength=len(self.w[f"{p}.down_proj"])).cumsum(0).tolist()
+        bounds = rows.ends.tolist()
         hit = [(e, s, t) for e, (s, t) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)) if t > s]
         for e, s, t in hit:
             gate_up[s:t] = F.linear(xs[s:t], self.w[f"{p}.gate_up_proj"][e])

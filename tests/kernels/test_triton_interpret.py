@@ -131,16 +131,19 @@ def check_experts(
     n: int,
     covered: str = "both",
 ):
-    """The three expert ops on dispatched rows of `experts` routed + 2 shared experts, of which `covered` have LoRA.
+    """The expert ops on dispatched rows of `experts` routed + 2 shared experts, of which `covered` have LoRA.
 
+    Rows are sorted by expert, as the engine dispatches them; the gate/up expand and the fused down run both
+    ways: token tiles walking their groups, and (with the segment ends) one program per expert and slot.
     Rows of uncovered experts and of slot -1 must stay untouched (zero after the shrink)."""
     gen = torch.Generator().manual_seed(rows * 3 + experts + len(covered))
     groups = expert_groups(experts, 2, covered)
     tokens = max(rows // 3, 1)
     token_slots = make_slots(tokens, num_slots, num_slots - 1, gen)
-    token_of_row = torch.randint(0, tokens, (rows,), generator=gen)
+    expert_ids, order = torch.randint(0, experts + 2, (rows,), generator=gen).sort(stable=True)
+    token_of_row = torch.randint(0, tokens, (rows,), generator=gen)[order]
     slots = token_slots[token_of_row]
-    expert_ids = torch.randint(0, experts + 2, (rows,), generator=gen)
+    ends = torch.searchsorted(expert_ids, torch.arange(experts + 2), right=True).to(device)
     scalings = torch.rand(num_slots, 2 * groups.groups, generator=gen) + 0.5
     dev = dict(device=device, dtype=dtype)
     d_slots, d_experts = slots.to(device), expert_ids.to(device)
@@ -166,6 +169,12 @@ def check_experts(
     ops.expert_out_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, out, groups)
     assert_close(out, ref_out, dtype, "expert_out_lora_expand")
     assert torch.equal(out[untouched], before[untouched]), "expert_out_lora_expand touched uncovered rows"
+    for segment_ends in (None, ends):
+        fused = ops.expert_down_lora(
+            x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, base.to(**dev), groups, segment_ends
+        )
+        assert_close(fused, ref_out, dtype, f"expert_down_lora (segments: {segment_ends is not None})")
+        assert torch.equal(fused[untouched], before[untouched]), "expert_down_lora touched uncovered rows"
 
     # gate/up: each group's shared A (the tokens' shrink y_in), per-expert B per projection
     y_in = torch.randn(tokens, 2 * groups.groups * rank, generator=gen, dtype=torch.float64)
@@ -174,13 +183,15 @@ def check_experts(
     ref_out = torch_ops.expert_in_lora_expand(
         y_in, b_in, slots, expert_ids, scalings.double(), base.clone(), token_of_row, groups
     )
-    out = base.to(**dev)
-    before = out.clone()
-    ops.expert_in_lora_expand(
-        y_in.to(**dev), b_in.to(**dev), d_slots, d_experts, scalings.to(device), out, token_of_row.to(device), groups
-    )
-    assert_close(out, ref_out, dtype, f"expert_in_lora_expand ({covered})")
-    assert torch.equal(out[untouched], before[untouched]), "expert_in_lora_expand touched uncovered rows"
+    before = base.to(**dev)
+    for segment_ends in (None, ends):
+        out = before.clone()
+        d_tokens = token_of_row.to(device)
+        ops.expert_in_lora_expand(
+            y_in.to(**dev), b_in.to(**dev), d_slots, d_experts, scalings.to(device), out, d_tokens, groups, segment_ends
+        )
+        assert_close(out, ref_out, dtype, f"expert_in_lora_expand ({covered}, segments: {segment_ends is not None})")
+        assert torch.equal(out[untouched], before[untouched]), "expert_in_lora_expand touched uncovered rows"
 
 
 def run_interpreted_cases() -> None:
