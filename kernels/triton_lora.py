@@ -65,6 +65,62 @@ def _row_keys(rows, slots, local, E):
 
 
 @triton.jit
+def _expand_acc(
+    y_ptr,
+    y_rows,
+    sel,
+    stride_yt,
+    stride_yr,
+    b_base,
+    b_cols,
+    stride_br,
+    part,
+    r_lo,
+    r_hi,
+    R,
+    G,
+    group,
+    in_n,
+    EXPERT_IN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """fp32 [BLOCK_T, BLOCK_N]: the selected rows' y rank blocks (virtual ranks r_lo .. r_hi-1) times B^T, each
+    column reading only its slice's block (see `_expand_kernel`)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        rj = r0 + tl.arange(0, BLOCK_R)
+        y_cols = (rj // R) * (G * R) + group * R + rj % R if EXPERT_IN else rj
+        yt = tl.load(
+            y_ptr + y_rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
+            mask=sel[:, None] & (rj[None, :] < r_hi),
+            other=0.0,
+        )
+        local = rj[:, None] - (part * R)[None, :]  # rank inside column n's slice
+        bt = tl.load(
+            b_base + b_cols[None, :] + local * stride_br, mask=(local >= 0) & (local < R) & in_n[None, :], other=0.0
+        )
+        if DOT_FP32:
+            acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale):
+    """out[rows, columns] += acc * scale, the delta rounded to out's dtype first, as the torch twins add it."""
+    delta = (acc * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+    m = sel[:, None] & in_n[None, :]
+    old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     a_ptr,
@@ -196,7 +252,6 @@ def _expand_kernel(
     r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
     # expert_in: slice p's B at p * stride_bp, by the column inside the slice; else B stacked along N
     b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
-    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
     key = tl.min(keys, 0)
     while key < _NONE:
         sel = keys == key
@@ -204,31 +259,12 @@ def _expand_kernel(
         group = (key % E >= split).to(tl.int32)
         b_index = key % E if EXPERT_IN else group
         b_base = b_ptr + slot.to(tl.int64) * stride_bs + b_index.to(tl.int64) * stride_be
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for r0 in range(r_lo, r_hi, BLOCK_R):
-            rj = r0 + tl.arange(0, BLOCK_R)
-            y_cols = (rj // R) * (G * R) + group * R + rj % R if EXPERT_IN else rj
-            yt = tl.load(
-                y_ptr + y_rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
-                mask=sel[:, None] & (rj[None, :] < r_hi),
-                other=0.0,
-            )
-            local = rj[:, None] - (part * R)[None, :]  # rank inside column n's slice
-            bt = tl.load(
-                b_base + b_cols[None, :] + local * stride_br,
-                mask=(local >= 0) & (local < R) & in_n[None, :],
-                other=0.0,
-            )
-            if DOT_FP32:
-                acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
-        scale_ptrs = scale_ptr + slot * stride_ss + (part * G + group) * stride_sp
-        scale = tl.load(scale_ptrs, mask=in_n, other=0.0).to(tl.float32)
-        delta = (acc * scale[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
-        m = sel[:, None] & in_n[None, :]
-        old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+        acc = _expand_acc(
+            y_ptr, y_rows, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, G, group,
+            in_n, EXPERT_IN, DOT_FP32, PRECISION, BLOCK_T, BLOCK_N, BLOCK_R,
+        )  # fmt: skip
+        scale = tl.load(scale_ptr + slot * stride_ss + (part * G + group) * stride_sp, mask=in_n, other=0.0)
+        _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale.to(tl.float32)[None, :])
         keys = tl.where(sel, _NONE, keys)
         key = tl.min(keys, 0)
 
@@ -312,11 +348,7 @@ def _fused_kernel(
             acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
-    delta = (acc * scale[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
-    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
-    m = rows[:, None] & in_n[None, :]
-    old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+    _add_delta(out_ptr, rt, rn, stride_ot, stride_on, rows, in_n, acc, scale[None, :])
 
 
 @triton.jit
@@ -377,35 +409,17 @@ def _segment_expand_kernel(
     r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
     b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
     scale = tl.load(scale_ptr + slot * stride_ss + (part * G + group) * stride_sp, mask=in_n, other=0.0)
+    scale = scale.to(tl.float32)[None, :]
     for t0 in range(start, end, BLOCK_T):
         rt = t0 + tl.arange(0, BLOCK_T)
         sel = (rt < end) & (tl.load(slot_ptr + rt, mask=rt < end, other=-1) == slot)
         if tl.max(sel.to(tl.int32), 0) > 0:
             y_rows = tl.load(yrow_ptr + rt, mask=sel, other=0) if EXPERT_IN else rt
-            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-            for r0 in range(r_lo, r_hi, BLOCK_R):
-                rj = r0 + tl.arange(0, BLOCK_R)
-                y_cols = (rj // R) * (G * R) + group * R + rj % R if EXPERT_IN else rj
-                yt = tl.load(
-                    y_ptr + y_rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
-                    mask=sel[:, None] & (rj[None, :] < r_hi),
-                    other=0.0,
-                )
-                local = rj[:, None] - (part * R)[None, :]
-                bt = tl.load(
-                    b_base + b_cols[None, :] + local * stride_br,
-                    mask=(local >= 0) & (local < R) & in_n[None, :],
-                    other=0.0,
-                )
-                if DOT_FP32:
-                    acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
-                else:
-                    acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
-            delta = (acc * scale.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
-            out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
-            m = sel[:, None] & in_n[None, :]
-            old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
-            tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+            acc = _expand_acc(
+                y_ptr, y_rows, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, G, group,
+                in_n, EXPERT_IN, DOT_FP32, PRECISION, BLOCK_T, BLOCK_N, BLOCK_R,
+            )  # fmt: skip
+            _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
 
 
 @triton.jit
@@ -485,11 +499,7 @@ def _segment_down_kernel(
                 acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), input_precision=PRECISION)
             else:
                 acc = tl.dot(yt, bt.to(yt.dtype), input_precision=PRECISION)
-            delta = (acc * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
-            out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
-            m = sel[:, None] & in_n[None, :]
-            old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
-            tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+            _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
 
 
 # ---- launchers ------------------------------------------------------------------------------------
