@@ -4,9 +4,9 @@ A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens 
 1, 4 and 8 distinct rank-16 adapters over every target group (request i uses adapter i mod n). Decode = every
 step after the first (which prefills every prompt); each case is timed `--repeats` times after a warm-up run
 (Triton compiles, graphs are captured) and the median is kept.
-  eager         cuda_graphs=False: every step runs InklingModel.forward
-  graphs        pure decode steps replay a captured CudaGraphDecoder graph
-  graphs+side   the same, with each projection's LoRA on a side stream beside the base GEMM
+  eager         cuda_graphs=False: every step runs InklingModel.forward (one stream)
+  graphs        pure decode steps replay a captured CudaGraphDecoder graph (one stream)
+  graphs+side   the same, with each projection's LoRA on a side stream beside the base GEMM (the engine's default)
 Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% slower than 1.
 Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--out decode_graphs.json]
 CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny
@@ -30,8 +30,8 @@ from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, init_base_model, load_base_config
 
 MODES = {
-    "eager": {"cuda_graphs": False},
-    "graphs": {"cuda_graphs": True},
+    "eager": {"cuda_graphs": False, "lora_side_stream": False},
+    "graphs": {"cuda_graphs": True, "lora_side_stream": False},
     "graphs+side": {"cuda_graphs": True, "lora_side_stream": True},
 }
 

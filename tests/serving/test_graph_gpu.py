@@ -43,7 +43,7 @@ def assert_close(expected: dict, got: dict, tol: float) -> None:
 
 @pytest.mark.parametrize("side_stream", [False, True], ids=["one_stream", "side_stream"])
 def test_graph_decode_bf16_equals_eager(tiny_model_dir, tiny_adapters, side_stream):
-    eager = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
+    eager = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=False)
     graphs = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=side_stream)
     assert eager.decoder is None and graphs.decoder.use_graphs
     assert graphs.decoder.forward.grouped_mm == (torch.cuda.get_device_capability()[0] in (9, 10))
@@ -63,14 +63,14 @@ def test_graph_decode_fp32_equals_eager(tiny_model_dir, tiny_adapters):
 
 
 def test_side_stream_gives_the_one_stream_results(tiny_model_dir, tiny_adapters):
-    """The side stream adds the same rounded delta the in-place kernels do, and tiny's top-2 routing sums
-    each token's two expert rows in either order alike: the results should be bitwise the same."""
-    one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
-    two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=True)
+    """The side stream (the default on CUDA) adds the same rounded delta the in-place kernels do, and each token's
+    expert rows are summed in the token's own order: the results should be bitwise the same."""
+    one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=False)
+    two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
     requests = mixed_requests()
     assert_close(one.generate(requests), two.generate(requests), 1e-6)
-    eager_one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
-    eager_two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=True)
+    eager_one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=False)
+    eager_two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
     assert_close(eager_one.generate(requests), eager_two.generate(requests), 1e-6)
 
 
