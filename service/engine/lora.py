@@ -21,7 +21,13 @@ from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.kernels import ExpertGroups
 from inkwell.models.base import BaseModelIdentity
-from inkwell.service.engine.slot_copy import STACKS, ImageAdapter, SlotLayout, slot_layout
+from inkwell.service.engine.slot_copy import (
+    EXPERT_DOWN_STACK,
+    EXPERT_GATE_UP_STACK,
+    ImageAdapter,
+    SlotLayout,
+    slot_layout,
+)
 
 EXPERT_GROUPS = ("experts", "shared_experts")  # routed ids first, then shared: the order of the id space
 
@@ -139,9 +145,12 @@ class LoraSlots:
             groups = ExpertGroups(0, routed + shared, split=routed)
         else:
             groups = ExpertGroups(0, routed) if covered == ["experts"] else ExpertGroups(routed, shared)
-        family = {name: tuple(f"model.layers.{layer}.{m}" for m in STACKS[i]) for i, name in ((1, "in"), (2, "out"))}
-        present = {name: tuple(m for m in modules if m in self.buffers) for name, modules in family.items()}
-        return ExpertLora(groups, self.stacks[present["in"]], self.stacks[present["out"]])
+
+        def stack(family: tuple[str, ...]) -> StackedBuffer:  # the family's enabled members, as laid out
+            modules = (f"model.layers.{layer}.{name}" for name in family)
+            return self.stacks[tuple(m for m in modules if m in self.buffers)]
+
+        return ExpertLora(groups, stack(EXPERT_GATE_UP_STACK), stack(EXPERT_DOWN_STACK))
 
     def check(self, adapter: Adapter) -> None:
         """Raise AdapterIncompatibleError saying why `adapter` cannot go into these slots."""

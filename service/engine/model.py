@@ -17,12 +17,11 @@ from transformers import InklingTextConfig
 from inkwell.kernels import expert_down_lora, expert_in_lora_expand, lora_shrink, lora_shrink_expand
 from inkwell.models import canonical_weight_names
 from inkwell.service.engine.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
-from inkwell.service.engine.slot_copy import STACKS
+from inkwell.service.engine.slot_copy import QKVR_STACK
 from inkwell.service.engine.state import StatePool
 from inkwell.service.engine.streams import SideStream
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
-QKVR = STACKS[0]  # the projections that read one input: one GEMM and one LoRA launch
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,7 @@ class InklingModel:
         # q, k, v and r as one weight: one GEMM, whose output columns the four split as views.
         self.qkvr_splits: list[list[int]] = []
         for layer in range(config.num_hidden_layers):
-            names = [f"model.layers.{layer}.{proj}.weight" for proj in QKVR]
+            names = [f"model.layers.{layer}.{proj}.weight" for proj in QKVR_STACK]
             self.qkvr_splits.append([self.w[n].shape[0] for n in names])
             self.w[f"model.layers.{layer}.self_attn.qkvr_proj.weight"] = torch.cat([self.w.pop(n) for n in names])
         self.eps = config.rms_norm_eps
@@ -162,7 +161,7 @@ class InklingModel:
     def qkvr(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> list[torch.Tensor]:
         """q, k, v and r: one GEMM and one sliced LoRA launch; column views of one output."""
         p = f"model.layers.{layer}"
-        modules = tuple(f"{p}.{proj}" for proj in QKVR)
+        modules = tuple(f"{p}.{proj}" for proj in QKVR_STACK)
         stack = lora.stacks.get(modules) if lora is not None else None  # None: attn not adapted
         y = self._project(x, self.w[f"{p}.self_attn.qkvr_proj.weight"], slots, stack)
         return y.split(self.qkvr_splits[layer], dim=-1)

@@ -36,11 +36,15 @@ ALIGN = 64
 # Targets of one layer that one launch serves: their A's sit back to back in a slot, then their B's, and
 # a strided view stacks them (`SlotStack`). The engine runs routed and shared experts as one id space
 # (shared ids after the routed), so the expert families list routed before shared, gate before up.
-STACKS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.r_proj"),
-    ("mlp.experts.gate_proj", "mlp.shared_experts.gate_proj", "mlp.experts.up_proj", "mlp.shared_experts.up_proj"),
-    ("mlp.experts.down_proj", "mlp.shared_experts.down_proj"),
+QKVR_STACK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.r_proj")
+EXPERT_GATE_UP_STACK = (
+    "mlp.experts.gate_proj",
+    "mlp.shared_experts.gate_proj",
+    "mlp.experts.up_proj",
+    "mlp.shared_experts.up_proj",
 )
+EXPERT_DOWN_STACK = ("mlp.experts.down_proj", "mlp.shared_experts.down_proj")
+STACKS = (QKVR_STACK, EXPERT_GATE_UP_STACK, EXPERT_DOWN_STACK)
 
 
 @dataclass(frozen=True)
