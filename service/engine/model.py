@@ -4,7 +4,9 @@ A step's batch is the concatenation of chunks of many sequences (a prefill chunk
 token each); projections, the router and the experts run on all tokens at once, and LoRA deltas
 are added through `inkwell.kernels` with a per-token slot index, so one launch serves every
 adapter in the batch. Attention and ShortConv read and update each sequence's state in
-`StatePool`. The arithmetic follows transformers' eager `InklingForCausalLM` step by step.
+`StatePool`. The arithmetic follows transformers' eager `InklingForCausalLM` step by step, with
+one regrouping: the shared experts run as experts E..E+n-1 beside the routed ones (their gammas are
+their routing weights), so both take the same dispatch, grouped GEMMs and LoRA kernels.
 """
 
 from dataclasses import dataclass
