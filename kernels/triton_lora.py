@@ -537,6 +537,23 @@ def _slices(slice_offsets: tuple[int, ...] | None, n: int) -> tuple[int, int, in
     return p, starts[0], starts[1], starts[2]
 
 
+def _local_split(groups: ExpertGroups) -> int:
+    """The kernels' `split`: the second group's first expert counted from `first`; _NONE with one group."""
+    return _NONE.value if groups.split is None else groups.split - groups.first
+
+
+def _check_expert_a(x: torch.Tensor, lora_a: torch.Tensor, groups: ExpertGroups) -> None:
+    """Per-expert A [S, E, R, K] for dispatched rows x [M, K], E the experts `groups` cover."""
+    _check(lora_a.shape[3] == x.shape[1], f"lora_a's K={lora_a.shape[3]} differs from x's K={x.shape[1]}")
+    _check(groups.count == lora_a.shape[1], f"groups cover {groups.count} experts, lora_a has {lora_a.shape[1]}")
+
+
+def _check_down_b(rows: int, lora_b: torch.Tensor, out: torch.Tensor, groups: ExpertGroups) -> None:
+    """One B per group [S, G, N, R] adding into out [M, N]."""
+    _check(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
+    _check(tuple(out.shape) == (rows, lora_b.shape[2]), f"out must be [M={rows}, N={lora_b.shape[2]}]")
+
+
 def _scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int, int]:
     if scalings.dim() == 1:
         _check(scalings.shape[0] == slots, f"scalings must be [S={slots}] or [S, {parts}], got {tuple(scalings.shape)}")
@@ -623,7 +640,7 @@ def _expand(
     if tokens == 0 or rank == 0 or n == 0:
         return out
     dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype
-    split = _NONE.value if groups.split is None else groups.split - groups.first
+    split = _local_split(groups)
     if rows is not None and rows.ends is not None and tokens <= SEGMENT_MAX_ROWS:
         block_n = block_n or 256
         _segment_expand_kernel[(groups.count, num_slots, triton.cdiv(n, block_n))](
@@ -825,10 +842,9 @@ def expert_lora_shrink(
 ) -> torch.Tensor:
     """Dispatched rows x[M,K] @ A[slot, expert - first]^T -> [M,R] (A: [S,E,R,K]); uncovered rows are zero."""
     _check(x.dim() == 2 and lora_a.dim() == 4, "expert_lora_shrink needs x [M,K] and lora_a [S,E,R,K]")
-    _check(lora_a.shape[3] == x.shape[1], f"lora_a's K={lora_a.shape[3]} differs from x's K={x.shape[1]}")
     _check(slots.shape == expert_ids.shape == (x.shape[0],), f"slots and expert_ids must be [M={x.shape[0]}]")
     groups = groups or ExpertGroups(0, lora_a.shape[1])
-    _check(groups.count == lora_a.shape[1], f"groups cover {groups.count} experts, lora_a has {lora_a.shape[1]}")
+    _check_expert_a(x, lora_a, groups)
     return _shrink(x, lora_a, slots, expert_ids, groups.first)
 
 
@@ -873,8 +889,7 @@ def expert_out_lora_expand(
     [S, G, N, R], one shared B per group: the down projection), in place."""
     _check(y.dim() == 2 and lora_b.dim() == 4, "expert_out_lora_expand needs y [M,R] and lora_b [S,G,N,R]")
     _check(slots.shape == expert_ids.shape == (y.shape[0],), f"slots and expert_ids must be [M={y.shape[0]}]")
-    _check(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
-    _check(tuple(out.shape) == (y.shape[0], lora_b.shape[2]), f"out must be [M={y.shape[0]}, N={lora_b.shape[2]}]")
+    _check_down_b(y.shape[0], lora_b, out, groups)
     return _expand(y, lora_b[:, None], slots, scalings, out, None, _ExpertRows(expert_ids, groups))
 
 
@@ -900,10 +915,9 @@ def expert_down_lora(
         return expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
     rows, k = x.shape
     num_slots, count, rank, _ = lora_a.shape
-    _check(lora_a.shape[3] == k, f"lora_a's K={lora_a.shape[3]} differs from x's K={k}")
-    _check(groups.count == count, f"groups cover {groups.count} experts, lora_a has {count}")
-    _check(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
-    _check(tuple(out.shape) == (rows, lora_b.shape[2]), f"out must be [M={rows}, N={lora_b.shape[2]}]")
+    _check(slots.shape == expert_ids.shape == (rows,), f"slots and expert_ids must be [M={rows}]")
+    _check_expert_a(x, lora_a, groups)
+    _check_down_b(rows, lora_b, out, groups)
     ss, sg = _scale_strides(scalings, num_slots, groups.groups)
     if rows == 0 or rank == 0:
         return out
@@ -922,7 +936,7 @@ def expert_down_lora(
         n,
         rank,
         groups.first,
-        _NONE.value if groups.split is None else groups.split - groups.first,
+        _local_split(groups),
         *x.stride(),
         *lora_a.stride(),
         *lora_b.stride(),

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from inkwell.kernels import (
-    ExpertGroups,
     expert_in_lora_expand,
     expert_lora_shrink,
     expert_out_lora_expand,
     lora_expand,
     lora_shrink,
 )
+from inkwell.tests.kernels.test_triton_interpret import expert_groups
 
 
 def _slots(t: int, s: int, gen: torch.Generator) -> torch.Tensor:
@@ -77,9 +77,7 @@ def test_zero_padded_rank_equals_unpadded():
 def test_expert_ops_match_per_row_loop(m, s, e, r, k, n, covered):
     """Routed ids 0..e-1 and 2 shared ids after them; the LoRA covers `covered` (both: two groups)."""
     gen = torch.Generator().manual_seed(m + e)
-    groups = {"both": ExpertGroups(0, e + 2, split=e), "routed": ExpertGroups(0, e), "shared": ExpertGroups(e, 2)}[
-        covered
-    ]
+    groups = expert_groups(e, 2, covered)
     g_count = groups.groups
     tokens = max(m // 2, 1)
     token_of_row = torch.randint(0, tokens, (m,), generator=gen)
