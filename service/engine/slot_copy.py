@@ -156,7 +156,7 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
     if key in _layouts:
         return _layouts[key]
     entries: list[SlotEntry] = []
-    families: list[int] = []  # first entry of each family
+    stacks: list[SlotStack] = []
     offset = 0
 
     def take(shapes: list[tuple[int, ...]]) -> list[int]:
@@ -175,8 +175,6 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
         members = stacked.get(target.module, [target])
         if target is not members[0]:
             continue  # placed with its family
-        if target.module in stacked:
-            families.append(len(entries))
         shapes = [member.shapes(max_rank) for member in members]
         a_offsets = take([shape["lora_A"] for shape in shapes])  # a family's A's back to back, then its B's
         b_offsets = take([shape["lora_B"] for shape in shapes])
@@ -186,8 +184,9 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
                     member.module, member.group, member.kind, shape["lora_A"], a_offset, shape["lora_B"], b_offset
                 )
             )
-    stacks = tuple(_stack(entries[first : first + len(stacked[entries[first].module])], first) for first in families)
-    _layouts[key] = SlotLayout(tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype, stacks)
+        if target.module in stacked:
+            stacks.append(_stack(entries[-len(members) :], len(entries) - len(members)))
+    _layouts[key] = SlotLayout(tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype, tuple(stacks))
     return _layouts[key]
 
 
@@ -204,25 +203,19 @@ def _family_members(targets: list) -> dict[str, list]:
 
 def _stack(members: list[SlotEntry], first: int) -> SlotStack:
     """The stack of a family's entries (`first`: the first one's index), laid out back to back by `take`."""
-    modules, kind = tuple(m.module for m in members), members[0].kind
-    b_offset = members[0].b_offset
+    modules, kind, head = tuple(m.module for m in members), members[0].kind, members[0]
+    a_shape = (sum(m.a_shape[0] for m in members), *head.a_shape[1:])  # A's stacked along their first dim
     if kind == "expert_in":  # gates of each group, then ups: A [2*G*R, H], B [2, E, F, R]
-        rank, hidden = members[0].a_shape
         experts = sum(m.b_shape[0] for m in members[: len(members) // 2])
-        a_shape, b_shape = (len(members) * rank, hidden), (2, experts, members[0].b_shape[1], rank)
-        return SlotStack(modules, first, members[0].a_offset, a_shape, b_offset, b_shape, None)
+        b_shape = (2, experts, *head.b_shape[1:])
+        return SlotStack(modules, first, head.a_offset, a_shape, head.b_offset, b_shape, None)
     if kind == "expert_out":  # per-expert A's of the groups: A [E, R, F], B [G, H, R]
-        a_shape = (sum(m.a_shape[0] for m in members), *members[0].a_shape[1:])
-        return SlotStack(
-            modules, first, members[0].a_offset, a_shape, b_offset, (len(members), *members[0].b_shape), None
-        )
-    a_shape = (sum(m.a_shape[0] for m in members), *members[0].a_shape[1:])  # one input: the same K
-    bounds = [0]
+        return SlotStack(modules, first, head.a_offset, a_shape, head.b_offset, (len(members), *head.b_shape), None)
+    bounds = [0]  # linears: A [P*R, K], B stacked along the output
     for m in members:
         bounds.append(bounds[-1] + m.b_shape[0])
-    return SlotStack(
-        modules, first, members[0].a_offset, a_shape, b_offset, (bounds[-1], members[0].b_shape[1]), tuple(bounds)
-    )
+    b_shape = (bounds[-1], head.b_shape[1])
+    return SlotStack(modules, first, head.a_offset, a_shape, head.b_offset, b_shape, tuple(bounds))
 
 
 class ImageAdapter(Adapter):
