@@ -1,18 +1,24 @@
 """Multi-LoRA ops over a per-token adapter slot index: Triton kernels on CUDA, pure-torch references elsewhere."""
 
 from inkwell.kernels.dispatch import (
+    FUSED_MAX_N,
+    FUSED_MAX_TOKENS,
     expert_down_lora,
     expert_in_lora_expand,
     expert_lora_shrink,
     expert_out_lora_expand,
     lora_expand,
     lora_expand_sliced,
+    lora_linear,
     lora_shrink,
     lora_shrink_expand,
+    one_launch_projection,
 )
 from inkwell.kernels.torch_ops import ExpertGroups
 
 __all__ = [
+    "FUSED_MAX_N",
+    "FUSED_MAX_TOKENS",
     "ExpertGroups",
     "expert_down_lora",
     "expert_in_lora_expand",
@@ -20,6 +26,8 @@ __all__ = [
     "expert_out_lora_expand",
     "lora_expand",
     "lora_expand_sliced",
+    "lora_linear",
     "lora_shrink",
     "lora_shrink_expand",
+    "one_launch_projection",
 ]

@@ -9,9 +9,15 @@ Triton is imported only when a CUDA tensor arrives, so CPU processes never load 
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from inkwell.kernels import torch_ops
 from inkwell.kernels.torch_ops import ExpertGroups
+
+# On CUDA, up to FUSED_MAX_TOKENS tokens (decode) lora_linear is one Triton GEMM with the LoRA beside it and in its
+# epilogue, and lora_shrink_expand is one launch up to FUSED_MAX_N columns too: past them every column tile
+# re-reading its slot's A costs more than a second launch saves (H200 timings in docs/benchmarks.md).
+FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
 
 
 def _triton() -> ModuleType:
@@ -157,3 +163,26 @@ def lora_shrink_expand(
         return _triton().lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     y = torch_ops.lora_shrink(x, lora_a, token_slots)
     return _torch_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
+
+
+def one_launch_projection(x: torch.Tensor) -> bool:
+    """Whether `lora_linear` of x [T,K] is the one-GEMM path (decode sizes on CUDA)."""
+    return x.is_cuda and x.shape[0] <= FUSED_MAX_TOKENS
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """x @ W^T plus each token's (sliced) LoRA delta: `F.linear`, then `lora_shrink_expand` on its output.
+
+    Where `one_launch_projection` holds, one Triton GEMM: the shrink beside it, the expand in its epilogue.
+    """
+    if x.is_cuda:
+        return _triton().lora_linear(x, weight, lora_a, lora_b, token_slots, scalings, slice_offsets)
+    return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, F.linear(x, weight), slice_offsets)

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS
 from inkwell.kernels.torch_ops import ExpertGroups
 
 _NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
 MAX_SLICES = 4
-# lora_shrink_expand fuses its two launches up to these sizes (H200 timings in docs/benchmarks.md): every
-# column tile re-reads its slot's A, which past them costs more than the second launch saves.
-FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
+
 SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
 # Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
 # per (expert, slot): decode's few rows per expert then take one step each instead of a walk over all groups.
@@ -146,12 +146,17 @@ def _shrink_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """y[t, r-block] = x[t] @ A[slot, expert - first]^T; slot -1 rows (and uncovered experts') get zeros.
 
     SLOT_LOOP: one program per token tile walks the tile's (slot, expert) groups (long segments);
     otherwise program_id(1) - 1 picks the slot (-1: the zeros), so slots run in parallel (decode).
+    LAUNCH_DEPENDENTS lets a kernel launched after this one with programmatic dependent launch start now
+    (`_linear_kernel`: it waits for y only in its epilogue).
     """
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_t = rt < T
@@ -349,6 +354,86 @@ def _fused_kernel(
         else:
             acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
     _add_delta(out_ptr, rt, rn, stride_ot, stride_on, rows, in_n, acc, scale[None, :])
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    scale_ptr,
+    T,
+    K,
+    N,
+    R,
+    o1,
+    o2,
+    o3,
+    stride_xt,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    WAIT_FOR_SHRINK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """out[:, tile] = x @ W[tile]^T plus each token's (sliced) LoRA expand of y, as the tile's epilogue.
+
+    Launched right after the shrink that writes y, with programmatic dependent launch (WAIT_FOR_SHRINK): the
+    GEMM's K loop runs while the shrink does, and only the epilogue waits for it. Each token gathers its own
+    slot's B, so one program serves every adapter in the batch.
+    """
+    rt = tl.arange(0, BLOCK_T)
+    in_t = rt < T
+    n0 = tl.program_id(0) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        in_k = rk < K
+        xt = tl.load(
+            x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=in_t[:, None] & in_k[None, :], other=0.0
+        )
+        wt = tl.load(
+            w_ptr + rn[None, :] * stride_wn + rk[:, None] * stride_wk, mask=in_n[None, :] & in_k[:, None], other=0.0
+        )
+        acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
+    # as F.linear then the in-place expand: the base rounded, the delta rounded, their sum rounded
+    out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    part = _slice_of(rn, o1, o2, o3)
+    adapted = (slots >= 0)[:, None] & in_n[None, :]
+    scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
+    b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
+    y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr
+    if WAIT_FOR_SHRINK:
+        gdc_wait()
+    delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
+        rr = r0 + tl.arange(0, BLOCK_R)
+        m = adapted[:, :, None] & (rr < R)[None, None, :]
+        bt = tl.load(b_rows + rr[None, None, :] * stride_br, mask=m, other=0.0)
+        yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=m, other=0.0)
+        delta += tl.sum(yt.to(tl.float32) * bt.to(tl.float32), axis=2)
+    out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_n[None, :])
 
 
 @triton.jit
@@ -566,7 +651,12 @@ def _scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int,
 
 
 def _shrink(
-    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | None, first: int = 0
+    x: torch.Tensor,
+    a: torch.Tensor,
+    slots: torch.Tensor,
+    experts: torch.Tensor | None,
+    first: int = 0,
+    launch_dependents: bool = False,
 ) -> torch.Tensor:
     """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case); rows read A[slot, expert - first]."""
     tokens, k = x.shape
@@ -598,6 +688,7 @@ def _shrink(
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
+        LAUNCH_DEPENDENTS=launch_dependents,
     )
     return y
 
@@ -831,6 +922,82 @@ def lora_shrink_expand(
     if x.shape[0] <= FUSED_MAX_TOKENS and lora_b.shape[1] <= FUSED_MAX_N:
         return _fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     return lora_expand_sliced(lora_shrink(x, lora_a, token_slots), lora_b, token_slots, scalings, out, slice_offsets)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """x @ W^T plus each token's (sliced) LoRA delta: `F.linear` then `lora_shrink_expand`.
+
+    Up to FUSED_MAX_TOKENS tokens (decode) with one dtype throughout, the LoRA hides behind the base GEMM: the
+    shrink launches first and lets the GEMM kernel start at once (programmatic dependent launch), the GEMM's K
+    loop runs beside it, and the expand is the GEMM tiles' epilogue. Otherwise the base GEMM, then
+    `lora_shrink_expand`.
+    """
+    _check(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
+    _check(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
+    tokens, k = x.shape
+    n = weight.shape[0]
+    one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
+    if tokens > FUSED_MAX_TOKENS or not one_dtype:
+        out = torch.nn.functional.linear(x, weight)
+        return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
+    _check(lora_a.dim() == 3 and lora_b.dim() == 3, "need lora_a [S,P*R,K] and lora_b [S,N,R]")
+    _check(lora_a.shape[2] == k, f"lora_a's K={lora_a.shape[2]} differs from x's K={k}")
+    _check(lora_b.shape[1] == n, f"lora_b's N={lora_b.shape[1]} differs from weight's N={n}")
+    _check(token_slots.shape == (tokens,), f"token_slots must be [T={tokens}]")
+    num_slots, stacked_rank, _ = lora_a.shape
+    rank = lora_b.shape[2]
+    parts, o1, o2, o3 = _slices(slice_offsets, n)
+    _check(
+        lora_b.shape[0] == num_slots and stacked_rank == parts * rank,
+        f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
+    )
+    ss, sp = _scale_strides(scalings, num_slots, parts)
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    if tokens == 0 or n == 0:
+        return out
+    pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
+    y = _shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl)
+    block_n = 32
+    _linear_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        y,
+        lora_b,
+        out,
+        token_slots,
+        scalings,
+        tokens,
+        k,
+        n,
+        rank,
+        o1,
+        o2,
+        o3,
+        *x.stride(),
+        *weight.stride(),
+        *y.stride(),
+        *lora_b.stride(),
+        *out.stride(),
+        ss,
+        sp,
+        WAIT_FOR_SHRINK=pdl,
+        PRECISION=_precision(x.dtype),
+        BLOCK_T=_block_t(tokens),
+        BLOCK_N=block_n,
+        BLOCK_K=_pow2(k, 16, 256 if x.element_size() <= 2 else 64),
+        BLOCK_R=16,
+        num_stages=4 if x.element_size() <= 2 else 2,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return out
 
 
 def expert_lora_shrink(

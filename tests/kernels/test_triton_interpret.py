@@ -110,6 +110,30 @@ def check_sliced(
     assert_close(fused, ref, dtype, f"lora_shrink_expand {offsets}")
 
 
+def check_projection(
+    ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, rank: int, k: int, offsets: tuple
+):
+    """lora_linear (base GEMM and sliced LoRA in one op) equals F.linear plus one reference expand per slice,
+    and a second call gives the same output bit for bit."""
+    gen = torch.Generator().manual_seed(tokens * 3 + 17 * len(offsets) + rank)
+    parts, n = len(offsets) - 1, offsets[-1]
+    slots = make_slots(tokens, num_slots, num_slots - 1, gen)  # the last slot stays empty
+    x = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    weight = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+    a, b = padded_factors(num_slots, rank, k, n, gen, parts)
+    scalings = torch.rand(num_slots, parts, generator=gen) + 0.5
+    ref = x @ weight.t()
+    for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
+        y_p = torch_ops.lora_shrink(x, a[:, p * rank : (p + 1) * rank], slots)
+        torch_ops.lora_expand(y_p, b[:, lo:hi], slots, scalings[:, p].double(), ref[:, lo:hi])
+
+    dev = dict(device=device, dtype=dtype)
+    args = (x.to(**dev), weight.to(**dev), a.to(**dev), b.to(**dev), slots.to(device), scalings.to(device), offsets)
+    out = ops.lora_linear(*args)
+    assert_close(out, ref, dtype, f"lora_linear {tokens} tokens {offsets}")
+    assert torch.equal(ops.lora_linear(*args), out), "lora_linear: a second call differs"
+
+
 def expert_groups(routed: int, shared: int, covered: str) -> ExpertGroups:
     """The LoRA's expert groups when routed ids 0..routed-1 and shared ids after them share one id space."""
     return {
@@ -205,6 +229,8 @@ def run_interpreted_cases() -> None:
         check_linear(**dev, dtype=dtype, tokens=70, num_slots=4, used=3, rank=16, k=72, n=130)
         check_sliced(**dev, dtype=dtype, tokens=9, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
         check_sliced(**dev, dtype=dtype, tokens=66, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
+        check_projection(**dev, dtype=dtype, tokens=5, num_slots=3, rank=8, k=40, offsets=(0, 20, 36, 52, 60))
+        check_projection(**dev, dtype=dtype, tokens=20, num_slots=4, rank=24, k=300, offsets=(0, 70))  # 2 K tiles
         for covered in ("both", "routed", "shared"):
             check_experts(**dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered)
         check_experts(**dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
@@ -224,6 +250,7 @@ def test_dispatch_torch_path_of_sliced_and_fused_ops():
     """On CPU tensors dispatch runs the torch twins; the sliced and fused ops compose them per slice."""
     check_linear(dispatch, "cpu", torch.float32, tokens=9, num_slots=3, used=2, rank=8, k=16, n=12)
     check_sliced(dispatch, "cpu", torch.float32, tokens=9, num_slots=3, rank=4, k=16, offsets=(0, 8, 12, 16, 20))
+    check_projection(dispatch, "cpu", torch.float32, tokens=9, num_slots=3, rank=4, k=16, offsets=(0, 8, 12, 16, 20))
     for covered in ("both", "routed", "shared"):
         check_experts(dispatch, "cpu", torch.float32, 11, num_slots=3, experts=4, rank=4, k=8, n=12, covered=covered)
 

@@ -13,6 +13,7 @@ from inkwell.tests.kernels.test_triton_interpret import (
     assert_close,
     check_experts,
     check_linear,
+    check_projection,
     check_sliced,
     make_slots,
     padded_factors,
@@ -52,6 +53,16 @@ def test_linear_ops_match_torch(dtype, tokens, num_slots, used, rank):
 @pytest.mark.parametrize("tokens,rank", [(8, 16), (32, 64), (512, 16)])
 def test_sliced_ops_match_torch(offsets, tokens, rank):
     check_sliced(dispatch, "cuda", torch.bfloat16, tokens, num_slots=8, rank=rank, k=2048, offsets=offsets)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "tokens,num_slots,rank,offsets",
+    [(1, 2, 16, (0, 2048)), (8, 9, 16, QKVR), (8, 17, 8, GATE_UP), (32, 9, 64, QKVR), (20, 5, 32, (0, 32000))],
+)
+def test_projection_matches_torch(dtype, tokens, num_slots, rank, offsets):
+    """Base GEMM and LoRA in one launch: 1-16 adapters (the last slot empty), ranks 8-64, an lm_head's N."""
+    check_projection(dispatch, "cuda", dtype, tokens, num_slots, rank, k=2048, offsets=offsets)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -103,11 +114,13 @@ def test_cuda_graph_replay_sees_new_slot_contents_and_slots(tokens):
     a, b, scalings = a64.to(**dev), b64.to(**dev), scal.cuda()
     x, slots = x64.to(**dev), make_slots(tokens, num_slots, num_slots, gen).cuda()
     base = torch.randn(tokens, n, generator=gen, dtype=torch.float64).to(**dev)
-    out = base.clone()
+    weight = (torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5).to(**dev)
+    out, projected = base.clone(), base.clone()
 
     def step():
         out.copy_(base)
         dispatch.lora_shrink_expand(x, a, b, slots, scalings, out, QKVR)
+        projected.copy_(dispatch.lora_linear(x, weight, a, b, slots, scalings, QKVR))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -124,7 +137,8 @@ def test_cuda_graph_replay_sees_new_slot_contents_and_slots(tokens):
     b[2].copy_(b64[2].to(**dev))
     new_slots = make_slots(tokens, num_slots, num_slots, gen)
     slots.copy_(new_slots)
-    graph.replay()
+    for _ in range(3):  # replays run the same launches again: the same result
+        graph.replay()
     torch.cuda.synchronize()
 
     ref = base.cpu().double()
@@ -133,3 +147,5 @@ def test_cuda_graph_replay_sees_new_slot_contents_and_slots(tokens):
         y_p = torch_ops.lora_shrink(x.cpu().double(), a_p, new_slots)
         torch_ops.lora_expand(y_p, b.cpu().double()[:, lo:hi], new_slots, scal[:, p].double(), ref[:, lo:hi])
     assert_close(out, ref, torch.bfloat16, "graph replay after swap")
+    ref_projected = ref - base.cpu().double() + x.cpu().double() @ weight.cpu().double().t()
+    assert_close(projected, ref_projected, torch.bfloat16, "lora_linear in graph replays after swap")
