@@ -101,7 +101,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cuda_graphs: bool = True  # CUDA only: pure decode steps replay captured graphs
-    lora_side_stream: bool = True  # CUDA only: LoRA beside the base GEMMs on a second stream (faster decode)
+    # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: since decode projections take
+    # one launch each (lora_linear), its forks and joins cost graph decode more than they hide (docs/benchmarks.md)
+    lora_side_stream: bool = False
 
 
 @dataclass

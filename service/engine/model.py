@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from transformers import InklingTextConfig
 
-from inkwell.kernels import expert_down_lora, expert_in_lora_expand, lora_shrink, lora_shrink_expand
+from inkwell.kernels import (
+    expert_down_lora,
+    expert_in_lora_expand,
+    lora_linear,
+    lora_shrink,
+    lora_shrink_expand,
+    one_launch_projection,
+)
 from inkwell.models import canonical_weight_names
 from inkwell.service.engine.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.service.engine.slot_copy import QKVR_STACK
@@ -171,19 +178,18 @@ class InklingModel:
     def _project(
         self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, buf: SlotBuffer | StackedBuffer | None
     ) -> torch.Tensor:
-        """x @ W^T plus each token's (sliced) LoRA delta from `buf` (one fused launch on CUDA at decode sizes).
+        """x @ W^T plus each token's (sliced) LoRA delta from `buf`.
 
-        With `lora_stream` the delta goes into a zeroed buffer on the side stream while the base GEMM
-        runs, and is added after the join: the kernels round delta the same way either way, so the
-        result is bitwise the in-place one.
+        At decode sizes on CUDA (`one_launch_projection`) this is one Triton GEMM: the shrink beside it, the
+        expand in its epilogue. Otherwise, with `lora_stream`, the delta goes into a zeroed buffer on the side
+        stream while the base GEMM runs and is added after the join: the kernels round the delta the same way
+        either way, so the result is bitwise the in-place one.
         """
         if buf is None:
             return F.linear(x, weight)
         offsets = buf.slice_offsets
-        if self.lora_stream is None:
-            y = F.linear(x, weight)
-            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, y, offsets)
-            return y
+        if self.lora_stream is None or one_launch_projection(x):
+            return lora_linear(x, weight, buf.a, buf.b, slots, buf.scalings, offsets)
         delta = x.new_empty(x.shape[0], weight.shape[0])
         with self.lora_stream.fork():
             lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, delta.zero_(), offsets)
