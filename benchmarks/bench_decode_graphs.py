@@ -6,7 +6,7 @@ step after the first (which prefills every prompt); each case is timed `--repeat
 (Triton compiles, graphs are captured) and the median is kept.
   eager         cuda_graphs=False: every step runs InklingModel.forward (one stream)
   graphs        pure decode steps replay a captured CudaGraphDecoder graph (one stream)
-  graphs+side   the same, with each projection's LoRA on a side stream beside the base GEMM (the engine's default)
+  graphs+side   the same, with LoRA work on a side stream (EngineConfig.lora_side_stream; off by default)
 Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% slower than 1.
 Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--out decode_graphs.json]
 CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny

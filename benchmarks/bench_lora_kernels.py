@@ -1,8 +1,8 @@
 """Multi-LoRA kernel timings on one GPU: inkwell's Triton kernels vs torch gather/bmm vs the base GEMM.
 
-Rank 16, hidden 2048, bf16; projections qkvr (N=3328, 4 slices), o (2048), gate_up (11264, 2 slices);
-decode (8 and 32 tokens, one per sequence) and prefill (8 sequences x 512 tokens); 1, 4, 8 distinct
-adapters in 8 slots. Every figure is µs per op from CUDA-graph replays (each graph runs the op
+Rank 16, hidden 2048, bf16; projections qkvr (N=3328, 4 slices), o (2048), gate_up (11264, 2 slices),
+lm_head (32000); decode (8 and 32 tokens, one per sequence) and prefill (8 sequences x 512 tokens); 1, 4, 8
+distinct adapters in 8 slots. Every figure is µs per op from CUDA-graph replays (each graph runs the op
 REPS times, cycling over SETS weight sets so weights are not served from L2), median of replays.
 Columns:
   base       the projection's bf16 GEMM alone (torch.mm into the output buffer)
@@ -14,6 +14,9 @@ Columns:
   serial     base GEMM then the sliced LoRA, on one stream
   side       base GEMM on the main stream, LoRA shrink on a side stream, expand after the join
   side_fused fused LoRA delta on a side stream into a zeroed buffer, added after the join
+  linear     inkwell lora_linear: base GEMM plus one rank-16 LoRA over all N in one launch (decode only);
+             linear - base is the LoRA's own cost in the projection, set against the SGLang pair
+  linear_sl  lora_linear of the real sliced projection: the projection with LoRA, set against base
 Run: python benchmarks/bench_lora_kernels.py [--sglang DIR] [--out results.json] [--sweep]
 """
 
@@ -32,7 +35,12 @@ import triton
 from inkwell.kernels import dispatch, triton_lora
 
 HIDDEN, RANK, SLOTS = 2048, 16, 8
-PROJECTIONS = {"qkvr": (0, 2048, 2560, 3072, 3328), "o": (0, 2048), "gate_up": (0, 5632, 11264)}
+PROJECTIONS = {
+    "qkvr": (0, 2048, 2560, 3072, 3328),
+    "o": (0, 2048),
+    "gate_up": (0, 5632, 11264),
+    "lm_head": (0, 32000),  # inkling-small's vocabulary
+}
 CASES = {"decode8": (8, 1), "decode32": (32, 1), "prefill8x512": (8, 512)}
 REPS, SETS, REPLAYS = 20, 8, 30
 FUSED_SWEEP = [
@@ -172,6 +180,9 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
     measure(row, "serial", serial)
     measure(row, "side", side_stream)
     measure(row, "side_fused", side_fused)
+    if tokens <= dispatch.FUSED_MAX_TOKENS:
+        measure(row, "linear", lambda i: dispatch.lora_linear(x, w[i], a[i], b[i], slots, scal))
+        measure(row, "linear_sl", lambda i: dispatch.lora_linear(x, w[i], a_stk[i], b[i], slots, scal_p, offsets))
     if sweep and tokens <= 64:  # tile sweep of the fused decode kernel: (BLOCK_N, BLOCK_K, warps, stages)
         for cfg in FUSED_SWEEP:
             measure(
@@ -213,15 +224,19 @@ def main() -> None:
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}))
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cols = ["base", "torch", "sglang", "ours", "ours_2l", "sliced", "serial", "side", "side_fused", "floor"]
-    print("\nµs per op (CUDA-graph replays); ratios: ours/sglang, best projection-with-LoRA/base")
-    print(f"{'case':<13}{'proj':<8}{'ad':>3}" + "".join(f"{c:>11}" for c in cols) + f"{'o/sgl':>7}{'proj/b':>7}")
+    cols = ["base", "torch", "sglang", "ours", "ours_2l", "sliced", "serial", "side", "side_fused", "linear"]
+    cols += ["linear_sl", "floor"]
+    print("\nµs per op (CUDA-graph replays); ratios: ours/sglang, (linear - base)/sglang, best with-LoRA/base")
+    ratios = f"{'o/sgl':>7}{'lin/sgl':>8}{'proj/b':>7}"
+    print(f"{'case':<13}{'proj':<8}{'ad':>3}" + "".join(f"{c:>11}" for c in cols) + ratios)
     for r in rows:
         vals = "".join(f"{r[c]:>11.1f}" if c in r else f"{'-':>11}" for c in cols)
         vs_sgl = f"{r['ours'] / r['sglang']:>7.2f}" if "sglang" in r and "ours" in r else f"{'-':>7}"
-        with_lora = [r[c] for c in ("serial", "side", "side_fused") if c in r]
+        has_lin = "sglang" in r and "linear" in r and "base" in r
+        lin_sgl = f"{(r['linear'] - r['base']) / r['sglang']:>8.2f}" if has_lin else f"{'-':>8}"
+        with_lora = [r[c] for c in ("serial", "side", "side_fused", "linear_sl") if c in r]
         best = f"{min(with_lora) / r['base']:>7.2f}" if with_lora and "base" in r else f"{'-':>7}"
-        print(f"{r['case']:<13}{r['proj']:<8}{r['adapters']:>3}{vals}{vs_sgl}{best}")
+        print(f"{r['case']:<13}{r['proj']:<8}{r['adapters']:>3}{vals}{vs_sgl}{lin_sgl}{best}")
     for r in rows:
         if "errors" in r:
             print(r["case"], r["proj"], r["adapters"], r["errors"])
