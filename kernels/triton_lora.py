@@ -650,6 +650,24 @@ def _scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int,
     return scalings.stride(0), scalings.stride(1)
 
 
+def _check_sliced_lora(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+) -> None:
+    """x [T,K], A stacked [S, P*R, K] and B stacked [S, N, R] of one sliced projection, and [T] slots."""
+    _check(x.dim() == 2 and lora_a.dim() == 3 and lora_b.dim() == 3, "need x [T,K], lora_a [S,P*R,K], lora_b [S,N,R]")
+    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
+    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
+    parts = _slices(slice_offsets, lora_b.shape[1])[0]
+    _check(
+        lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == parts * lora_b.shape[2],
+        f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
+    )
+
+
 def _shrink(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -910,14 +928,7 @@ def lora_shrink_expand(
     Up to FUSED_MAX_TOKENS tokens and FUSED_MAX_N columns (decode) this is one launch: the shrink
     result stays in registers.
     """
-    _check(x.dim() == 2 and lora_a.dim() == 3 and lora_b.dim() == 3, "need x [T,K], lora_a [S,P*R,K], lora_b [S,N,R]")
-    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
-    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
-    parts = _slices(slice_offsets, lora_b.shape[1])[0]
-    _check(
-        lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == parts * lora_b.shape[2],
-        f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
-    )
+    _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
     _check(tuple(out.shape) == (x.shape[0], lora_b.shape[1]), f"out must be [T, N={lora_b.shape[1]}]")
     if x.shape[0] <= FUSED_MAX_TOKENS and lora_b.shape[1] <= FUSED_MAX_N:
         return _fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
@@ -948,17 +959,10 @@ def lora_linear(
     if tokens > FUSED_MAX_TOKENS or not one_dtype:
         out = torch.nn.functional.linear(x, weight)
         return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
-    _check(lora_a.dim() == 3 and lora_b.dim() == 3, "need lora_a [S,P*R,K] and lora_b [S,N,R]")
-    _check(lora_a.shape[2] == k, f"lora_a's K={lora_a.shape[2]} differs from x's K={k}")
+    _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
     _check(lora_b.shape[1] == n, f"lora_b's N={lora_b.shape[1]} differs from weight's N={n}")
-    _check(token_slots.shape == (tokens,), f"token_slots must be [T={tokens}]")
-    num_slots, stacked_rank, _ = lora_a.shape
-    rank = lora_b.shape[2]
+    num_slots, rank = lora_a.shape[0], lora_b.shape[2]
     parts, o1, o2, o3 = _slices(slice_offsets, n)
-    _check(
-        lora_b.shape[0] == num_slots and stacked_rank == parts * rank,
-        f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
-    )
     ss, sp = _scale_strides(scalings, num_slots, parts)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens == 0 or n == 0:
