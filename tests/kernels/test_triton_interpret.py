@@ -282,6 +282,22 @@ def test_triton_launchers_reject_bad_shapes():
             ),
             "increase",
         ),
+        (
+            lambda: triton_lora.lora_linear(x, torch.zeros(6, 9), torch.zeros(2, 4, 8), torch.zeros(2, 6, 4), slots, x),
+            "K=8",
+        ),
+        (
+            lambda: triton_lora.lora_linear(
+                x, torch.zeros(6, 8), torch.zeros(2, 4, 8), torch.zeros(2, 5, 4), slots, torch.ones(2)
+            ),
+            "N=5",
+        ),
+        (
+            lambda: triton_lora.lora_linear(
+                x, torch.zeros(6, 8), torch.zeros(2, 4, 8), torch.zeros(2, 6, 4), slots, torch.ones(2), (0, 3, 6)
+            ),
+            "[S, 2*R, K]",
+        ),
     ]
     for call, words in bad:
         try:
