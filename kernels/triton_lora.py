@@ -956,7 +956,8 @@ def lora_linear(
     tokens, k = x.shape
     n = weight.shape[0]
     one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
-    if tokens > FUSED_MAX_TOKENS or not one_dtype:
+    # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
+    if tokens > FUSED_MAX_TOKENS or not one_dtype or lora_b.dim() != 3 or lora_b.shape[2] == 0:
         out = torch.nn.functional.linear(x, weight)
         return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
