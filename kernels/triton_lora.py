@@ -27,7 +27,6 @@ from inkwell.kernels.torch_ops import ExpertGroups
 
 _NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
 MAX_SLICES = 4
-
 SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
 # Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
 # per (expert, slot): decode's few rows per expert then take one step each instead of a walk over all groups.
@@ -953,16 +952,15 @@ def lora_linear(
     """
     _check(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
     _check(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
-    tokens, k = x.shape
-    n = weight.shape[0]
-    one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
-    # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
-    if tokens > FUSED_MAX_TOKENS or not one_dtype or lora_b.dim() != 3 or lora_b.shape[2] == 0:
-        out = torch.nn.functional.linear(x, weight)
-        return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
+    (tokens, k), n = x.shape, weight.shape[0]
     _check(lora_b.shape[1] == n, f"lora_b's N={lora_b.shape[1]} differs from weight's N={n}")
     num_slots, rank = lora_a.shape[0], lora_b.shape[2]
+    one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
+    # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
+    if tokens > FUSED_MAX_TOKENS or not one_dtype or rank == 0:
+        out = torch.nn.functional.linear(x, weight)
+        return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     parts, o1, o2, o3 = _slices(slice_offsets, n)
     ss, sp = _scale_strides(scalings, num_slots, parts)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
