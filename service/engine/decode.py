@@ -69,10 +69,8 @@ class DecodeForward:
         self.model = model
         self.state = state
         self.lora = lora
-        cfg = model.config
-        aligned = cfg.hidden_size % 8 == 0 and cfg.moe_intermediate_size % 8 == 0  # 16-byte rows for the GEMM
         if grouped_mm is None:
-            grouped_mm = aligned and grouped_mm_capturable(model.dtype, model.device)
+            grouped_mm = model.grouped_mm and grouped_mm_capturable(model.dtype, model.device)
         self.grouped_mm = grouped_mm
         device = model.device
         self.ring = torch.arange(state.window, device=device)

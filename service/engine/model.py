@@ -52,6 +52,43 @@ class Singles:
     max_position: int
 
 
+@dataclass(frozen=True)
+class Chunks:
+    """The multi-token segments of a batch (prefill), each with its first row, and the same as padded [B, L]
+    tables, so that ShortConv, and the attention of chunks that start a sequence, run once for all of them."""
+
+    segments: list[tuple[int, Segment]]
+    rows: torch.Tensor  # [B, L] long: the batch row of chunk b's token j (padding repeats the chunk's last row)
+    real: torch.Tensor  # [n] long: the real tokens' places in the flattened [B*L] table
+    real_rows: torch.Tensor  # [n] long: their batch rows
+    slots: torch.Tensor  # [B] long: state slots
+    lengths: torch.Tensor  # [B] long
+    fresh: bool  # every chunk starts its sequence (position 0): no history to read
+
+    @classmethod
+    def of(cls, segments: list[tuple[int, Segment]], device: torch.device) -> "Chunks":
+        width = max(seg.length for _, seg in segments)
+        rows = [[row + min(j, seg.length - 1) for j in range(width)] for row, seg in segments]
+        real = [b * width + j for b, (_, seg) in enumerate(segments) for j in range(seg.length)]
+        return cls(
+            segments=segments,
+            rows=torch.tensor(rows, device=device),
+            real=torch.tensor(real, device=device),
+            real_rows=torch.tensor([row + j for row, seg in segments for j in range(seg.length)], device=device),
+            slots=torch.tensor([seg.seq_slot for _, seg in segments], device=device),
+            lengths=torch.tensor([seg.length for _, seg in segments], device=device),
+            fresh=all(seg.start == 0 for _, seg in segments),
+        )
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token rows x [T, ...] as the padded table [B, L, ...]."""
+        return x[self.rows]
+
+    def scatter(self, table: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the real tokens of a padded table [B, L, ...] to their rows of out [T, ...]."""
+        out[self.real_rows] = table.flatten(0, 1)[self.real]
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] long
@@ -60,8 +97,8 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [N] long: rows whose next-token logits are returned
 
     @cached_property
-    def split(self) -> tuple[Singles | None, list[tuple[int, Segment]]]:
-        """One-token segments as one vectorized group, and (first row, segment) of every longer chunk."""
+    def split(self) -> tuple[Singles | None, Chunks | None]:
+        """One-token segments as one vectorized group, and the longer chunks."""
         rows, singles, chunks, row = [], [], [], 0
         for seg in self.segments:
             if seg.length == 1:
@@ -70,16 +107,17 @@ class ForwardBatch:
             else:
                 chunks.append((row, seg))
             row += seg.length
-        if not singles:
-            return None, chunks
         device = self.input_ids.device
+        chunked = Chunks.of(chunks, device) if chunks else None
+        if not singles:
+            return None, chunked
         group = Singles(
             rows=torch.tensor(rows, device=device),
             slots=torch.tensor([s.seq_slot for s in singles], device=device),
             positions=torch.tensor([s.start for s in singles], device=device),
             max_position=max(s.start for s in singles),
         )
-        return group, chunks
+        return group, chunked
 
 
 @dataclass(frozen=True)
@@ -157,6 +195,9 @@ class InklingModel:
             self.qkvr_splits.append([self.w[n].shape[0] for n in names])
             self.w[f"model.layers.{layer}.self_attn.qkvr_proj.weight"] = torch.cat([self.w.pop(n) for n in names])
         self.eps = config.rms_norm_eps
+        # The experts' gate/up and down as one grouped GEMM each over the dispatched rows, where rows are 16-byte
+        # aligned as torch._grouped_mm wants; otherwise one GEMM per expert.
+        self.grouped_mm = config.hidden_size % 8 == 0 and config.moe_intermediate_size % 8 == 0
         # CUDA only: where set, each projection's LoRA runs beside its base GEMM (see `_linear`).
         self.lora_stream: SideStream | None = None
 
@@ -230,16 +271,16 @@ class InklingModel:
         saved = state.conv[layer][site]
         xf = x.float()
         out = torch.empty_like(xf)
-        keep = weight.shape[-1] - 1
         singles, chunks = batch.split
         if singles is not None:
             seq = torch.cat([saved[singles.slots], xf[singles.rows, :, None]], dim=-1)  # [D, C, kernel]
             out[singles.rows] = F.conv1d(seq, weight, groups=seq.shape[1])[:, :, 0]
             saved[singles.slots] = seq[:, :, 1:]
-        for row, seg in chunks:
-            seq = torch.cat([saved[seg.seq_slot], xf[row : row + seg.length].t()], dim=-1)
-            out[row : row + seg.length] = F.conv1d(seq[None], weight, groups=seq.shape[0])[0].t()
-            saved[seg.seq_slot] = seq[:, seq.shape[1] - keep :]
+        if chunks is not None:  # every chunk at once, padded on the right (a causal conv never reads ahead)
+            seq = torch.cat([saved[chunks.slots], chunks.gather(xf).transpose(1, 2)], dim=-1)  # [B, C, keep + L]
+            chunks.scatter(F.conv1d(seq, weight, groups=seq.shape[1]).transpose(1, 2), out)
+            tail = chunks.lengths[:, None] + torch.arange(saved.shape[-1], device=x.device)  # the last inputs
+            saved[chunks.slots] = seq.gather(-1, tail[:, None, :].expand(-1, seq.shape[1], -1))
         return (out + xf).to(x.dtype)
 
     def _attend(
@@ -323,15 +364,20 @@ class InklingModel:
         if singles is not None:
             rows = singles.rows
             out[rows] = self._attend_singles(layer, q[rows], k[rows], v[rows], r[rows], singles, state)
-        for row, seg in chunks:
-            rows = slice(row, row + seg.length)
-            past_k, past_v, past_pos = state.history(layer, seg.seq_slot, seg.start)
-            new_pos = torch.arange(seg.start, seg.start + seg.length, device=h.device)
-            keys = torch.cat([past_k, k[rows]])[None]
-            values = torch.cat([past_v, v[rows]])[None]
-            state.store(layer, seg.seq_slot, seg.start, k[rows], v[rows])
-            k_pos = torch.cat([past_pos, new_pos])[None]
-            out[rows] = self._attend(layer, q[rows][None], keys, values, r[rows][None], new_pos[None], k_pos)[0]
+        if chunks is not None and chunks.fresh:  # new prompts: one attention over all of them, padded
+            positions = torch.arange(chunks.rows.shape[1], device=h.device)[None].expand_as(chunks.rows)
+            q_k_v_r = (chunks.gather(t) for t in (q, k, v, r))
+            chunks.scatter(self._attend(layer, *q_k_v_r, positions, positions), out)  # causal: padding unseen
+        elif chunks is not None:  # chunks that continue a sequence, over their history, one by one
+            for row, seg in chunks.segments:
+                rows = slice(row, row + seg.length)
+                past_k, past_v, past_pos = state.history(layer, seg.seq_slot, seg.start)
+                new_pos = torch.arange(seg.start, seg.start + seg.length, device=h.device)
+                keys, values = torch.cat([past_k, k[rows]])[None], torch.cat([past_v, v[rows]])[None]
+                k_pos = torch.cat([past_pos, new_pos])[None]
+                out[rows] = self._attend(layer, q[rows][None], keys, values, r[rows][None], new_pos[None], k_pos)[0]
+        for row, seg in chunks.segments if chunks is not None else ():  # after every read of the history
+            state.store(layer, seg.seq_slot, seg.start, k[row : row + seg.length], v[row : row + seg.length])
         return self._linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
 
     # ---- MLPs --------------------------------------------------------------------------------
@@ -361,23 +407,30 @@ class InklingModel:
         return torch.cat([index, shared], dim=1), weights
 
     def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
-        """Routed and shared experts on their dispatched rows, one expert at a time."""
+        """Routed and shared experts on their dispatched rows."""
         p = f"model.layers.{layer}.mlp.all_experts"
         experts = lora.experts.get(layer) if lora is not None else None
         index, weights = self._route(x, layer)
         rows = Dispatch.of(index, weights, slots, self.expert_ids)  # grouped by expert
         xs = x[rows.tokens]
-        f = self.config.moe_intermediate_size
-        gate_up = xs.new_empty(xs.shape[0], 2 * f)
-        down = xs.new_empty(xs.shape)
-        bounds = rows.ends.tolist()
-        hit = [(e, s, t) for e, (s, t) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)) if t > s]
-        for e, s, t in hit:
-            gate_up[s:t] = F.linear(xs[s:t], self.w[f"{p}.gate_up_proj"][e])
+        gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
+        if self.grouped_mm:
+            gate_up = torch._grouped_mm(xs, gate_up_w.transpose(1, 2), offs=rows.ends)
+        else:
+            bounds = rows.ends.tolist()
+            hit = [(e, s, t) for e, (s, t) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)) if t > s]
+            gate_up = xs.new_empty(xs.shape[0], gate_up_w.shape[1])
+            for e, s, t in hit:
+                gate_up[s:t] = F.linear(xs[s:t], gate_up_w[e])
         self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
+        f = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
-        for e, s, t in hit:
-            down[s:t] = F.linear(act[s:t], self.w[f"{p}.down_proj"][e])
+        if self.grouped_mm:
+            down = torch._grouped_mm(act, down_w.transpose(1, 2), offs=rows.ends)
+        else:
+            down = xs.new_empty(xs.shape)
+            for e, s, t in hit:
+                down[s:t] = F.linear(act[s:t], down_w[e])
         self.add_down_lora(act, rows, experts, down)
         return rows.combine(down, x.shape[0]).to(x.dtype)
 
