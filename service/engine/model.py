@@ -9,7 +9,7 @@ one regrouping: the shared experts run as experts E..E+n-1 beside the routed one
 their routing weights), so both take the same dispatch, grouped GEMMs and LoRA kernels.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -64,6 +64,20 @@ class Chunks:
     slots: torch.Tensor  # [B] long: state slots
     lengths: torch.Tensor  # [B] long
     fresh: bool  # every chunk starts its sequence (position 0): no history to read
+    _stored: dict = field(default_factory=dict, compare=False)
+
+    def stored(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(batch rows, state slots, positions) of the tokens whose keys and values a cache keeps: every token,
+        or with a sliding `window` each chunk's last `window` (their ring places are then distinct)."""
+        if window not in self._stored:
+            kept = [
+                (row + j, seg.seq_slot, seg.start + j)
+                for row, seg in self.segments
+                for j in range(0 if window is None else max(0, seg.length - window), seg.length)
+            ]
+            device = self.rows.device
+            self._stored[window] = tuple(torch.tensor(column, device=device) for column in zip(*kept, strict=True))
+        return self._stored[window]
 
     @classmethod
     def of(cls, segments: list[tuple[int, Segment]], device: torch.device) -> "Chunks":
@@ -376,8 +390,9 @@ class InklingModel:
                 keys, values = torch.cat([past_k, k[rows]])[None], torch.cat([past_v, v[rows]])[None]
                 k_pos = torch.cat([past_pos, new_pos])[None]
                 out[rows] = self._attend(layer, q[rows][None], keys, values, r[rows][None], new_pos[None], k_pos)[0]
-        for row, seg in chunks.segments if chunks is not None else ():  # after every read of the history
-            state.store(layer, seg.seq_slot, seg.start, k[row : row + seg.length], v[row : row + seg.length])
+        if chunks is not None:  # after every read of the history
+            rows, seq_slots, positions = chunks.stored(state.window if state.sliding[layer] else None)
+            state.store(layer, seq_slots, positions, k[rows], v[rows])
         return self._linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
 
     # ---- MLPs --------------------------------------------------------------------------------

@@ -69,14 +69,11 @@ class StatePool:
         index = positions % self.window
         return self.keys[layer][slot, index], self.values[layer][slot, index], positions
 
-    def store(self, layer: int, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Record a chunk's keys/values [L, kv_heads, head_dim] at positions start..start+L-1."""
-        length = keys.shape[0]
-        if not self.sliding[layer]:
-            self.keys[layer][slot, start : start + length] = keys
-            self.values[layer][slot, start : start + length] = values
-            return
-        keep = min(length, self.window)
-        index = torch.arange(start + length - keep, start + length, device=keys.device) % self.window
-        self.keys[layer][slot, index] = keys[length - keep :]
-        self.values[layer][slot, index] = values[length - keep :]
+    def store(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Record keys/values [n, kv_heads, head_dim] of sequence `slots` [n] at `positions` [n]; on a sliding
+        layer the positions' ring places must be distinct (at most a window of each sequence's tokens)."""
+        places = positions % self.window if self.sliding[layer] else positions
+        self.keys[layer][slots, places] = keys
+        self.values[layer][slots, places] = values
