@@ -13,7 +13,6 @@ CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode
 --device cpu --prompt 16 --new 8 --repeats 1
 """
 
-import argparse
 import datetime
 import json
 import platform
@@ -23,11 +22,20 @@ import time
 from pathlib import Path
 
 import torch
-from bench_serving import COUNTS, RANK, Clock, adapter_keys, engine_batch, make_engine, make_prompts, rates
+from bench_serving import (
+    COUNTS,
+    Clock,
+    adapter_keys,
+    engine_batch,
+    engine_parser,
+    make_engine,
+    make_prompts,
+    parse_engine_args,
+    random_adapters,
+    rates,
+)
 
-from inkwell.adapters.adapter import init_adapter
-from inkwell.adapters.spec import LoraSpec
-from inkwell.models import base_model_identity, init_base_model, load_base_config
+from inkwell.models import init_base_model
 
 MODES = {
     "eager": {"cuda_graphs": False, "lora_side_stream": False},
@@ -76,19 +84,13 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="inkling-small")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=128)
+    ap = engine_parser(__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = parse_engine_args(ap)
     cuda = args.device.startswith("cuda")
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     modes = [m for m in args.modes if cuda or not MODES[m].get("cuda_graphs")]
     clock = Clock(torch.device(args.device))
     results: dict = {
@@ -100,10 +102,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="bench-decode-graphs-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
-        config = load_base_config(model_dir)
-        identity = base_model_identity(model_dir)
-        spec = LoraSpec(rank=RANK, alpha=2 * RANK)
-        adapters = [init_adapter(config, spec, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
+        adapters = random_adapters(model_dir)
         prompts = make_prompts(args.batch, args.prompt)
         for mode in modes:
             t0 = time.perf_counter()

@@ -67,6 +67,30 @@ class Clock:
         return time.perf_counter()
 
 
+def engine_parser(description: str) -> argparse.ArgumentParser:
+    """The options every engine benchmark takes: model preset, device and dtype, batch and prompt length."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--preset", default="inkling-small")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=128)
+    return ap
+
+
+def parse_engine_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return args
+
+
+def random_adapters(model_dir: Path, targets: tuple[str, ...] | None = None) -> list[Adapter]:
+    """Adapters a0..a7 for the model in `model_dir`: rank 16, alpha 32, random B (std 0.01), seeds 1..8."""
+    config, identity = load_base_config(model_dir), base_model_identity(model_dir)
+    spec = LoraSpec(rank=RANK, alpha=2 * RANK, **({} if targets is None else {"targets": targets}))
+    return [init_adapter(config, spec, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
+
+
 def make_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, 259, (batch, length), generator=gen).tolist()
@@ -402,17 +426,12 @@ def make_engine(model_dir: Path, adapters: list[Adapter], args, **options) -> En
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="inkling-small")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=128)
+    ap = engine_parser(__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--swap-only", action="store_true", help="only the hot-swap table (no throughput runs)")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = parse_engine_args(ap)
     device = torch.device(args.device)
     clock = Clock(device)
     results: dict = {
@@ -426,12 +445,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         t0 = time.perf_counter()
         model_dir = init_base_model(args.preset, tmp / args.preset, seed=0)
-        config = load_base_config(model_dir)
-        identity = base_model_identity(model_dir)
-        spec = LoraSpec(rank=RANK, alpha=2 * RANK)
-        adapters = [init_adapter(config, spec, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
-        linear = LoraSpec(rank=RANK, alpha=2 * RANK, targets=PEFT_MIXABLE)
-        linear_adapters = [init_adapter(config, linear, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
+        adapters, linear_adapters = random_adapters(model_dir), random_adapters(model_dir, PEFT_MIXABLE)
         engine = make_engine(model_dir, adapters, args)
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
         prompts = make_prompts(args.batch, args.prompt)
