@@ -9,6 +9,7 @@ one regrouping: the shared experts run as experts E..E+n-1 beside the routed one
 their routing weights), so both take the same dispatch, grouped GEMMs and LoRA kernels.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -31,6 +32,7 @@ from inkwell.service.engine.state import StatePool
 from inkwell.service.engine.streams import SideStream
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
+PAD_POSITION = 2**40  # the position of a padding key: later than any query, so the causal mask hides it
 
 
 @dataclass(frozen=True)
@@ -55,29 +57,17 @@ class Singles:
 @dataclass(frozen=True)
 class Chunks:
     """The multi-token segments of a batch (prefill), each with its first row, and the same as padded [B, L]
-    tables, so that ShortConv, and the attention of chunks that start a sequence, run once for all of them."""
+    tables, so that ShortConv and attention run once for all of them. Padding goes on the right, where
+    neither a causal conv nor a causal query of a real token looks."""
 
     segments: list[tuple[int, Segment]]
     rows: torch.Tensor  # [B, L] long: the batch row of chunk b's token j (padding repeats the chunk's last row)
+    positions: torch.Tensor  # [B, L] long: the token's position in its sequence (padding counts on)
     real: torch.Tensor  # [n] long: the real tokens' places in the flattened [B*L] table
     real_rows: torch.Tensor  # [n] long: their batch rows
     slots: torch.Tensor  # [B] long: state slots
     lengths: torch.Tensor  # [B] long
-    fresh: bool  # every chunk starts its sequence (position 0): no history to read
-    _stored: dict = field(default_factory=dict, compare=False)
-
-    def stored(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(batch rows, state slots, positions) of the tokens whose keys and values a cache keeps: every token,
-        or with a sliding `window` each chunk's last `window` (their ring places are then distinct)."""
-        if window not in self._stored:
-            kept = [
-                (row + j, seg.seq_slot, seg.start + j)
-                for row, seg in self.segments
-                for j in range(0 if window is None else max(0, seg.length - window), seg.length)
-            ]
-            device = self.rows.device
-            self._stored[window] = tuple(torch.tensor(column, device=device) for column in zip(*kept, strict=True))
-        return self._stored[window]
+    _cache_index: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, segments: list[tuple[int, Segment]], device: torch.device) -> "Chunks":
@@ -87,12 +77,50 @@ class Chunks:
         return cls(
             segments=segments,
             rows=torch.tensor(rows, device=device),
+            positions=torch.tensor([[seg.start + j for j in range(width)] for _, seg in segments], device=device),
             real=torch.tensor(real, device=device),
             real_rows=torch.tensor([row + j for row, seg in segments for j in range(seg.length)], device=device),
             slots=torch.tensor([seg.seq_slot for _, seg in segments], device=device),
             lengths=torch.tensor([seg.length for _, seg in segments], device=device),
-            fresh=all(seg.start == 0 for _, seg in segments),
         )
+
+    def history(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(state slots, cache places, positions), each [B, H], of the cached keys each chunk sees before its
+        own: all earlier positions, or with a sliding `window` the last window-1. None when no chunk has any."""
+        return self._memo(("history", window), lambda: self._history(window))
+
+    def stored(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(batch rows, state slots, positions) of the tokens whose keys and values a cache keeps: every token,
+        or with a sliding `window` each chunk's last `window` (their ring places are then distinct)."""
+        return self._memo(("stored", window), lambda: self._columns(self._kept(window)))
+
+    def _kept(self, window: int | None) -> list[tuple[int, int, int]]:
+        return [
+            (row + j, seg.seq_slot, seg.start + j)
+            for row, seg in self.segments
+            for j in range(0 if window is None else max(0, seg.length - window), seg.length)
+        ]
+
+    def _history(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
+        firsts = [0 if window is None else max(0, seg.start - (window - 1)) for _, seg in self.segments]
+        depth = max(seg.start - first for first, (_, seg) in zip(firsts, self.segments, strict=True))
+        if depth == 0:
+            return None
+        rows = []
+        for first, (_, seg) in zip(firsts, self.segments, strict=True):
+            seen = range(first, seg.start)
+            places = [p % window if window else p for p in seen] + [0] * (depth - len(seen))
+            rows.append(([seg.seq_slot] * depth, places, [*seen] + [PAD_POSITION] * (depth - len(seen))))
+        return self._columns(rows)
+
+    def _columns(self, rows: list[tuple]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.tensor(column, device=self.rows.device) for column in zip(*rows, strict=True))
+
+    def _memo(self, key: tuple, build: Callable[[], tuple | None]) -> tuple | None:
+        """Index tensors are built on the host once per batch, not once per layer."""
+        if key not in self._cache_index:
+            self._cache_index[key] = build()
+        return self._cache_index[key]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token rows x [T, ...] as the padded table [B, L, ...]."""
@@ -378,20 +406,19 @@ class InklingModel:
         if singles is not None:
             rows = singles.rows
             out[rows] = self._attend_singles(layer, q[rows], k[rows], v[rows], r[rows], singles, state)
-        if chunks is not None and chunks.fresh:  # new prompts: one attention over all of them, padded
-            positions = torch.arange(chunks.rows.shape[1], device=h.device)[None].expand_as(chunks.rows)
-            q_k_v_r = (chunks.gather(t) for t in (q, k, v, r))
-            chunks.scatter(self._attend(layer, *q_k_v_r, positions, positions), out)  # causal: padding unseen
-        elif chunks is not None:  # chunks that continue a sequence, over their history, one by one
-            for row, seg in chunks.segments:
-                rows = slice(row, row + seg.length)
-                past_k, past_v, past_pos = state.history(layer, seg.seq_slot, seg.start)
-                new_pos = torch.arange(seg.start, seg.start + seg.length, device=h.device)
-                keys, values = torch.cat([past_k, k[rows]])[None], torch.cat([past_v, v[rows]])[None]
-                k_pos = torch.cat([past_pos, new_pos])[None]
-                out[rows] = self._attend(layer, q[rows][None], keys, values, r[rows][None], new_pos[None], k_pos)[0]
-        if chunks is not None:  # after every read of the history
-            rows, seq_slots, positions = chunks.stored(state.window if state.sliding[layer] else None)
+        if chunks is not None:  # every chunk at once: its cached history, then its own keys
+            _, keys, values, _ = q_k_v_r = [chunks.gather(t) for t in (q, k, v, r)]
+            window = state.window if sliding else None
+            k_pos = chunks.positions
+            past = chunks.history(window)
+            if past is not None:
+                seqs, places, past_pos = past
+                keys = torch.cat([state.keys[layer][seqs, places], keys], dim=1)
+                values = torch.cat([state.values[layer][seqs, places], values], dim=1)
+                k_pos = torch.cat([past_pos, k_pos], dim=1)
+            attended = self._attend(layer, q_k_v_r[0], keys, values, q_k_v_r[3], chunks.positions, k_pos)
+            chunks.scatter(attended, out)
+            rows, seq_slots, positions = chunks.stored(window)  # after the history is read
             state.store(layer, seq_slots, positions, k[rows], v[rows])
         return self._linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
 

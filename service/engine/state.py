@@ -59,16 +59,6 @@ class StatePool:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
-    def history(self, layer: int, slot: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Cached keys, values and their positions visible to a chunk that starts at position `start`."""
-        if not self.sliding[layer]:
-            positions = torch.arange(start, device=self.keys[layer].device)
-            return self.keys[layer][slot, :start], self.values[layer][slot, :start], positions
-        first = max(0, start - (self.window - 1))
-        positions = torch.arange(first, start, device=self.keys[layer].device)
-        index = positions % self.window
-        return self.keys[layer][slot, index], self.values[layer][slot, index], positions
-
     def store(
         self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
