@@ -56,8 +56,8 @@ class Singles:
 
 @dataclass(frozen=True)
 class Chunks:
-    """The multi-token segments of a batch (prefill), each with its first row, and the same as padded [B, L]
-    tables, so that ShortConv and attention run once for all of them. Padding goes on the right, where
+    """A group of a batch's multi-token segments (prefill), each with its first row, and the same as padded
+    [B, L] tables, so that ShortConv and attention run once for the group. Padding goes on the right, where
     neither a causal conv nor a causal query of a real token looks."""
 
     segments: list[tuple[int, Segment]]
@@ -139,8 +139,8 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [N] long: rows whose next-token logits are returned
 
     @cached_property
-    def split(self) -> tuple[Singles | None, Chunks | None]:
-        """One-token segments as one vectorized group, and the longer chunks."""
+    def split(self) -> tuple[Singles | None, list[Chunks]]:
+        """One-token segments as one vectorized group, and the longer chunks in padded groups."""
         rows, singles, chunks, row = [], [], [], 0
         for seg in self.segments:
             if seg.length == 1:
@@ -150,16 +150,33 @@ class ForwardBatch:
                 chunks.append((row, seg))
             row += seg.length
         device = self.input_ids.device
-        chunked = Chunks.of(chunks, device) if chunks else None
+        groups = [Chunks.of(group, device) for group in padded_groups(chunks)]
         if not singles:
-            return None, chunked
+            return None, groups
         group = Singles(
             rows=torch.tensor(rows, device=device),
             slots=torch.tensor([s.seq_slot for s in singles], device=device),
             positions=torch.tensor([s.start for s in singles], device=device),
             max_position=max(s.start for s in singles),
         )
-        return group, chunked
+        return group, groups
+
+
+def padded_groups(chunks: list[tuple[int, Segment]], waste: float = 2.0) -> list[list[tuple[int, Segment]]]:
+    """Chunks in groups that run padded together, each padded to its longest chunk and deepest history at no more
+    than `waste` times the group's real tokens and attention cells, so one long chunk among short ones (or one
+    with a long history among new prompts) is not copied out to every row of the group."""
+    groups: list[list[tuple[int, Segment]]] = []
+    for chunk in sorted(chunks, key=lambda c: (-(c[1].start + c[1].length), -c[1].length)):
+        group = [*groups[-1], chunk] if groups else []
+        segs = [seg for _, seg in group]
+        length, keys = max((s.length for s in segs), default=0), max((s.start + s.length for s in segs), default=0)
+        tokens, cells = sum(s.length for s in segs), sum(s.length * (s.start + s.length) for s in segs)
+        if group and len(segs) * length <= waste * tokens and len(segs) * length * keys <= waste * cells:
+            groups[-1] = group
+        else:
+            groups.append([chunk])
+    return groups
 
 
 @dataclass(frozen=True)
@@ -313,12 +330,12 @@ class InklingModel:
         saved = state.conv[layer][site]
         xf = x.float()
         out = torch.empty_like(xf)
-        singles, chunks = batch.split
+        singles, groups = batch.split
         if singles is not None:
             seq = torch.cat([saved[singles.slots], xf[singles.rows, :, None]], dim=-1)  # [D, C, kernel]
             out[singles.rows] = F.conv1d(seq, weight, groups=seq.shape[1])[:, :, 0]
             saved[singles.slots] = seq[:, :, 1:]
-        if chunks is not None:  # every chunk at once, padded on the right (a causal conv never reads ahead)
+        for chunks in groups:  # all chunks at once, padded on the right (a causal conv never reads ahead)
             seq = torch.cat([saved[chunks.slots], chunks.gather(xf).transpose(1, 2)], dim=-1)  # [B, C, keep + L]
             chunks.scatter(F.conv1d(seq, weight, groups=seq.shape[1]).transpose(1, 2), out)
             tail = chunks.lengths[:, None] + torch.arange(saved.shape[-1], device=x.device)  # the last inputs
@@ -402,11 +419,11 @@ class InklingModel:
         v = v.view(tokens, -1, head_dim)
         r = r.view(tokens, q.shape[1], -1)
         out = torch.empty_like(q)
-        singles, chunks = batch.split
+        singles, groups = batch.split
         if singles is not None:
             rows = singles.rows
             out[rows] = self._attend_singles(layer, q[rows], k[rows], v[rows], r[rows], singles, state)
-        if chunks is not None:  # every chunk at once: its cached history, then its own keys
+        for chunks in groups:  # all chunks at once: each one's cached history, then its own keys
             _, keys, values, _ = q_k_v_r = [chunks.gather(t) for t in (q, k, v, r)]
             window = state.window if sliding else None
             k_pos = chunks.positions

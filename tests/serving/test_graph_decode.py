@@ -9,7 +9,7 @@ from inkwell.models import base_model_identity, load_base_config, load_base_weig
 from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
 from inkwell.service.engine.graphs import CudaGraphDecoder, batch_buckets, context_bucket
 from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment
+from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment, padded_groups
 from inkwell.service.engine.state import StatePool
 
 MAX_CONTEXT = 96
@@ -168,3 +168,19 @@ def test_prefill_grouped_expert_gemms_equal_one_gemm_per_expert(tiny):
     for layer in range(config.num_hidden_layers):
         torch.testing.assert_close(g_state.keys[layer], l_state.keys[layer], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(g_state.conv[layer][3], l_state.conv[layer][3], rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_are_padded_together_only_where_padding_costs_little():
+    def groups(*segments: tuple[int, int]) -> list[list[tuple[int, int]]]:
+        rows = [sum(n for _, n in segments[:i]) for i in range(len(segments))]
+        chunks = [(row, Segment(i, start, n)) for i, (row, (start, n)) in enumerate(zip(rows, segments, strict=True))]
+        found = padded_groups(chunks)
+        assert sorted(seg.seq_slot for group in found for _, seg in group) == list(range(len(segments)))
+        return [sorted((seg.start, seg.length) for _, seg in group) for group in found]
+
+    assert groups(*[(0, 128)] * 8) == [[(0, 128)] * 8]  # equal new prompts: one padded batch
+    # one long chunk pads at most one short one (2,000 padded tokens for 1,002), not all seven (8,000 for 1,014)
+    assert groups((0, 1000), *[(0, 2)] * 7) == [[(0, 2), (0, 1000)], [(0, 2)] * 6]
+    # a chunk deep into its sequence attends to 4,128 keys: the new prompts do not all pad out to its history
+    assert groups(*[(0, 128)] * 3, (4000, 128), *[(0, 128)] * 4) == [[(0, 128), (4000, 128)], [(0, 128)] * 6]
+    assert groups((0, 30), (0, 24), (10, 20)) == [[(0, 24), (0, 30), (10, 20)]]
