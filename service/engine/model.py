@@ -67,7 +67,7 @@ class Chunks:
     real_rows: torch.Tensor  # [n] long: their batch rows
     slots: torch.Tensor  # [B] long: state slots
     lengths: torch.Tensor  # [B] long
-    _cache_index: dict = field(default_factory=dict, compare=False)
+    _cache_index: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, segments: list[tuple[int, Segment]], device: torch.device) -> "Chunks":
