@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import CONV_NAMES, Dispatch, InklingModel, rms_norm
+from inkwell.service.engine.model import CONV_NAMES, Dispatch, InklingModel, expert_gemm, rms_norm
 from inkwell.service.engine.state import StatePool
 
 
@@ -158,21 +158,21 @@ class DecodeForward:
             with side.fork():
                 shrunk = m.expert_shrink(x, slots, experts)
         rows = Dispatch.of(*m._route(x, layer), slots, m.expert_ids)
-        gate_up_w, down_w = (m.w[f"{p}.{proj}"].transpose(1, 2) for proj in ("gate_up_proj", "down_proj"))
+        gate_up_w, down_w = m.w[f"{p}.gate_up_proj"], m.w[f"{p}.down_proj"]
         if self.grouped_mm:
-            gate_up = torch._grouped_mm(x[rows.tokens], gate_up_w, offs=rows.ends)
+            gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, None)
         else:  # every expert on every token, then each dispatched row's own
-            gate_up = torch.matmul(x, gate_up_w)[rows.experts, rows.tokens]
+            gate_up = torch.matmul(x, gate_up_w.transpose(1, 2))[rows.experts, rows.tokens]
         if side is not None:
             side.join()
         m.add_gate_up_lora(shrunk, rows, experts, gate_up)
         f = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
         if self.grouped_mm:
-            down = torch._grouped_mm(act, down_w, offs=rows.ends)
+            down = expert_gemm(act, down_w, rows.ends, None)
         else:  # a token's experts are distinct, so each (expert, token) cell holds one dispatched row
             cells = act.new_zeros(down_w.shape[0], x.shape[0], act.shape[1])
             cells[rows.experts, rows.tokens] = act
-            down = torch.matmul(cells, down_w)[rows.experts, rows.tokens]
+            down = torch.matmul(cells, down_w.transpose(1, 2))[rows.experts, rows.tokens]
         m.add_down_lora(act, rows, experts, down)
         return rows.combine(down, x.shape[0]).to(x.dtype)

@@ -66,7 +66,6 @@ class Chunks:
     real: torch.Tensor  # [n] long: the real tokens' places in the flattened [B*L] table
     real_rows: torch.Tensor  # [n] long: their batch rows
     slots: torch.Tensor  # [B] long: state slots
-    lengths: torch.Tensor  # [B] long
     _cache_index: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -81,7 +80,6 @@ class Chunks:
             real=torch.tensor(real, device=device),
             real_rows=torch.tensor([row + j for row, seg in segments for j in range(seg.length)], device=device),
             slots=torch.tensor([seg.seq_slot for _, seg in segments], device=device),
-            lengths=torch.tensor([seg.length for _, seg in segments], device=device),
         )
 
     def history(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -93,6 +91,16 @@ class Chunks:
         """(batch rows, state slots, positions) of the tokens whose keys and values a cache keeps: every token,
         or with a sliding `window` each chunk's last `window` (their ring places are then distinct)."""
         return self._memo(("stored", window), lambda: self._columns(self._kept(window)))
+
+    def conv_tail(self, keep: int) -> torch.Tensor:
+        """[B, keep]: where each chunk's last `keep` inputs sit in its ShortConv window (saved inputs, then the
+        chunk), the state the conv carries to the sequence's next step."""
+        return self._memo(
+            ("conv_tail", keep),
+            lambda: torch.tensor(
+                [[seg.length + i for i in range(keep)] for _, seg in self.segments], device=self.rows.device
+            ),
+        )
 
     def _kept(self, window: int | None) -> list[tuple[int, int, int]]:
         return [
@@ -116,7 +124,7 @@ class Chunks:
     def _columns(self, rows: list[tuple]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.tensor(column, device=self.rows.device) for column in zip(*rows, strict=True))
 
-    def _memo(self, key: tuple, build: Callable[[], tuple | None]) -> tuple | None:
+    def _memo[T](self, key: tuple, build: Callable[[], T]) -> T:
         """Index tensors are built on the host once per batch, not once per layer."""
         if key not in self._cache_index:
             self._cache_index[key] = build()
@@ -177,6 +185,19 @@ def padded_groups(chunks: list[tuple[int, Segment]], waste: float = 2.0) -> list
         else:
             groups.append([chunk])
     return groups
+
+
+def expert_gemm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
+    """Dispatched rows [M, K] sorted by expert times their expert's weight [E, N, K]: one grouped GEMM over the
+    row counts `ends` (cumulative per expert), or with the same counts on the host (`bounds`) one GEMM per
+    expert, for rows torch._grouped_mm cannot take (not 16-byte aligned)."""
+    if bounds is None:
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends)
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    for expert, (start, end) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)):
+        if end > start:
+            out[start:end] = F.linear(rows[start:end], weight[expert])
+    return out
 
 
 @dataclass(frozen=True)
@@ -338,8 +359,8 @@ class InklingModel:
         for chunks in groups:  # all chunks at once, padded on the right (a causal conv never reads ahead)
             seq = torch.cat([saved[chunks.slots], chunks.gather(xf).transpose(1, 2)], dim=-1)  # [B, C, keep + L]
             chunks.scatter(F.conv1d(seq, weight, groups=seq.shape[1]).transpose(1, 2), out)
-            tail = chunks.lengths[:, None] + torch.arange(saved.shape[-1], device=x.device)  # the last inputs
-            saved[chunks.slots] = seq.gather(-1, tail[:, None, :].expand(-1, seq.shape[1], -1))
+            tail = chunks.conv_tail(saved.shape[-1])[:, None, :].expand(-1, seq.shape[1], -1)
+            saved[chunks.slots] = seq.gather(-1, tail)
         return (out + xf).to(x.dtype)
 
     def _attend(
@@ -424,7 +445,7 @@ class InklingModel:
             rows = singles.rows
             out[rows] = self._attend_singles(layer, q[rows], k[rows], v[rows], r[rows], singles, state)
         for chunks in groups:  # all chunks at once: each one's cached history, then its own keys
-            _, keys, values, _ = q_k_v_r = [chunks.gather(t) for t in (q, k, v, r)]
+            q_b, keys, values, r_b = (chunks.gather(t) for t in (q, k, v, r))
             window = state.window if sliding else None
             k_pos = chunks.positions
             past = chunks.history(window)
@@ -433,8 +454,7 @@ class InklingModel:
                 keys = torch.cat([state.keys[layer][seqs, places], keys], dim=1)
                 values = torch.cat([state.values[layer][seqs, places], values], dim=1)
                 k_pos = torch.cat([past_pos, k_pos], dim=1)
-            attended = self._attend(layer, q_k_v_r[0], keys, values, q_k_v_r[3], chunks.positions, k_pos)
-            chunks.scatter(attended, out)
+            chunks.scatter(self._attend(layer, q_b, keys, values, r_b, chunks.positions, k_pos), out)
             rows, seq_slots, positions = chunks.stored(window)  # after the history is read
             state.store(layer, seq_slots, positions, k[rows], v[rows])
         return self._linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
@@ -472,24 +492,12 @@ class InklingModel:
         index, weights = self._route(x, layer)
         rows = Dispatch.of(index, weights, slots, self.expert_ids)  # grouped by expert
         xs = x[rows.tokens]
-        gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
-        if self.grouped_mm:
-            gate_up = torch._grouped_mm(xs, gate_up_w.transpose(1, 2), offs=rows.ends)
-        else:
-            bounds = rows.ends.tolist()
-            hit = [(e, s, t) for e, (s, t) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)) if t > s]
-            gate_up = xs.new_empty(xs.shape[0], gate_up_w.shape[1])
-            for e, s, t in hit:
-                gate_up[s:t] = F.linear(xs[s:t], gate_up_w[e])
+        bounds = None if self.grouped_mm else rows.ends.tolist()
+        gate_up = expert_gemm(xs, self.w[f"{p}.gate_up_proj"], rows.ends, bounds)
         self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
         f = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
-        if self.grouped_mm:
-            down = torch._grouped_mm(act, down_w.transpose(1, 2), offs=rows.ends)
-        else:
-            down = xs.new_empty(xs.shape)
-            for e, s, t in hit:
-                down[s:t] = F.linear(act[s:t], down_w[e])
+        down = expert_gemm(act, self.w[f"{p}.down_proj"], rows.ends, bounds)
         self.add_down_lora(act, rows, experts, down)
         return rows.combine(down, x.shape[0]).to(x.dtype)
 
