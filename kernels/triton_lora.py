@@ -385,6 +385,8 @@ def _linear_kernel(
     stride_ss,
     stride_sp,
     WAIT_FOR_SHRINK: tl.constexpr,
+    ONE_SLICE_PER_TILE: tl.constexpr,
+    PREFETCH_B: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -395,13 +397,30 @@ def _linear_kernel(
 
     Launched right after the shrink that writes y, with programmatic dependent launch (WAIT_FOR_SHRINK): the
     GEMM's K loop runs while the shrink does, and only the epilogue waits for it. Each token gathers its own
-    slot's B, so one program serves every adapter in the batch.
+    slot's B, so one program serves every adapter in the batch. The slots and scalings, and up to rank BLOCK_R
+    the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind it. Where
+    every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per token, not
+    one per column.
     """
     rt = tl.arange(0, BLOCK_T)
     in_t = rt < T
     n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    adapted = (slots >= 0)[:, None] & in_n[None, :]
+    if ONE_SLICE_PER_TILE:
+        part = _slice_of(n0, o1, o2, o3)
+        scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
+        y_rows = y_ptr + rt[:, None] * stride_yt + (part * R) * stride_yr  # [BLOCK_T, 1]
+    else:
+        part = _slice_of(rn, o1, o2, o3)
+        scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
+        y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr  # [BLOCK_T, BLOCK_N, 1]
+    b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
+    if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
+        rr = tl.arange(0, BLOCK_R)
+        b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=adapted[:, :, None] & (rr < R)[None, None, :], other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -415,21 +434,22 @@ def _linear_kernel(
         acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
     # as F.linear then the in-place expand: the base rounded, the delta rounded, their sum rounded
     out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
-    part = _slice_of(rn, o1, o2, o3)
-    adapted = (slots >= 0)[:, None] & in_n[None, :]
-    scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
-    b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
-    y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr
     if WAIT_FOR_SHRINK:
         gdc_wait()
     delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
         rr = r0 + tl.arange(0, BLOCK_R)
-        m = adapted[:, :, None] & (rr < R)[None, None, :]
-        bt = tl.load(b_rows + rr[None, None, :] * stride_br, mask=m, other=0.0)
-        yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=m, other=0.0)
-        delta += tl.sum(yt.to(tl.float32) * bt.to(tl.float32), axis=2)
+        in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+        if PREFETCH_B:
+            bt = b_early
+        else:
+            bt = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+        if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
+            in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
+            yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
+        else:
+            yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
+        delta += tl.sum(yt * bt.to(tl.float32), axis=2)
     out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_n[None, :])
@@ -992,10 +1012,12 @@ def lora_linear(
         ss,
         sp,
         WAIT_FOR_SHRINK=pdl,
+        ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=_precision(x.dtype),
         BLOCK_T=_block_t(tokens),
         BLOCK_N=block_n,
         BLOCK_K=_pow2(k, 16, 256 if x.element_size() <= 2 else 64),
+        PREFETCH_B=rank <= 16,  # a larger block of B would not fit in registers beside the K loop
         BLOCK_R=16,
         num_stages=4 if x.element_size() <= 2 else 2,
         **({"launch_pdl": True} if pdl else {}),

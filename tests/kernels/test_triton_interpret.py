@@ -231,6 +231,9 @@ def run_interpreted_cases() -> None:
         check_sliced(**dev, dtype=dtype, tokens=66, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
         check_projection(**dev, dtype=dtype, tokens=5, num_slots=3, rank=8, k=40, offsets=(0, 20, 36, 52, 60))
         check_projection(**dev, dtype=dtype, tokens=20, num_slots=4, rank=24, k=300, offsets=(0, 70))  # 2 K tiles
+        # slices on tile edges (one rank block of y per tile), then a rank past the early-loaded block of B
+        check_projection(**dev, dtype=dtype, tokens=7, num_slots=3, rank=16, k=40, offsets=(0, 32, 64, 96, 150))
+        check_projection(**dev, dtype=dtype, tokens=6, num_slots=2, rank=40, k=40, offsets=(0, 64, 96))
         for covered in ("both", "routed", "shared"):
             check_experts(**dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered)
         check_experts(**dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
