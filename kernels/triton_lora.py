@@ -420,7 +420,8 @@ def _linear_kernel(
     b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
     if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
         rr = tl.arange(0, BLOCK_R)
-        b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=adapted[:, :, None] & (rr < R)[None, None, :], other=0.0)
+        in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+        b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -440,10 +441,7 @@ def _linear_kernel(
     for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
         rr = r0 + tl.arange(0, BLOCK_R)
         in_b = adapted[:, :, None] & (rr < R)[None, None, :]
-        if PREFETCH_B:
-            bt = b_early
-        else:
-            bt = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+        bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
         if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
             in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
             yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
