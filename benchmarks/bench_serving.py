@@ -10,13 +10,17 @@ the first step (every prompt in one forward, which also yields the first token);
            (no adapter: the plain transformers model); prefill = generate(1 token), decode = the rest
 Swap (one rank-16 adapter over every target group, engine max_lora_rank 16), each with its ratio
 to d2d (host clock with sync against host clock, CUDA events against CUDA events):
-  d2d      a device-to-device copy of the adapter's slot image bytes (CUDA events, and host clock with sync)
+  d2d      a device-to-device copy of the adapter's slot image bytes (CUDA events, and host clock with sync);
+           `d2d_idle` the same copy timed alone after the host and GPU sat idle for IDLE_S, as a lone swap does
   write    LoraSlots.write_image from an image already on the device (one copy + one scalings copy)
   ipc      the loader process reads, verifies and pads the adapter into a row of its staging ring on
            the GPU; the worker side, from the message's arrival: slot written (a pinned load straight
            from the row), and done (its own copy of the image taken, the row released). `first` is
            the first swap, whose message carries the ring (the CUDA IPC handle is opened then);
-           `ipc_slot` / `ipc_done` are the steady state; end to end from the load request
+           `ipc_slot` / `ipc_done` are the steady state; end to end from the load request. A lone swap
+           is set against `d2d_idle` too (`/ idle d2d`): both pay for waking an idle host thread and GPU.
+           `ipc_decoding_*`: the same swaps made between the decode steps of the stall run (below),
+           as a serving worker makes them
   disk     safetensors -> Adapter -> slot (what a worker without the loader would do)
   stall    decode steps of 7 other adapters' requests, and the step right after each swap
 Run: python benchmarks/bench_serving.py [--preset inkling-small] [--out serving.json]
@@ -51,6 +55,7 @@ from inkwell.service.serving.transfer import ImageReceiver
 COUNTS = (0, 1, 4, 8)
 RANK = 16
 SWAPS = 5
+IDLE_S = 0.005  # about how long a lone swap's worker waits for the loader's message
 # peft 0.21 mixes adapters in one batch only on linear modules (its expert ParamWrapper refuses)
 PEFT_MIXABLE = ("attn", "mlp", "lm_head")
 
@@ -252,6 +257,14 @@ def bench_copies(engine: Engine, adapter: Adapter, clock: Clock) -> dict:
         if engine.device.type == "cuda":
             out[f"{name}_event_us"] = cuda_event_us(fn, 30)
     lora.scalings[slot].zero_()  # leave the free slot inert, as evict does
+
+    def idle_copy() -> float:
+        time.sleep(IDLE_S)
+        t0 = clock()
+        dst.copy_(src)
+        return clock() - t0
+
+    out["d2d_idle_wall_us"] = median_us(idle_copy, 15)
     return out
 
 
@@ -322,16 +335,18 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
         for i in range(7):
             engine.add_request(Request(f"s{i}", prompts[i], params, f"a{i}"))
         engine.step()  # prefill
-        plain, swapped = [], []
+        plain, swapped, busy_slot, busy_done = [], [], [], []
         step = 0
         while engine.has_work():
             if step >= 8 and step % 4 == 0 and step // 4 - 2 < SWAPS:
                 key = f"stall{step // 4 - 2}"
                 wait_for_message()
                 t0 = clock()
-                swap(key)
+                t_slot, t_done = swap(key)
                 engine.step()
                 swapped.append(clock() - t0)
+                busy_slot.append(t_slot)
+                busy_done.append(t_done)
                 engine.unload_adapter(key)  # frees the one spare slot for the next swap
             else:
                 t0 = clock()
@@ -342,6 +357,8 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
         out["decode_step_ms"] = median_step * 1e3
         out["decode_step_with_swap_ms"] = max(swapped) * 1e3
         out["stall_steps"] = (max(swapped) - median_step) / median_step
+        out["ipc_decoding_slot_us"] = statistics.median(busy_slot) * 1e6
+        out["ipc_decoding_done_us"] = statistics.median(busy_done) * 1e6
     finally:
         stop_loader(loader, inbox, receiver)
     ratios = {}
@@ -351,6 +368,8 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
             if base:
                 ratios[key[:-3]] = value / base
     out["vs_d2d"] = ratios
+    lone = ("ipc_first_slot", "ipc_first_done", "ipc_slot", "ipc_done")
+    out["vs_d2d_idle"] = {key: out[f"{key}_us"] / out["d2d_idle_wall_us"] for key in lone}
     return out
 
 
@@ -394,11 +413,12 @@ def table(results: dict) -> str:
     swap = results.get("swap", {})
     if "ipc_done_us" in swap:
         lines.append("")
-        lines.append("| swap | µs | / d2d |")
-        lines.append("|---|---|---|")
+        lines.append("| swap | µs | / d2d | / idle d2d |")
+        lines.append("|---|---|---|---|")
         for key in sorted(k for k in swap if k.endswith("_us")):
-            ratio = swap["vs_d2d"].get(key[:-3])
-            lines.append(f"| {key[:-3]} | {swap[key]:.0f} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+            ratios = (swap["vs_d2d"].get(key[:-3]), swap["vs_d2d_idle"].get(key[:-3]))
+            cells = " | ".join("-" if r is None else f"{r:.2f}" for r in ratios)
+            lines.append(f"| {key[:-3]} | {swap[key]:.0f} | {cells} |")
         lines.append(
             f"\nadapter {swap['adapter_bytes'] / 2**20:.1f} MiB in {swap['adapter_tensors']} tensors, slot image "
             f"{swap['image_bytes'] / 2**20:.1f} MiB; decode step {swap['decode_step_ms']:.2f} ms, with a swap "

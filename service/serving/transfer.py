@@ -94,6 +94,7 @@ class ImageReceiver:
     def __init__(self, layout: SlotLayout):
         self.layout = layout
         self.ring: Ring | None = None
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # each row's (image, scalings) views, made once
         self._specs: dict[str, LoraSpec] = {}
         self._events: dict[int, torch.cuda.Event] = {}
 
@@ -103,15 +104,13 @@ class ImageReceiver:
             if staged.ring.layout != self.layout:
                 raise RuntimeError("the loader's slot layout differs from the worker's: same model, rank and groups?")
             self.ring = staged.ring
+            self._rows = list(zip(staged.ring.flat.unbind(), staged.ring.scalings.unbind(), strict=True))
         if self.ring is None:
             raise RuntimeError("a staged adapter arrived before the loader's ring")
         spec = self._specs.get(staged.spec)
         if spec is None:
             spec = self._specs[staged.spec] = LoraSpec.model_validate_json(staged.spec)
-        row = staged.index
-        return ImageAdapter(
-            spec, staged.base, staged.metadata, self.layout, self.ring.flat[row], self.ring.scalings[row]
-        )
+        return ImageAdapter(spec, staged.base, staged.metadata, self.layout, *self._rows[staged.index])
 
     def release(self, staged: StagedAdapter, kept: ImageAdapter | None) -> tuple:
         """The message that hands `staged`'s row back, after `kept` (an adapter the engine keeps) owns its image."""
@@ -129,4 +128,5 @@ class ImageReceiver:
     def close(self) -> None:
         """Drop the ring mapping (before the loader that owns it exits)."""
         self.ring = None
+        self._rows = []
         self._events.clear()
