@@ -31,6 +31,7 @@ class StatePool:
         self.values: list[torch.Tensor] = []
         self.conv: list[list[torch.Tensor]] = []
         kernel = config.conv_kernel_size
+        conv_widths = []
         for sliding in self.sliding:
             kv_heads = config.swa_num_key_value_heads if sliding else config.num_key_value_heads
             head_dim = config.swa_head_dim if sliding else config.head_dim
@@ -39,9 +40,18 @@ class StatePool:
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
             kv_width = kv_heads * head_dim
-            widths = (kv_width, kv_width, config.hidden_size, config.hidden_size)
-            # ShortConv runs in fp32 in the reference, and so does its state.
-            self.conv.append([torch.zeros(max_seqs, w, kernel - 1, dtype=torch.float32, device=device) for w in widths])
+            conv_widths.append((kv_width, kv_width, config.hidden_size, config.hidden_size))
+        # ShortConv runs in fp32 in the reference, and so does its state. Every site's state is a view of one
+        # buffer, so admitting a sequence clears all of its conv state in one op, not one per layer and site.
+        total = sum(sum(widths) for widths in conv_widths)
+        self._conv_state = torch.zeros(max_seqs, total, kernel - 1, dtype=torch.float32, device=device)
+        offset = 0
+        for widths in conv_widths:
+            sites = []
+            for width in widths:
+                sites.append(self._conv_state[:, offset : offset + width])
+                offset += width
+            self.conv.append(sites)
         self._free = list(range(max_seqs - 1, -1, -1))
 
     @property
@@ -51,9 +61,7 @@ class StatePool:
     def acquire(self) -> int:
         """A cleared sequence slot; the caller checks `free_slots` first."""
         slot = self._free.pop()
-        for sites in self.conv:
-            for state in sites:
-                state[slot].zero_()
+        self._conv_state[slot].zero_()
         return slot
 
     def release(self, slot: int) -> None:
