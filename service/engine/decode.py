@@ -23,7 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import CONV_NAMES, Dispatch, InklingModel, expert_gemm, rms_norm
+from inkwell.service.engine.model import (
+    ATTN_SITE,
+    KV_SITE,
+    MLP_SITE,
+    SCONV_SITES,
+    Dispatch,
+    InklingModel,
+    expert_gemm,
+    rms_norm,
+)
 from inkwell.service.engine.state import StatePool
 
 
@@ -89,13 +98,13 @@ class DecodeForward:
             p = f"model.layers.{layer}"
             x = rms_norm(h, m.w[f"{p}.input_layernorm.weight"], m.eps)
             x = self._attention(x, layer, inputs, context, lora)
-            h = h + self._sconv(x, layer, 2, inputs.seq_slots)
+            h = h + self._sconv(x, layer, ATTN_SITE, inputs.seq_slots)
             x = rms_norm(h, m.w[f"{p}.post_attention_layernorm.weight"], m.eps)
             if cfg.mlp_layer_types[layer] == "dense":
                 x = m._dense_mlp(x, layer, slots, lora)
             else:
                 x = self._moe(x, layer, slots, lora)
-            h = h + self._sconv(x, layer, 3, inputs.seq_slots)
+            h = h + self._sconv(x, layer, MLP_SITE, inputs.seq_slots)
         h = rms_norm(h, m.w["model.norm.weight"], m.eps) / cfg.logits_mup_width_multiplier
         logits = m._linear(h, "lm_head", slots, lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
@@ -106,7 +115,7 @@ class DecodeForward:
 
     def _sconv(self, x: torch.Tensor, layer: int, site: int, seq_slots: torch.Tensor) -> torch.Tensor:
         """One step of each row's causal conv: its saved inputs plus this one (fp32), plus the residual."""
-        weight = self.model.w[f"model.layers.{layer}.{CONV_NAMES[site]}.conv1d.weight"]
+        weight = self.model.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
         saved = self.state.conv[layer][site]
         xf = x.float()
         window = torch.cat([saved[seq_slots], xf[:, :, None]], dim=-1)  # [B, C, kernel]
@@ -123,9 +132,8 @@ class DecodeForward:
         sliding = state.sliding[layer]
         head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         rows = h.shape[0]
-        q, k, v, r = m.qkvr(h, layer, slots, lora)
-        k = self._sconv(k, layer, 0, seq)
-        v = self._sconv(v, layer, 1, seq)
+        q, kv, r = m.qkvr(h, layer, slots, lora)
+        k, v = self._sconv(kv, layer, KV_SITE, seq).split(m.kv_splits[layer], dim=-1)
         q = rms_norm(q.view(rows, -1, head_dim), m.w[f"{p}.q_norm.weight"], m.eps)
         k = rms_norm(k.view(rows, -1, head_dim), m.w[f"{p}.k_norm.weight"], m.eps)
         v = v.view(rows, -1, head_dim)

@@ -32,6 +32,10 @@ from inkwell.service.engine.state import StatePool
 from inkwell.service.engine.streams import SideStream
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
+# The engine's ShortConv sites, the order of `StatePool.conv`: k and v run as one depthwise conv over their
+# channels back to back (as they sit in the q/k/v/r output), then attention's and the MLP's outputs.
+KV_SITE, ATTN_SITE, MLP_SITE = 0, 1, 2
+SCONV_SITES = ("self_attn.kv_sconv", "attn_sconv", "mlp_sconv")
 PAD_POSITION = 2**40  # the position of a padding key: later than any query, so the causal mask hides it
 
 
@@ -268,12 +272,19 @@ class InklingModel:
             self.w[f"{p}.all_experts.gate_up_proj"] = gate_up
             self.w[f"{p}.all_experts.down_proj"] = torch.cat([self.w.pop(f"{p}.experts.down_proj"), shared[2]])
         self.expert_ids = torch.arange(config.n_routed_experts + config.n_shared_experts, device=self.device)
-        # q, k, v and r as one weight: one GEMM, whose output columns the four split as views.
+        # q, k, v and r as one weight: one GEMM, whose output columns split as views into q, k and v together,
+        # and r; k and v then share one ShortConv (their weights back to back, like their channels).
         self.qkvr_splits: list[list[int]] = []
+        self.kv_splits: list[list[int]] = []
         for layer in range(config.num_hidden_layers):
-            names = [f"model.layers.{layer}.{proj}.weight" for proj in QKVR_STACK]
-            self.qkvr_splits.append([self.w[n].shape[0] for n in names])
-            self.w[f"model.layers.{layer}.self_attn.qkvr_proj.weight"] = torch.cat([self.w.pop(n) for n in names])
+            p = f"model.layers.{layer}"
+            names = [f"{p}.{proj}.weight" for proj in QKVR_STACK]
+            q, k, v, r = (self.w[n].shape[0] for n in names)
+            self.qkvr_splits.append([q, k + v, r])
+            self.kv_splits.append([k, v])
+            self.w[f"{p}.self_attn.qkvr_proj.weight"] = torch.cat([self.w.pop(n) for n in names])
+            kv_convs = [self.w.pop(f"{p}.{site}.conv1d.weight") for site in CONV_NAMES[:2]]
+            self.w[f"{p}.{SCONV_SITES[KV_SITE]}.conv1d.weight"] = torch.cat(kv_convs)
         self.eps = config.rms_norm_eps
         # The experts' gate/up and down as one grouped GEMM each over the dispatched rows, where rows are 16-byte
         # aligned as torch._grouped_mm wants; otherwise one GEMM per expert.
@@ -289,7 +300,7 @@ class InklingModel:
         return self._project(x, self.w[f"{module}.weight"], slots, buf)
 
     def qkvr(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> list[torch.Tensor]:
-        """q, k, v and r: one GEMM and one sliced LoRA launch; column views of one output."""
+        """q, k and v together, and r: one GEMM and one sliced LoRA launch; column views of one output."""
         p = f"model.layers.{layer}"
         modules = tuple(f"{p}.{proj}" for proj in QKVR_STACK)
         stack = lora.stacks.get(modules) if lora is not None else None  # None: attn not adapted
@@ -347,7 +358,7 @@ class InklingModel:
 
     def _sconv(self, x: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         """Causal depthwise conv over each sequence's chunk continuing its saved inputs, plus the residual (fp32)."""
-        weight = self.w[f"model.layers.{layer}.{CONV_NAMES[site]}.conv1d.weight"]
+        weight = self.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
         saved = state.conv[layer][site]
         xf = x.float()
         out = torch.empty_like(xf)
@@ -432,9 +443,8 @@ class InklingModel:
         sliding = cfg.layer_types[layer] == "hybrid_sliding"
         head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         tokens = h.shape[0]
-        q, k, v, r = self.qkvr(h, layer, slots, lora)
-        k = self._sconv(k, layer, 0, batch, state)
-        v = self._sconv(v, layer, 1, batch, state)
+        q, kv, r = self.qkvr(h, layer, slots, lora)
+        k, v = self._sconv(kv, layer, KV_SITE, batch, state).split(self.kv_splits[layer], dim=-1)
         q = rms_norm(q.view(tokens, -1, head_dim), self.w[f"{p}.q_norm.weight"], self.eps)
         k = rms_norm(k.view(tokens, -1, head_dim), self.w[f"{p}.k_norm.weight"], self.eps)
         v = v.view(tokens, -1, head_dim)
@@ -516,13 +526,13 @@ class InklingModel:
             p = f"model.layers.{layer}"
             x = rms_norm(h, self.w[f"{p}.input_layernorm.weight"], self.eps)
             x = self._attention(x, layer, batch, state, lora)
-            h = h + self._sconv(x, layer, 2, batch, state)
+            h = h + self._sconv(x, layer, ATTN_SITE, batch, state)
             x = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps)
             if cfg.mlp_layer_types[layer] == "dense":
                 x = self._dense_mlp(x, layer, slots, lora)
             else:
                 x = self._moe(x, layer, slots, lora)
-            h = h + self._sconv(x, layer, 3, batch, state)
+            h = h + self._sconv(x, layer, MLP_SITE, batch, state)
         h = rms_norm(h, self.w["model.norm.weight"], self.eps)
         h = h[batch.logit_rows] / cfg.logits_mup_width_multiplier
         logits = self._linear(h, "lm_head", slots[batch.logit_rows], lora)

@@ -2,14 +2,13 @@
 
 Full-attention layers keep every key/value up to `max_context`. Sliding layers keep a ring of the
 last `sliding_window_size` keys/values (position p lives at p % window), which is all a query can
-see there. Each ShortConv site (k, v, attn-out, mlp-out per layer) keeps its last kernel-1 inputs.
+see there. Each ShortConv site keeps its last kernel-1 inputs: per layer k and v together (their channels
+back to back, as the engine runs them), attention's output, the MLP's output.
 Pools are allocated once, so admitting or finishing a request never allocates device memory.
 """
 
 import torch
 from transformers import InklingTextConfig
-
-CONV_SITES = 4  # k_sconv, v_sconv, attn_sconv, mlp_sconv: transformers' conv_idx 0..3
 
 
 class StatePool:
@@ -40,7 +39,7 @@ class StatePool:
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
             kv_width = kv_heads * head_dim
-            conv_widths.append((kv_width, kv_width, config.hidden_size, config.hidden_size))
+            conv_widths.append((2 * kv_width, config.hidden_size, config.hidden_size))
         # ShortConv runs in fp32 in the reference, and so does its state. Every site's state is a view of one
         # buffer, so admitting a sequence clears all of its conv state in one op, not one per layer and site.
         total = sum(sum(widths) for widths in conv_widths)
