@@ -238,10 +238,10 @@ class Dispatch:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    """transformers' Inkling RMSNorm: normalized in fp32, rounded to x's dtype, then scaled by the weight. The
+    normalization is `torch.rms_norm` without a weight, one fused kernel on CUDA instead of five."""
+    normalized = torch.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normalized.to(x.dtype)
 
 
 class InklingModel:
