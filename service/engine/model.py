@@ -238,9 +238,15 @@ class Dispatch:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Inkling RMSNorm: normalized in fp32, rounded to x's dtype, then scaled by the weight. The
-    normalization is `torch.rms_norm` without a weight, one fused kernel on CUDA instead of five."""
-    normalized = torch.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    """transformers' Inkling RMSNorm: normalized in fp32, rounded to x's dtype, then scaled by the weight.
+
+    On CUDA the normalization is `torch.rms_norm` without a weight, one fused kernel instead of five; on the CPU
+    that op's composite is up to 2.8x slower than the plain ops (bitwise the same result), so it keeps them."""
+    xf = x.float()
+    if xf.is_cuda:
+        normalized = torch.rms_norm(xf, (x.shape[-1],), eps=eps)
+    else:
+        normalized = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normalized.to(x.dtype)
 
 
