@@ -23,17 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import (
-    ATTN_SITE,
-    KV_SITE,
-    MLP_SITE,
-    SCONV_SITES,
-    Dispatch,
-    InklingModel,
-    expert_gemm,
-    rms_norm,
-)
-from inkwell.service.engine.state import StatePool
+from inkwell.service.engine.model import SCONV_SITES, Dispatch, InklingModel, expert_gemm, rms_norm
+from inkwell.service.engine.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
 
 
 def grouped_mm_capturable(dtype: torch.dtype, device: torch.device) -> bool:

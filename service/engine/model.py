@@ -28,13 +28,12 @@ from inkwell.kernels import (
 from inkwell.models import canonical_weight_names
 from inkwell.service.engine.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.service.engine.slot_copy import QKVR_STACK
-from inkwell.service.engine.state import StatePool
+from inkwell.service.engine.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
 from inkwell.service.engine.streams import SideStream
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
-# The engine's ShortConv sites, the order of `StatePool.conv`: k and v run as one depthwise conv over their
-# channels back to back (as they sit in the q/k/v/r output), then attention's and the MLP's outputs.
-KV_SITE, ATTN_SITE, MLP_SITE = 0, 1, 2
+# The weights of the ShortConv sites, in `StatePool.conv`'s order (KV_SITE, ATTN_SITE, MLP_SITE); k and v sit
+# side by side in the q/k/v/r output, so their convs run as one.
 SCONV_SITES = ("self_attn.kv_sconv", "attn_sconv", "mlp_sconv")
 PAD_POSITION = 2**40  # the position of a padding key: later than any query, so the causal mask hides it
 

@@ -10,6 +10,10 @@ Pools are allocated once, so admitting or finishing a request never allocates de
 import torch
 from transformers import InklingTextConfig
 
+# The ShortConv sites of a layer, the order of `StatePool.conv[layer]`: k and v as one site (the engine runs them
+# as one depthwise conv over their channels back to back), then attention's output, then the MLP's output.
+KV_SITE, ATTN_SITE, MLP_SITE = 0, 1, 2
+
 
 class StatePool:
     """KV caches, sliding rings and conv states for up to `max_seqs` sequences."""
@@ -39,7 +43,7 @@ class StatePool:
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
             kv_width = kv_heads * head_dim
-            conv_widths.append((2 * kv_width, config.hidden_size, config.hidden_size))
+            conv_widths.append((2 * kv_width, config.hidden_size, config.hidden_size))  # KV, ATTN, MLP sites
         # ShortConv runs in fp32 in the reference, and so does its state. Every site's state is a view of one
         # buffer, so admitting a sequence clears all of its conv state in one op, not one per layer and site.
         total = sum(sum(widths) for widths in conv_widths)
