@@ -85,19 +85,20 @@ class DecodeForward:
         slots = inputs.lora_slots
         h = F.embedding(inputs.input_ids, m.w["model.embed_tokens.weight"])
         h = rms_norm(h, m.w["model.embed_tokens.embed_norm.weight"], m.eps)
+        x = rms_norm(h, m.w["model.layers.0.input_layernorm.weight"], m.eps)
+        seq = inputs.seq_slots
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}"
-            x = rms_norm(h, m.w[f"{p}.input_layernorm.weight"], m.eps)
-            x = self._attention(x, layer, inputs, context, lora)
-            h = h + self._sconv(x, layer, ATTN_SITE, inputs.seq_slots)
-            x = rms_norm(h, m.w[f"{p}.post_attention_layernorm.weight"], m.eps)
+            out = self._attention(x, layer, inputs, context, lora)
+            h, x = self._sconv_add_norm(out, h, layer, ATTN_SITE, seq, f"{p}.post_attention_layernorm.weight")
             if cfg.mlp_layer_types[layer] == "dense":
-                x = m._dense_mlp(x, layer, slots, lora)
+                out = m._dense_mlp(x, layer, slots, lora)
             else:
-                x = self._moe(x, layer, slots, lora)
-            h = h + self._sconv(x, layer, MLP_SITE, inputs.seq_slots)
-        h = rms_norm(h, m.w["model.norm.weight"], m.eps) / cfg.logits_mup_width_multiplier
-        logits = m._linear(h, "lm_head", slots, lora)
+                out = self._moe(x, layer, slots, lora)
+            last = layer + 1 == cfg.num_hidden_layers
+            norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
+            h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, seq, norm)
+        logits = m._linear(x / cfg.logits_mup_width_multiplier, "lm_head", slots, lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]
         return logits.float()
@@ -106,6 +107,8 @@ class DecodeForward:
 
     def _sconv(self, x: torch.Tensor, layer: int, site: int, seq_slots: torch.Tensor) -> torch.Tensor:
         """One step of each row's causal conv: its saved inputs plus this one (fp32), plus the residual."""
+        if x.is_cuda:
+            return self._sconv_kernel(x, layer, site, seq_slots)
         weight = self.model.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
         saved = self.state.conv[layer][site]
         xf = x.float()
@@ -113,6 +116,24 @@ class DecodeForward:
         out = F.conv1d(window, weight, groups=window.shape[1])[:, :, 0]
         saved[seq_slots] = window[:, :, 1:]
         return (out + xf).to(x.dtype)
+
+    def _sconv_add_norm(
+        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, seq_slots: torch.Tensor, norm: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream h plus the site's ShortConv of the block output x, and that sum's RMSNorm by weight
+        `norm` (the next block's input): one kernel on CUDA."""
+        m = self.model
+        if x.is_cuda:
+            return self._sconv_kernel(x, layer, site, seq_slots, residual=h, norm_weight=m.w[norm], eps=m.eps)
+        h = h + self._sconv(x, layer, site, seq_slots)
+        return h, rms_norm(h, m.w[norm], m.eps)
+
+    def _sconv_kernel(self, x: torch.Tensor, layer: int, site: int, seq_slots: torch.Tensor, **residual_norm):
+        """The site's ShortConv step as one Triton kernel (Triton is imported once a CUDA tensor arrives)."""
+        from inkwell.kernels.triton_short_conv import short_conv_step
+
+        weight = self.model.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
+        return short_conv_step(x, self.state.conv[layer][site], seq_slots, weight, **residual_norm)
 
     def _attention(
         self, h: torch.Tensor, layer: int, inputs: DecodeInputs, context: int, lora: LoraSlots | None
