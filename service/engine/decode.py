@@ -12,7 +12,10 @@ obey it):
     by expert on the device), or where no capturable grouped GEMM exists (it needs bf16 on sm90+),
     as one batched GEMM of every expert over every token;
   - LoRA always goes through the kernels (rows of slot -1 are untouched), with no "any adapter?"
-    check; the caller picks a forward without LoRA on the host when no row has an adapter.
+    check; the caller picks a forward without LoRA on the host when no row has an adapter;
+  - on CUDA, each ShortConv step (with the residual add and the next RMSNorm) and each attention over
+    the cache are one Triton kernel (`inkwell.kernels.triton_short_conv`, `triton_decode_attention`):
+    some dozen launches fewer per layer, rounding where the torch ops round.
 With the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
 input) runs on the side stream while the router and the gate/up GEMM run.
 """
@@ -150,19 +153,33 @@ class DecodeForward:
         k = rms_norm(k.view(rows, -1, head_dim), m.w[f"{p}.k_norm.weight"], m.eps)
         v = v.view(rows, -1, head_dim)
         r = r.view(rows, q.shape[1], -1)
-        if sliding:
-            window = state.window
-            state.keys[layer][seq, pos % window] = k
-            state.values[layer][seq, pos % window] = v
-            keys, values = state.keys[layer][seq], state.values[layer][seq]
-            k_pos = pos[:, None] - (pos[:, None] - self.ring[None]) % window
+        window = state.window
+        places = pos % window if sliding else pos
+        state.keys[layer][seq, places] = k
+        state.values[layer][seq, places] = v
+        if h.is_cuda:
+            out = self._attend_kernel(q, r, layer, seq, pos, window if sliding else context, sliding)
         else:
-            state.keys[layer][seq, pos] = k
-            state.values[layer][seq, pos] = v
-            keys, values = state.keys[layer][seq, :context], state.values[layer][seq, :context]
-            k_pos = self.key_positions[None, :context].expand(rows, -1)
-        out = m._attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)
-        return m._linear(out[:, 0].reshape(rows, -1), f"{p}.o_proj", slots, lora)
+            if sliding:
+                keys, values = state.keys[layer][seq], state.values[layer][seq]
+                k_pos = pos[:, None] - (pos[:, None] - self.ring[None]) % window
+            else:
+                keys, values = state.keys[layer][seq, :context], state.values[layer][seq, :context]
+                k_pos = self.key_positions[None, :context].expand(rows, -1)
+            out = m._attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)[:, 0]
+        return m._linear(out.reshape(rows, -1), f"{p}.o_proj", slots, lora)
+
+    def _attend_kernel(
+        self, q: torch.Tensor, r: torch.Tensor, layer: int, seq: torch.Tensor, pos: torch.Tensor, entries: int, sliding
+    ) -> torch.Tensor:
+        """`InklingModel._attend` of one query per row as one Triton kernel over the cache in place (CUDA)."""
+        from inkwell.kernels.triton_decode_attention import decode_attention
+
+        cfg = self.model.config
+        log_scaling = None if cfg.log_scaling_n_floor is None else (cfg.log_scaling_n_floor, cfg.log_scaling_alpha)
+        proj = self.model.w[f"model.layers.{layer}.self_attn.rel_logits_proj.proj"]
+        keys, values = self.state.keys[layer], self.state.values[layer]
+        return decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
 
     # ---- MoE ------------------------------------------------------------------------------------
 

@@ -1,0 +1,103 @@
+"""The decode attention kernel (`triton_decode_attention`) against a float64 reference of Inkling's attention for
+one query per row: GQA heads, the relative-position bias (zero past its extent), the causal mask of full layers,
+the ring of sliding layers (entries not yet written are masked) and log scaling. Run by Triton's CPU interpreter
+in a child process, and compiled on the GPU at inkling-small's sizes (marked gpu)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from inkwell.tests.kernels.test_triton_interpret import assert_close
+
+
+def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling):
+    """float64 [B, H, D], one row at a time."""
+    heads, kv_heads = q.shape[1], keys.shape[2]
+    extent = proj.shape[1]
+    out = []
+    for b in range(q.shape[0]):
+        p, j = int(pos[b]), torch.arange(entries)
+        distance = (p - j) % entries if sliding else p - j
+        allowed = (p - distance >= 0) if sliding else (distance >= 0)
+        k = keys[seq[b], :entries].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, P, D]
+        v = values[seq[b], :entries].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        tau = 1.0
+        if log_scaling is not None and not sliding:
+            floor, alpha = log_scaling
+            tau = 1.0 + alpha * math.log(max((p + 1) / floor, 1.0))
+        rel = r[b].double() @ proj.double()  # [H, extent]
+        bias = rel[:, distance.clamp(0, extent - 1)] * ((distance >= 0) & (distance < extent))
+        scores = (q[b].double()[:, None, :] * tau * k).sum(-1) / q.shape[2] + bias * tau
+        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+        out.append((probs[:, :, None] * v).sum(1))
+    return torch.stack(out)
+
+
+def check_decode_attention(device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log):
+    """Rows on distinct sequence slots of a larger cache, q and r as strided column slices, positions that reach
+    past the ring (sliding) or stop short of the last entries (full)."""
+    from inkwell.kernels.triton_decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(rows * 100 + entries + head_dim + sliding)
+    cache = (rows + 2, entries + 5, kv_heads, head_dim)
+    keys, values = (torch.randn(cache, generator=gen).to(dtype) for _ in range(2))
+    wide = torch.randn(rows, heads, head_dim + d_rel + 3, generator=gen).to(dtype)
+    q, r = wide[:, :, :head_dim] * 4, wide[:, :, head_dim + 3 :]  # larger q: peaked softmaxes
+    proj = (torch.randn(d_rel, extent, generator=gen) / d_rel**0.5).to(dtype)  # a bias of about unit size
+    seq = torch.randperm(rows + 2, generator=gen)[:rows]
+    top = 3 * entries if sliding else entries
+    pos = torch.randint(0, top, (rows,), generator=gen)
+    pos[0], pos[-1] = 1, top - 1  # a ring not yet full / the last entry
+    log_scaling = (4.0, 0.1) if log else None
+    expected = reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
+    q, r = q.contiguous(), r  # r stays a strided view, as the engine's r is a column slice of q/k/v/r
+    got = decode_attention(
+        q.to(device), r.to(device), keys.to(device), values.to(device), proj.to(device),
+        seq.to(device), pos.to(device), entries, sliding, log_scaling,
+    )  # fmt: skip
+    assert got.shape == expected.shape and got.dtype == dtype
+    assert_close(got.reshape(rows, -1), expected.reshape(rows, -1), dtype, f"attention (sliding={sliding})")
+
+
+CASES = [  # (rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log)
+    (3, 4, 2, 16, 4, 10, 20, True, False),  # a ring of 20 with an extent of 10
+    (4, 4, 2, 16, 4, 10, 70, False, False),  # two key blocks, most keys past the extent
+    (3, 4, 1, 24, 3, 100, 30, False, True),  # head and rel widths off a power of two, log scaling
+]
+
+
+def run_interpreted_cases() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for dtype in (torch.float32, torch.float16):  # the interpreter rounds bf16 by truncation, fp16 as the GPU
+        for case in CASES:
+            check_decode_attention("cpu", dtype, *case)
+    print("interpreted cases passed")
+
+
+def test_decode_attention_matches_reference_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    code = "from inkwell.tests.kernels.test_decode_attention import run_interpreted_cases; run_interpreted_cases()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "interpreted cases passed" in proc.stdout
+
+
+def test_decode_attention_rejects_mismatched_shapes():
+    from inkwell.kernels.triton_decode_attention import decode_attention
+
+    q, r, cache = torch.zeros(2, 4, 8), torch.zeros(2, 4, 2), torch.zeros(3, 10, 3, 8)
+    with pytest.raises(ValueError, match="KV dividing H"):
+        decode_attention(q, r, cache, cache, torch.zeros(2, 5), torch.arange(2), torch.arange(2), 10, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("entries,sliding,log", [(512, True, False), (256, False, False), (1024, False, True)])
+def test_decode_attention_on_gpu(dtype, entries, sliding, log):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    check_decode_attention("cuda", dtype, 8, 16, 4, 128, 16, 1024, entries, sliding, log)
