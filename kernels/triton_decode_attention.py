@@ -108,6 +108,8 @@ def decode_attention(
     entries: int,
     sliding: bool,
     log_scaling: tuple[float, float] | None = None,
+    block_p: int = 128,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """Attention of one query per row: q [B, H, D] and r [B, H, d_rel] (rows may be strided) against the first
     `entries` cache entries of sequence `seq_slots[b]` in keys/values [S, L, KV, D], which already hold the row's
@@ -116,7 +118,8 @@ def decode_attention(
     A full layer's entry j is position j (keys past the row's position are masked); a sliding layer's cache is a
     ring of `entries` positions (position p at p % entries). The bias is `proj` [d_rel, extent] at each key's
     distance (0 past the extent); full layers with `log_scaling` = (n_floor, alpha) scale q and the bias by
-    1 + alpha * log(max((pos + 1) / n_floor, 1)). Returns [B, H, D] in q's dtype.
+    1 + alpha * log(max((pos + 1) / n_floor, 1)). Returns [B, H, D] in q's dtype. Each program walks the keys
+    `block_p` at a time (a step is one round trip to memory, so wide blocks and many warps keep more in flight).
     """
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
@@ -145,6 +148,7 @@ def decode_attention(
         q.stride(0), q.stride(1), r.stride(0), r.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=64, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=block_p,
+        num_warps=num_warps,
     )  # fmt: skip
     return out

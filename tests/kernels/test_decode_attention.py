@@ -37,7 +37,9 @@ def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
     return torch.stack(out)
 
 
-def check_decode_attention(device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log):
+def check_decode_attention(
+    device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log, block_p=128
+):
     """Rows on distinct sequence slots of a larger cache, q and r as strided column slices, positions that reach
     past the ring (sliding) or stop short of the last entries (full)."""
     from inkwell.kernels.triton_decode_attention import decode_attention
@@ -57,7 +59,7 @@ def check_decode_attention(device, dtype, rows, heads, kv_heads, head_dim, d_rel
     q, r = q.contiguous(), r  # r stays a strided view, as the engine's r is a column slice of q/k/v/r
     got = decode_attention(
         q.to(device), r.to(device), keys.to(device), values.to(device), proj.to(device),
-        seq.to(device), pos.to(device), entries, sliding, log_scaling,
+        seq.to(device), pos.to(device), entries, sliding, log_scaling, block_p=block_p,
     )  # fmt: skip
     assert got.shape == expected.shape and got.dtype == dtype
     assert_close(got.reshape(rows, -1), expected.reshape(rows, -1), dtype, f"attention (sliding={sliding})")
@@ -65,7 +67,7 @@ def check_decode_attention(device, dtype, rows, heads, kv_heads, head_dim, d_rel
 
 CASES = [  # (rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log)
     (3, 4, 2, 16, 4, 10, 20, True, False),  # a ring of 20 with an extent of 10
-    (4, 4, 2, 16, 4, 10, 70, False, False),  # two key blocks, most keys past the extent
+    (4, 4, 2, 16, 4, 10, 70, False, False),  # most keys past the extent
     (3, 4, 1, 24, 3, 100, 30, False, True),  # head and rel widths off a power of two, log scaling
 ]
 
@@ -74,7 +76,7 @@ def run_interpreted_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for dtype in (torch.float32, torch.float16):  # the interpreter rounds bf16 by truncation, fp16 as the GPU
         for case in CASES:
-            check_decode_attention("cpu", dtype, *case)
+            check_decode_attention("cpu", dtype, *case, block_p=16)  # several key blocks per pass
     print("interpreted cases passed")
 
 
