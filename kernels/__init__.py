@@ -1,4 +1,8 @@
-"""Multi-LoRA ops over a per-token adapter slot index: Triton kernels on CUDA, pure-torch references elsewhere."""
+"""Multi-LoRA ops over a per-token adapter slot index: Triton kernels on CUDA, pure-torch references elsewhere.
+
+The engine's fused decode kernels live beside them (`triton_short_conv`, `triton_decode_attention`); they run on
+CUDA only and are imported where used, so CPU processes never load Triton.
+"""
 
 from inkwell.kernels.dispatch import (
     FUSED_MAX_N,
