@@ -5,13 +5,11 @@ in a child process, and compiled on the GPU at inkling-small's sizes (marked gpu
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from inkwell.tests.kernels.test_triton_interpret import assert_close
+from inkwell.tests.kernels.test_triton_interpret import assert_close, run_in_interpreter
 
 
 def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling):
@@ -81,11 +79,7 @@ def run_interpreted_cases() -> None:
 
 
 def test_decode_attention_matches_reference_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = "from inkwell.tests.kernels.test_decode_attention import run_interpreted_cases; run_interpreted_cases()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "interpreted cases passed" in proc.stdout
+    run_in_interpreter("inkwell.tests.kernels.test_decode_attention")
 
 
 def test_decode_attention_rejects_mismatched_shapes():

@@ -3,13 +3,11 @@ the new input, the state shifted by one, and with a residual the add and RMSNorm
 in a child process, and compiled on the GPU at inkling-small's widths (marked gpu)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from inkwell.tests.kernels.test_triton_interpret import assert_close
+from inkwell.tests.kernels.test_triton_interpret import assert_close, run_in_interpreter
 
 
 def reference(x, state, seq_slots, weight, residual, norm_weight, eps):
@@ -80,11 +78,7 @@ def run_interpreted_cases() -> None:
 
 
 def test_short_conv_step_matches_reference_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = "from inkwell.tests.kernels.test_short_conv import run_interpreted_cases; run_interpreted_cases()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "interpreted cases passed" in proc.stdout
+    run_in_interpreter("inkwell.tests.kernels.test_short_conv")
 
 
 def test_short_conv_step_rejects_mismatched_state():

@@ -241,12 +241,17 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
-def test_triton_kernels_match_torch_twins_in_interpreter():
+def run_in_interpreter(module: str) -> None:
+    """Run `module`'s `run_interpreted_cases()` in a child process with TRITON_INTERPRET=1; fail with its output."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = "from inkwell.tests.kernels.test_triton_interpret import run_interpreted_cases; run_interpreted_cases()"
+    code = f"from {module} import run_interpreted_cases; run_interpreted_cases()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "interpreted cases passed" in proc.stdout
+
+
+def test_triton_kernels_match_torch_twins_in_interpreter():
+    run_in_interpreter("inkwell.tests.kernels.test_triton_interpret")
 
 
 def test_dispatch_torch_path_of_sliced_and_fused_ops():
