@@ -170,7 +170,14 @@ class DecodeForward:
         return m._linear(out.reshape(rows, -1), f"{p}.o_proj", slots, lora)
 
     def _attend_kernel(
-        self, q: torch.Tensor, r: torch.Tensor, layer: int, seq: torch.Tensor, pos: torch.Tensor, entries: int, sliding
+        self,
+        q: torch.Tensor,
+        r: torch.Tensor,
+        layer: int,
+        seq: torch.Tensor,
+        pos: torch.Tensor,
+        entries: int,
+        sliding: bool,
     ) -> torch.Tensor:
         """`InklingModel._attend` of one query per row as one Triton kernel over the cache in place (CUDA)."""
         from inkwell.kernels.triton_decode_attention import decode_attention
