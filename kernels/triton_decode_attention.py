@@ -34,7 +34,8 @@ def _scores(
         distance = pos - j
         allowed = (j < P) & (distance >= 0)
     d = tl.arange(0, BLOCK_D)
-    keys = tl.load(k_base + j[:, None] * stride_kl + d[None, :], mask=allowed[:, None] & (d < head_dim)[None, :])
+    in_keys = allowed[:, None] & (d < head_dim)[None, :]
+    keys = tl.load(k_base + j[:, None] * stride_kl + d[None, :], mask=in_keys, other=0.0)
     qk = tl.sum(q[None, :] * keys.to(tl.float32), axis=1).to(dtype).to(tl.float32)
     qk = (qk * scale).to(dtype).to(tl.float32)
     in_extent = allowed & (distance < EXTENT)
@@ -92,7 +93,8 @@ def _decode_attention_kernel(
         )  # fmt: skip
         probs = (tl.exp(s - top) / total).to(dtype).to(tl.float32)
         j = p0 + tl.arange(0, BLOCK_P)
-        values = tl.load(v_base + j[:, None] * stride_kl + d[None, :], mask=(probs > 0)[:, None] & in_d[None, :])
+        in_values = (probs > 0)[:, None] & in_d[None, :]
+        values = tl.load(v_base + j[:, None] * stride_kl + d[None, :], mask=in_values, other=0.0)
         acc += tl.sum(probs[:, None] * values.to(tl.float32), axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, acc.to(dtype), mask=in_d)
 
