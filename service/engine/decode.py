@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import SCONV_SITES, Dispatch, InklingModel, expert_gemm, rms_norm
+from inkwell.service.engine.model import Dispatch, InklingModel, expert_gemm, rms_norm
 from inkwell.service.engine.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
 
 
@@ -112,7 +112,7 @@ class DecodeForward:
         """One step of each row's causal conv: its saved inputs plus this one (fp32), plus the residual."""
         if x.is_cuda:
             return self._sconv_kernel(x, layer, site, seq_slots)
-        weight = self.model.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
+        weight = self.model.sconv_weight(layer, site)
         saved = self.state.conv[layer][site]
         xf = x.float()
         window = torch.cat([saved[seq_slots], xf[:, :, None]], dim=-1)  # [B, C, kernel]
@@ -135,7 +135,7 @@ class DecodeForward:
         """The site's ShortConv step as one Triton kernel (Triton is imported once a CUDA tensor arrives)."""
         from inkwell.kernels.triton_short_conv import short_conv_step
 
-        weight = self.model.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
+        weight = self.model.sconv_weight(layer, site)
         return short_conv_step(x, self.state.conv[layer][site], seq_slots, weight, **residual_norm)
 
     def _attention(

@@ -361,9 +361,13 @@ class InklingModel:
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
 
+    def sconv_weight(self, layer: int, site: int) -> torch.Tensor:
+        """The depthwise conv weight [C, 1, kernel] of ShortConv site `site` (KV_SITE, ATTN_SITE, MLP_SITE)."""
+        return self.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
+
     def _sconv(self, x: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         """Causal depthwise conv over each sequence's chunk continuing its saved inputs, plus the residual (fp32)."""
-        weight = self.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
+        weight = self.sconv_weight(layer, site)
         saved = state.conv[layer][site]
         xf = x.float()
         out = torch.empty_like(xf)
