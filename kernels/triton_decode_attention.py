@@ -19,7 +19,7 @@ _MASKED = tl.constexpr(-3.0e38)
 
 @triton.jit
 def _scores(
-    q, r, tau, pos, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim, d_rel,
+    q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim, d_rel,
     SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
@@ -27,8 +27,8 @@ def _scores(
     dtype)."""
     dtype = out_ptr.dtype.element_ty
     j = p0 + tl.arange(0, BLOCK_P)
-    if SLIDING:  # ring entry j holds the position whose distance from pos is (pos - j) mod P
-        distance = ((pos - j) % P + P) % P
+    if SLIDING:  # ring entry j holds the position whose distance from pos is (pos - j) mod P; ring = pos mod P
+        distance = ring - j + tl.where(j > ring, P, 0)
         allowed = (j < P) & (pos - distance >= 0)
     else:
         distance = pos - j
@@ -63,7 +63,8 @@ def _decode_attention_kernel(
     h = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
     seq = tl.load(seq_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    ring = pos % P  # once here, not a modulo per key
     d = tl.arange(0, BLOCK_D)
     in_d = d < head_dim
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=in_d, other=0.0).to(tl.float32)
@@ -79,7 +80,7 @@ def _decode_attention_kernel(
     total = tl.zeros((), tl.float32)
     for p0 in range(0, P, BLOCK_P):  # pass 1: the softmax's max and sum (online)
         s = _scores(
-            q, r, tau, pos, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
+            q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
             d_rel, SLIDING, LOG_SCALE, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
         )  # fmt: skip
         new_top = tl.maximum(top, tl.max(s, axis=0))
@@ -88,7 +89,7 @@ def _decode_attention_kernel(
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for p0 in range(0, P, BLOCK_P):  # pass 2: probabilities, rounded, times the values
         s = _scores(
-            q, r, tau, pos, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
+            q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
             d_rel, SLIDING, LOG_SCALE, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
         )  # fmt: skip
         probs = (tl.exp(s - top) / total).to(dtype).to(tl.float32)
@@ -110,7 +111,7 @@ def decode_attention(
     entries: int,
     sliding: bool,
     log_scaling: tuple[float, float] | None = None,
-    block_p: int = 128,
+    block_p: int = 256,
     num_warps: int = 8,
 ) -> torch.Tensor:
     """Attention of one query per row: q [B, H, D] and r [B, H, d_rel] (rows may be strided) against the first

@@ -36,7 +36,7 @@ def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
 
 
 def check_decode_attention(
-    device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log, block_p=128
+    device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log, block_p=None
 ):
     """Rows on distinct sequence slots of a larger cache, q and r as strided column slices, positions that reach
     past the ring (sliding) or stop short of the last entries (full)."""
@@ -55,9 +55,10 @@ def check_decode_attention(
     log_scaling = (4.0, 0.1) if log else None
     expected = reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
     q, r = q.contiguous(), r  # r stays a strided view, as the engine's r is a column slice of q/k/v/r
+    blocks = {} if block_p is None else {"block_p": block_p}  # None: the kernel's default
     got = decode_attention(
         q.to(device), r.to(device), keys.to(device), values.to(device), proj.to(device),
-        seq.to(device), pos.to(device), entries, sliding, log_scaling, block_p=block_p,
+        seq.to(device), pos.to(device), entries, sliding, log_scaling, **blocks,
     )  # fmt: skip
     assert got.shape == expected.shape and got.dtype == dtype
     assert_close(got.reshape(rows, -1), expected.reshape(rows, -1), dtype, f"attention (sliding={sliding})")
