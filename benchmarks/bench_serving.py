@@ -12,7 +12,7 @@ Swap (one rank-16 adapter over every target group, engine max_lora_rank 16), eac
 to d2d (host clock with sync against host clock, CUDA events against CUDA events):
   d2d      a device-to-device copy of the adapter's slot image bytes (CUDA events, and host clock with sync);
            `d2d_idle` the same copy timed alone after the host and GPU sat idle for IDLE_S, as a lone swap does
-  write    LoraSlots.write_image from an image already on the device (one copy + one scalings copy)
+  write    LoraSlots.write_image from an image already on the device (one copy, scalings included)
   ipc      the loader process reads, verifies and pads the adapter into a row of its staging ring on
            the GPU; the worker side, from the message's arrival: slot written (a pinned load straight
            from the row), and done (its own copy of the image taken, the row released). `first` is
@@ -247,9 +247,9 @@ def bench_copies(engine: Engine, adapter: Adapter, clock: Clock) -> dict:
     lora = engine.lora
     src = torch.randn(lora.layout.slot_elems, device=engine.device).to(lora.layout.dtype)
     dst = torch.empty_like(src)
-    flat, scalings = lora.slot_image(adapter, engine.device)
+    flat = lora.slot_image(adapter, engine.device)
     slot = min(set(range(lora.max_loras)) - {lora.slot_of(k) for k in lora.resident()})
-    copies = {"d2d": lambda: dst.copy_(src), "write_image": lambda: lora.write_image(slot, flat, scalings)}
+    copies = {"d2d": lambda: dst.copy_(src), "write_image": lambda: lora.write_image(slot, flat)}
     out = {}
     for name, fn in copies.items():
         fn()

@@ -8,7 +8,7 @@ another adapter. Copying an adapter in touches only its slot, so the other slots
 The memory is slot-major (see `slot_copy`): one [max_loras, slot_elems] buffer holds each slot's
 A and B of every target back to back, and the per-buffer [S, ...] tensors the kernels index are
 strided views into it. So one slot is one contiguous range, and writing an adapter is one copy of
-its slot image; the scalings are one small fp32 [max_loras, buffers] buffer beside it.
+its slot image; the slot's fp32 scalings [buffers] are in that range too, at its end.
 """
 
 from collections import OrderedDict
@@ -117,7 +117,8 @@ class LoraSlots:
         self.groups = tuple(groups)
         self.layout = slot_layout(config, max_rank, self.groups, dtype)
         self.memory = torch.zeros((max_loras, self.layout.slot_elems), dtype=dtype, device=device)
-        self.scalings = torch.zeros((max_loras, len(self.layout.entries)), dtype=torch.float32, device=device)
+        self.scalings = self.layout.scalings(self.memory)  # [max_loras, buffers] fp32, a view into memory
+        self._slot_memory = self.memory.unbind()  # each slot's range, made once: a swap indexes nothing
         self.buffers: dict[str, SlotBuffer] = {}
         for j, entry in enumerate(self.layout.entries):
             a, b = self.layout.views(self.memory, entry)
@@ -185,33 +186,27 @@ class LoraSlots:
                     f"all {self.max_loras} adapter slots are pinned or in use; raise max_loras_per_batch or unpin"
                 )
             slot = self.evict(victim)
-        if isinstance(adapter, ImageAdapter) and adapter.layout is self.layout:
-            self.write_image(slot, adapter.flat, adapter.scalings)
-        else:
-            self.write_image(slot, *self.slot_image(adapter))
+        image = adapter.flat if isinstance(adapter, ImageAdapter) and adapter.layout is self.layout else None
+        self.write_image(slot, self.slot_image(adapter) if image is None else image)
         self._slot_of[key], self._key_of[slot] = slot, key
         self._lru[key] = None
         return slot
 
-    def slot_image(
-        self, adapter: Adapter, device: torch.device | str | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact contents of a slot holding `adapter`: (flat [slot_elems], scalings [buffers] fp32).
+    def slot_image(self, adapter: Adapter, device: torch.device | str | None = None) -> torch.Tensor:
+        """The exact contents of a slot holding `adapter` ([slot_elems], its scalings included).
 
         Built on `device`, by default where the adapter's tensors are (a host adapter is padded on the
         host and crosses to the slots in one copy)."""
         self.check(adapter)
         return self.layout.image(adapter, device)
 
-    def write_image(self, slot: int, flat: torch.Tensor, scalings: torch.Tensor) -> None:
-        """Overwrite slot `slot` with a slot image: one copy of its bytes and one of its scalings."""
-        if tuple(flat.shape) != (self.layout.slot_elems,) or tuple(scalings.shape) != (len(self.layout.entries),):
+    def write_image(self, slot: int, flat: torch.Tensor) -> None:
+        """Overwrite slot `slot` with a slot image: one copy of its bytes."""
+        if flat.shape != (self.layout.slot_elems,) or flat.dtype != self.layout.dtype:
             raise ValueError(
-                f"a slot image is ([{self.layout.slot_elems}], [{len(self.layout.entries)}]), "
-                f"got ({list(flat.shape)}, {list(scalings.shape)})"
+                f"a slot image is [{self.layout.slot_elems}] {self.layout.dtype}, got {list(flat.shape)} {flat.dtype}"
             )
-        self.memory[slot].copy_(flat, non_blocking=True)
-        self.scalings[slot].copy_(scalings, non_blocking=True)
+        self._slot_memory[slot].copy_(flat, non_blocking=True)
 
     def evict(self, key: str) -> int:
         """Free `key`'s slot (it must be idle); returns the slot number."""

@@ -3,9 +3,9 @@
 The engine's LoRA memory is slot-major: one [max_loras, slot_elems] buffer in which each slot holds
 every target's A and B at max rank, back to back (`SlotLayout` says where). A *slot image* is one
 slot's bytes for a given adapter: its factors in the rank-r corners, zeros everywhere else, plus a
-small fp32 vector of per-buffer scalings (0 where the adapter adapts nothing). Writing an adapter
-into a slot is then one `copy_` of the image and one of its scalings, however many tensors it has
-(inkling-small: 346), instead of hundreds of views, zero fills and per-tensor copies.
+fp32 vector of per-buffer scalings (0 where the adapter adapts nothing), which the slot keeps at its end (their
+bytes, seen as fp32). Writing an adapter into a slot is then one `copy_` of its image, however many tensors it
+has (inkling-small: 346), instead of hundreds of views, zero fills and per-tensor copies.
 
 Targets that one launch serves together are laid out as families, their A's back to back and then
 their B's, so one strided view stacks them (`SlotStack`): q/k/v/r (one input); the gate/up of routed and
@@ -90,6 +90,14 @@ class SlotLayout:
     groups: tuple[str, ...]
     dtype: torch.dtype
     stacks: tuple[SlotStack, ...] = ()
+    scalings_offset: int = 0  # where the slot's fp32 scalings start, in elements of `dtype`
+
+    def scalings(self, memory: torch.Tensor) -> torch.Tensor:
+        """The fp32 scalings in `memory`: [S, entries] views of a whole [S, slot_elems] buffer, [entries] of an
+        image. They are the bytes at `scalings_offset` seen as fp32, so one copy of a slot carries them too."""
+        elems = _scaling_elems(len(self.entries), self.dtype)
+        region = memory[..., self.scalings_offset : self.scalings_offset + elems]
+        return region.view(torch.float32)[..., : len(self.entries)]
 
     def views(self, memory: torch.Tensor, entry: SlotEntry) -> tuple[torch.Tensor, torch.Tensor]:
         """`entry`'s A and B in `memory`: a whole [S, slot_elems] buffer gives [S, ...] views, an image [...]."""
@@ -101,11 +109,9 @@ class SlotLayout:
 
     def image(
         self, adapter: Adapter, device: torch.device | str | None = None, out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`adapter`'s slot image (flat, scalings), built on `device` (default: where its tensors are).
-
-        `out` ([slot_elems] of this dtype) is filled instead of a new buffer; the scalings go to its device.
-        """
+    ) -> torch.Tensor:
+        """`adapter`'s slot image [slot_elems], scalings included, built on `device` (default: where its tensors
+        are); `out` ([slot_elems] of this dtype) is filled instead of a new buffer."""
         if out is None:
             if device is None:
                 device = next(iter(adapter.tensors.values())).device
@@ -131,7 +137,8 @@ class SlotLayout:
             scale[j] = spec.scaling_for(entry.group)
         if dst:
             torch._foreach_copy_(dst, src)  # multi-tensor launches; per-tensor copies across devices
-        return out, torch.tensor(scale, dtype=torch.float32).to(out.device)
+        self.scalings(out).copy_(torch.tensor(scale, dtype=torch.float32))
+        return out
 
     def factors(self, flat: torch.Tensor, spec: LoraSpec) -> dict[str, torch.Tensor]:
         """The tensors of the adapter of `spec` whose image is `flat`: views of its rank-r corners."""
@@ -186,8 +193,16 @@ def slot_layout(config: InklingTextConfig, max_rank: int, groups: tuple[str, ...
             )
         if target.module in stacked:
             stacks.append(_stack(entries[-len(members) :], len(entries) - len(members)))
-    _layouts[key] = SlotLayout(tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype, tuple(stacks))
+    (scalings,) = take([(_scaling_elems(len(entries), dtype),)])
+    _layouts[key] = SlotLayout(
+        tuple(entries), max(offset, ALIGN), max_rank, tuple(groups), dtype, tuple(stacks), scalings
+    )
     return _layouts[key]
+
+
+def _scaling_elems(entries: int, dtype: torch.dtype) -> int:
+    """Elements of `dtype` that hold `entries` fp32 scalings (a whole number of fp32 values)."""
+    return -(-entries * 4 // dtype.itemsize)
 
 
 def _family_members(targets: list) -> dict[str, list]:
@@ -226,17 +241,9 @@ class ImageAdapter(Adapter):
     loader's staging ring) is taken over with `own()` before that memory is handed back.
     """
 
-    def __init__(
-        self,
-        spec: LoraSpec,
-        base: BaseModelIdentity,
-        metadata: dict,
-        layout: SlotLayout,
-        flat: torch.Tensor,
-        scalings: torch.Tensor,
-    ):
+    def __init__(self, spec: LoraSpec, base: BaseModelIdentity, metadata: dict, layout: SlotLayout, flat: torch.Tensor):
         self.spec, self.base, self.metadata = spec, base, metadata
-        self.layout, self.flat, self.scalings = layout, flat, scalings
+        self.layout, self.flat = layout, flat
         self._tensors: dict[str, torch.Tensor] | None = None
 
     @property
@@ -247,5 +254,5 @@ class ImageAdapter(Adapter):
 
     def own(self) -> None:
         """Copy the image into memory of our own (on its device), so its source can be reused."""
-        self.flat, self.scalings = self.flat.clone(), self.scalings.clone()
+        self.flat = self.flat.clone()
         self._tensors = None

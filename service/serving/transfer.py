@@ -27,10 +27,9 @@ RING_SIZE = 2  # one row for the worker to copy from while the loader fills the 
 
 @dataclass
 class Ring:
-    """The loader's staging rows: `flat[i]` is a slot image of `layout`, `scalings[i]` its scalings."""
+    """The loader's staging rows: `flat[i]` is a slot image of `layout`."""
 
     flat: torch.Tensor  # [size, slot_elems], the engine's dtype
-    scalings: torch.Tensor  # [size, entries] fp32
     layout: SlotLayout
 
 
@@ -51,11 +50,9 @@ class StagingRing:
     def __init__(self, layout: SlotLayout, device: torch.device | str, size: int = RING_SIZE):
         device = torch.device(device)
         flat = torch.zeros((size, layout.slot_elems), dtype=layout.dtype, device=device)
-        scalings = torch.zeros((size, len(layout.entries)), dtype=torch.float32, device=device)
         if device.type == "cpu":
             flat.share_memory_()
-            scalings.share_memory_()
-        self.ring = Ring(flat, scalings, layout)
+        self.ring = Ring(flat, layout)
         self.free: deque[int] = deque(range(size))
         self._sent = False
         self._copied: dict[int, torch.cuda.Event] = {}  # the worker's "copied out of row i" events
@@ -67,15 +64,13 @@ class StagingRing:
     def stage(self, adapter: Adapter) -> StagedAdapter:
         """Write `adapter`'s slot image into a free row (there must be one) and describe it for the worker."""
         index = self.free[0]
-        flat, scalings = self.ring.flat, self.ring.scalings
+        flat = self.ring.flat
         if index in self._copied:
             self._copied[index].synchronize()  # the worker's copy out of this row has finished
         if self._host is None:
-            scalings[index].copy_(self.ring.layout.image(adapter, out=flat[index])[1])
+            self.ring.layout.image(adapter, out=flat[index])
         else:
-            image, scales = self.ring.layout.image(adapter, out=self._host)
-            flat[index].copy_(image)
-            scalings[index].copy_(scales)
+            flat[index].copy_(self.ring.layout.image(adapter, out=self._host))
             torch.cuda.synchronize(flat.device)  # the row is complete before the worker can read it
         self.free.popleft()
         ring, self._sent = (None if self._sent else self.ring), True
@@ -94,7 +89,7 @@ class ImageReceiver:
     def __init__(self, layout: SlotLayout):
         self.layout = layout
         self.ring: Ring | None = None
-        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # each row's (image, scalings) views, made once
+        self._rows: list[torch.Tensor] = []  # each row's image, a view made once
         self._specs: dict[str, LoraSpec] = {}
         self._events: dict[int, torch.cuda.Event] = {}
 
@@ -104,13 +99,13 @@ class ImageReceiver:
             if staged.ring.layout != self.layout:
                 raise RuntimeError("the loader's slot layout differs from the worker's: same model, rank and groups?")
             self.ring = staged.ring
-            self._rows = list(zip(staged.ring.flat.unbind(), staged.ring.scalings.unbind(), strict=True))
+            self._rows = list(staged.ring.flat.unbind())
         if self.ring is None:
             raise RuntimeError("a staged adapter arrived before the loader's ring")
         spec = self._specs.get(staged.spec)
         if spec is None:
             spec = self._specs[staged.spec] = LoraSpec.model_validate_json(staged.spec)
-        return ImageAdapter(spec, staged.base, staged.metadata, self.layout, *self._rows[staged.index])
+        return ImageAdapter(spec, staged.base, staged.metadata, self.layout, self._rows[staged.index])
 
     def release(self, staged: StagedAdapter, kept: ImageAdapter | None) -> tuple:
         """The message that hands `staged`'s row back, after `kept` (an adapter the engine keeps) owns its image."""

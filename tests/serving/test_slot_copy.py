@@ -45,10 +45,11 @@ def test_slot_image_writes_what_per_tensor_writes_did(tiny_model_dir, tiny_adapt
     poison = torch.randn(new.memory.shape, generator=torch.Generator().manual_seed(0))
     for slots in (ref, new):  # every value a write must replace or leave alone is known and nonzero
         slots.memory.copy_(poison)
-        slots.scalings.fill_(7.0)
+        slots.scalings.fill_(7.0)  # (in the slots' memory, at each slot's end)
+    untouched = new.memory.clone()
     for adapter in mixed_adapters(tiny_model_dir, tiny_adapters):  # each over the previous one in slot 1
         per_tensor_write(ref, 1, adapter)
-        new.write_image(1, *new.slot_image(adapter))
+        new.write_image(1, new.slot_image(adapter))
         adapted = {t.module for t in model_targets(config, adapter.spec)}
         for module, buf in new.buffers.items():
             want = ref.buffers[module]
@@ -57,10 +58,10 @@ def test_slot_image_writes_what_per_tensor_writes_did(tiny_model_dir, tiny_adapt
                 assert torch.equal(buf.a, want.a) and torch.equal(buf.b, want.b), module
             else:  # switched off by its zero scaling; the image also clears what the old write left stale
                 assert buf.scalings[1] == 0 and not buf.a[1].any() and not buf.b[1].any(), module
-        assert torch.equal(new.memory[0], poison[0]) and torch.equal(new.memory[2], poison[2])  # others untouched
+        assert torch.equal(new.memory[0], untouched[0]) and torch.equal(new.memory[2], untouched[2])  # the others
 
 
-def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
+def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir, tiny_adapters):
     config = load_base_config(tiny_model_dir)
     slots = LoraSlots(config, base_model_identity(tiny_model_dir), max_loras=3, max_rank=8, dtype=torch.bfloat16)
     layout = slots.layout
@@ -74,7 +75,10 @@ def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
     for start, stop in ranges:  # no overlap, all inside the slot; aligned unless it continues a family
         assert start >= end and (start % ALIGN == 0 or start == end)
         end = stop
-    assert end <= layout.slot_elems
+    # the fp32 scalings follow the factors: two bf16 elements each, the last thing in the slot
+    assert end <= layout.scalings_offset and layout.scalings_offset + 2 * len(layout.entries) <= layout.slot_elems
+    assert slots.scalings.shape == (3, len(layout.entries)) and slots.scalings.dtype == torch.float32
+    assert slots.scalings.untyped_storage().data_ptr() == slots.memory.untyped_storage().data_ptr()
     for j, (module, buf) in enumerate(slots.buffers.items()):
         assert buf.a.untyped_storage().data_ptr() == slots.memory.untyped_storage().data_ptr(), module
         assert buf.a.stride(0) == buf.b.stride(0) == layout.slot_elems, module
@@ -85,6 +89,10 @@ def test_slot_memory_is_one_contiguous_range_per_slot(tiny_model_dir):
     for buf in slots.buffers.values():
         assert torch.all(buf.a[1] == 1) and torch.all(buf.b[1] == 1)
         assert not buf.a[0].any() and not buf.b[2].any()
+    image = slots.slot_image(tiny_adapters[0])  # the image carries the scalings' bytes: one copy writes them
+    slots.write_image(2, image)
+    assert torch.equal(slots.scalings[2], layout.scalings(image)) and slots.scalings[2].max() == 2.0  # alpha/rank
+    assert not slots.scalings[0].any()
 
 
 def test_stacks_are_views_of_their_members(tiny_model_dir):
@@ -124,12 +132,12 @@ def test_image_adapter_factors_and_placement_equal_the_adapter(tiny_model_dir, t
     config, identity = load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir)
     slots = LoraSlots(config, identity, max_loras=2, max_rank=16)
     for k, adapter in enumerate(mixed_adapters(tiny_model_dir, tiny_adapters)):
-        flat, scalings = slots.slot_image(adapter)
-        image = ImageAdapter(adapter.spec, adapter.base, {}, slots.layout, flat, scalings)
+        flat = slots.slot_image(adapter)
+        image = ImageAdapter(adapter.spec, adapter.base, {}, slots.layout, flat)
         assert image.tensors.keys() == adapter.tensors.keys()
         assert all(torch.equal(image.tensors[n], t) for n, t in adapter.tensors.items())
         slot = slots.place(f"img{k}", image)
-        assert torch.equal(slots.memory[slot], flat) and torch.equal(slots.scalings[slot], scalings)
+        assert torch.equal(slots.memory[slot], flat) and slots.scalings[slot].any()
         slots.evict(f"img{k}")
         assert not slots.scalings[slot].any()  # an evicted slot adapts nothing
 
@@ -138,14 +146,15 @@ def test_write_image_refuses_an_image_of_another_layout(tiny_model_dir, tiny_ada
     config, identity = load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir)
     slots = LoraSlots(config, identity, max_loras=2, max_rank=16)
     other = LoraSlots(config, identity, max_loras=2, max_rank=8)
-    flat, scalings = other.slot_image(tiny_adapters[0])
+    flat = other.slot_image(tiny_adapters[0])
     with pytest.raises(ValueError, match="slot image"):
-        slots.write_image(0, flat, scalings)
+        slots.write_image(0, flat)
+    with pytest.raises(ValueError, match="slot image"):
+        slots.write_image(0, slots.slot_image(tiny_adapters[0]).to(torch.float64))
     # an ImageAdapter of another layout is still placed right: padded again from its factors
-    image = ImageAdapter(tiny_adapters[0].spec, tiny_adapters[0].base, {}, other.layout, flat, scalings)
+    image = ImageAdapter(tiny_adapters[0].spec, tiny_adapters[0].base, {}, other.layout, flat)
     slot = slots.place("a0", image)
-    want, want_scalings = slots.slot_image(tiny_adapters[0])
-    assert torch.equal(slots.memory[slot], want) and torch.equal(slots.scalings[slot], want_scalings)
+    assert torch.equal(slots.memory[slot], slots.slot_image(tiny_adapters[0]))
 
 
 def test_evicted_image_adapters_come_back_right_after_their_source_is_reused(tiny_model_dir, tiny_adapters):
@@ -156,8 +165,8 @@ def test_evicted_image_adapters_come_back_right_after_their_source_is_reused(tin
     row = torch.empty(engine.lora.layout.slot_elems)  # stands for the loader's ring row
     for k, adapter in enumerate(adapters):
         reference.load_adapter(f"a{k}", adapter)
-        flat, scalings = engine.lora.layout.image(adapter, out=row)
-        image = ImageAdapter(adapter.spec, adapter.base, {}, engine.lora.layout, flat, scalings)
+        layout = engine.lora.layout
+        image = ImageAdapter(adapter.spec, adapter.base, {}, layout, layout.image(adapter, out=row))
         engine.load_adapter(f"a{k}", image)
         image.own()
     row.fill_(float("nan"))  # the row's next use must not reach any kept adapter
@@ -167,8 +176,5 @@ def test_evicted_image_adapters_come_back_right_after_their_source_is_reused(tin
             got = engine.generate([req])[req.request_id][0].token_ids
             assert got == reference.generate([req])[req.request_id][0].token_ids, (rnd, k)
             slot = engine.lora.slot_of(f"a{k}")
-            want, want_scalings = engine.lora.slot_image(adapter)
-            assert torch.equal(engine.lora.memory[slot], want) and torch.equal(
-                engine.lora.scalings[slot], want_scalings
-            )
+            assert torch.equal(engine.lora.memory[slot], engine.lora.slot_image(adapter))
     assert len(engine.lora.resident()) == 2
