@@ -89,8 +89,8 @@ class SlotLayout:
     max_rank: int
     groups: tuple[str, ...]
     dtype: torch.dtype
-    stacks: tuple[SlotStack, ...] = ()
-    scalings_offset: int = 0  # where the slot's fp32 scalings start, in elements of `dtype`
+    stacks: tuple[SlotStack, ...]
+    scalings_offset: int  # where the slot's fp32 scalings start, in elements of `dtype`
 
     def scalings(self, memory: torch.Tensor) -> torch.Tensor:
         """The fp32 scalings in `memory`: [S, entries] views of a whole [S, slot_elems] buffer, [entries] of an
