@@ -186,8 +186,10 @@ class LoraSlots:
                     f"all {self.max_loras} adapter slots are pinned or in use; raise max_loras_per_batch or unpin"
                 )
             slot = self.evict(victim)
-        image = adapter.flat if isinstance(adapter, ImageAdapter) and adapter.layout is self.layout else None
-        self.write_image(slot, self.slot_image(adapter) if image is None else image)
+        if isinstance(adapter, ImageAdapter) and adapter.layout is self.layout:
+            self.write_image(slot, adapter.flat)
+        else:
+            self.write_image(slot, self.slot_image(adapter))
         self._slot_of[key], self._key_of[slot] = slot, key
         self._lru[key] = None
         return slot
