@@ -8,7 +8,9 @@ step after the first (which prefills every prompt); each case is timed `--repeat
   graphs        pure decode steps replay a captured CudaGraphDecoder graph (one stream)
   graphs+side   the same, with LoRA work on a side stream (EngineConfig.lora_side_stream; off by default)
 Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% slower than 1.
-Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--out decode_graphs.json]
+With --profile (CUDA), one more batch per adapter count runs under torch.profiler: the GPU kernel time and kernel
+count per decode step, steadier than tok/s for small differences, and the kernels that differ most from 1 adapter.
+Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--out decode_graphs.json]
 CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny
 --device cpu --prompt 16 --new 8 --repeats 1
 """
@@ -19,6 +21,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -33,7 +36,9 @@ from bench_serving import (
     parse_engine_args,
     random_adapters,
     rates,
+    submit,
 )
+from torch.profiler import ProfilerActivity, profile
 
 from inkwell.models import init_base_model
 
@@ -42,6 +47,25 @@ MODES = {
     "graphs": {"cuda_graphs": True, "lora_side_stream": False},
     "graphs+side": {"cuda_graphs": True, "lora_side_stream": True},
 }
+
+
+def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
+    """GPU kernels per decode step of one batch (the prefill step runs before the profiler starts)."""
+    submit(engine, prompts, keys, new)
+    engine.step()
+    torch.cuda.synchronize()
+    steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    us, count = Counter(), Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            us[event.name] += event.device_time_total / steps
+            count[event.name] += 1 / steps
+    return {"kernel_us": sum(us.values()), "kernels": round(sum(count.values())), "by_name": dict(us), "steps": steps}
 
 
 def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, prompts) -> dict:
@@ -55,6 +79,9 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
         tok_s = statistics.median(r["decode_tok_s"] for r in runs)
         out[n] = {"decode_tok_s": tok_s, "decode_step_ms": 1e3 * args.batch / tok_s, "runs": runs}
         print(f"{n} adapters: {tok_s:.0f} decode tok/s ({out[n]['decode_step_ms']:.2f} ms/step)", flush=True)
+        if args.profile:
+            out[n]["profile"] = profile_decode(engine, prompts, keys, args.new)
+            print(f"  {out[n]['profile']['kernels']} kernels, {out[n]['profile']['kernel_us']:.0f} µs per step")
     if engine.decoder is not None:
         out["graphs_captured"] = len(engine.decoder.graphs)
     del engine
@@ -80,6 +107,28 @@ def table(results: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     ratios = ", ".join(f"{m} {rate(m, 8) / rate(m, 1):.3f}" for m in modes)
     lines.append(f"\n8 vs 1 adapters (decode tok/s ratio): {ratios}")
+    for m in modes:
+        if "profile" in results[m][0]:
+            lines.append(profile_table(m, results[m]))
+    return "\n".join(lines)
+
+
+def profile_table(mode: str, result: dict, top: int = 8) -> str:
+    """Kernel time per decode step against 0 and 1 adapter, and the kernels whose time moves most from 1 to 8."""
+    prof = {n: result[n]["profile"] for n in COUNTS}
+    lines = [
+        f"\n[{mode}] GPU kernels per decode step (torch.profiler)",
+        "| adapters | kernels | kernel µs | vs 0 adapters | vs 1 adapter |",
+        "|---|---|---|---|---|",
+    ]
+    for n in COUNTS:
+        us = prof[n]["kernel_us"]
+        vs = [f"{us / prof[base]['kernel_us']:.4f}" for base in (0, 1)]
+        lines.append(f"| {n} | {prof[n]['kernels']} | {us:.0f} | {vs[0]} | {vs[1]} |")
+    one, eight = prof[1]["by_name"], prof[8]["by_name"]
+    moved = sorted(set(one) | set(eight), key=lambda k: -abs(eight.get(k, 0) - one.get(k, 0)))[:top]
+    lines.append("\nlargest kernel-time changes from 1 to 8 adapters (µs per step):")
+    lines += [f"  {eight.get(k, 0) - one.get(k, 0):+7.1f}  {k[:100]}" for k in moved]
     return "\n".join(lines)
 
 
@@ -88,6 +137,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--profile", action="store_true", help="also GPU kernel time per decode step (CUDA)")
     ap.add_argument("--out", type=Path)
     args = parse_engine_args(ap)
     cuda = args.device.startswith("cuda")

@@ -105,11 +105,16 @@ def adapter_keys(n: int, batch: int) -> list[str | None]:
     return [None if n == 0 else f"a{i % n}" for i in range(batch)]
 
 
-def engine_batch(engine: Engine, clock: Clock, prompts: list[list[int]], keys: list[str | None], new: int) -> dict:
-    """Seconds and tokens of the prefill step and of the decode steps of one batch."""
+def submit(engine: Engine, prompts: list[list[int]], keys: list[str | None], new: int) -> None:
+    """Queue one greedy request of `new` tokens per prompt, prompt i on adapter keys[i] (None: base model)."""
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True)):
         engine.add_request(Request(f"r{i}", prompt, params, key))
+
+
+def engine_batch(engine: Engine, clock: Clock, prompts: list[list[int]], keys: list[str | None], new: int) -> dict:
+    """Seconds and tokens of the prefill step and of the decode steps of one batch."""
+    submit(engine, prompts, keys, new)
     t0 = clock()
     engine.step()
     t1 = clock()

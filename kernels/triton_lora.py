@@ -31,6 +31,11 @@ SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of 
 # Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
 # per (expert, slot): decode's few rows per expert then take one step each instead of a walk over all groups.
 SEGMENT_MAX_ROWS = 1024
+# Up to this many dispatched rows (decode), the expert gate/up expand and the fused down run one program per
+# (row, column tile) instead: the row's slot, expert and token locate its factors, so no program searches a
+# segment, every load goes out at once, and the grid does the same work for one adapter as for eight.
+ROW_MAX_ROWS = 256
+ROW_TILE_ELEMENTS = 8192  # elements of a per-row program's A block ([R, K]); its B tile ([N, R]) holds half
 
 
 @triton.jit
@@ -110,13 +115,19 @@ def _expand_acc(
 
 
 @triton.jit
+def _plus_delta(old, acc, scale, dtype: tl.constexpr):
+    """old + acc * scale in `dtype`, the delta rounded to it first, as the torch twins add it."""
+    delta = (acc * scale).to(dtype).to(tl.float32)
+    return (old.to(tl.float32) + delta).to(dtype)
+
+
+@triton.jit
 def _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale):
-    """out[rows, columns] += acc * scale, the delta rounded to out's dtype first, as the torch twins add it."""
-    delta = (acc * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+    """out[rows, columns] += acc * scale (see `_plus_delta`)."""
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
     m = sel[:, None] & in_n[None, :]
-    old = tl.load(out_ptrs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=m)
+    old = tl.load(out_ptrs, mask=m, other=0.0)
+    tl.store(out_ptrs, _plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -604,12 +615,144 @@ def _segment_down_kernel(
             _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
 
 
+@triton.jit
+def _row_expert(slot_ptr, expert_ptr, first, count, split):
+    """Dispatched row program_id(0)'s slot, its expert counted from `first`, its group, and whether a LoRA
+    covers it (a slot, and an expert among the `count` covered)."""
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row)
+    local = tl.load(expert_ptr + row).to(tl.int32) - first
+    return row, slot, local, (local >= split).to(tl.int32), (slot >= 0) & (local >= 0) & (local < count)
+
+
+@triton.jit
+def _row_in_expand_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    expert_ptr,
+    token_ptr,
+    scale_ptr,
+    N,
+    R,
+    first,
+    count,
+    split,
+    G,
+    o1,
+    o2,
+    o3,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bp,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The gate/up expand of one dispatched row's column tile: out[row, n] += scaling * y[token, block p(n)] .
+    B[slot, p(n), expert, n], in fp32 elementwise products (a 1-row dot would pad to 16 rows)."""
+    row, slot, local, group, covered = _row_expert(slot_ptr, expert_ptr, first, count, split)
+    if covered:
+        token = tl.load(token_ptr + row)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = rn < N
+        rr = tl.arange(0, BLOCK_R)
+        in_b = in_n[:, None] & (rr < R)[None, :]
+        part = _slice_of(rn, o1, o2, o3)
+        block = part * G + group  # the column's block of y and of the scalings
+        b_base = b_ptr + slot * stride_bs + local.to(tl.int64) * stride_be
+        b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn
+        bt = tl.load(b_base + b_cols[:, None] + rr[None, :] * stride_br, mask=in_b, other=0.0)
+        y_cols = block[:, None] * R + rr[None, :]
+        yt = tl.load(y_ptr + token * stride_yt + y_cols * stride_yr, mask=in_b, other=0.0)
+        scale = tl.load(scale_ptr + slot * stride_ss + block * stride_sp, mask=in_n, other=0.0).to(tl.float32)
+        out_ptrs = out_ptr + row * stride_ot + rn * stride_on
+        old = tl.load(out_ptrs, mask=in_n, other=0.0)
+        acc = tl.sum(yt.to(tl.float32) * bt.to(tl.float32), axis=1)
+        tl.store(out_ptrs, _plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=in_n)
+
+
+@triton.jit
+def _row_down_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    expert_ptr,
+    scale_ptr,
+    K,
+    N,
+    R,
+    first,
+    count,
+    split,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    stride_bs,
+    stride_bg,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sg,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The down LoRA of one dispatched row's column tile: y = x[row] @ A[slot, expert]^T (rounded to x's dtype,
+    as the two-launch path stores it), then out[row, tile] += scaling * y @ B[slot, group, tile]^T. B, the
+    output and the scaling load before the shrink's loop, so their latency hides behind it."""
+    row, slot, local, group, covered = _row_expert(slot_ptr, expert_ptr, first, count, split)
+    if covered:
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = rn < N
+        rr = tl.arange(0, BLOCK_R)
+        in_r = rr < R
+        b_base = b_ptr + slot * stride_bs + group.to(tl.int64) * stride_bg
+        b_ptrs = b_base + rn[:, None] * stride_bn + rr[None, :] * stride_br
+        bt = tl.load(b_ptrs, mask=in_n[:, None] & in_r[None, :], other=0.0)
+        out_ptrs = out_ptr + row * stride_ot + rn * stride_on
+        old = tl.load(out_ptrs, mask=in_n, other=0.0)
+        scale = tl.load(scale_ptr + slot * stride_ss + group * stride_sg).to(tl.float32)
+        a_base = a_ptr + slot * stride_as + local.to(tl.int64) * stride_ae
+        y = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            in_k = rk < K
+            xk = tl.load(x_ptr + row * stride_xt + rk * stride_xk, mask=in_k, other=0.0).to(tl.float32)
+            a_ptrs = a_base + rr[:, None] * stride_ar + rk[None, :] * stride_ak
+            at = tl.load(a_ptrs, mask=in_r[:, None] & in_k[None, :], other=0.0)
+            y += tl.sum(at.to(tl.float32) * xk[None, :], axis=1)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc = tl.sum(bt.to(tl.float32) * y[None, :], axis=1)
+        tl.store(out_ptrs, _plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=in_n)
+
+
 # ---- launchers ------------------------------------------------------------------------------------
 
 
 def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
     p = max(lo, triton.next_power_of_2(max(n, 1)))
     return p if hi is None else min(p, hi)
+
+
+def _row_block_n(n: int, block_r: int) -> int:
+    """Column tile of the per-row expert kernels: [BLOCK_N, BLOCK_R] factor tiles of ROW_TILE_ELEMENTS / 2."""
+    return min(_pow2(n, 2), max(16, ROW_TILE_ELEMENTS // 2 // block_r))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -747,7 +890,6 @@ def _expand(
     out: torch.Tensor,
     slice_offsets: tuple[int, ...] | None,
     rows: _ExpertRows | None = None,
-    block_n: int | None = None,
 ) -> torch.Tensor:
     """out [M, N] += the expand of y's rank blocks over P slices of out's columns; b is [S, P_b, E_b, N_b, R]
     as `_expand_kernel` reads it (linears [S, 1, 1, N, R])."""
@@ -767,8 +909,37 @@ def _expand(
         return out
     dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype
     split = _local_split(groups)
+    if expert_in and tokens <= ROW_MAX_ROWS:
+        block_r = _pow2(rank, 2)
+        block_n = _row_block_n(n, block_r)
+        _row_in_expand_kernel[(tokens, triton.cdiv(n, block_n))](
+            y,
+            b,
+            out,
+            slots,
+            rows.experts,
+            rows.tokens,
+            scalings,
+            n,
+            rank,
+            groups.first,
+            groups.count,
+            split,
+            groups.groups,
+            o1,
+            o2,
+            o3,
+            *y.stride(),
+            *b.stride(),
+            *out.stride(),
+            ss,
+            sp,
+            BLOCK_N=block_n,
+            BLOCK_R=block_r,
+        )
+        return out
     if rows is not None and rows.ends is not None and tokens <= SEGMENT_MAX_ROWS:
-        block_n = block_n or 256
+        block_n = 256
         _segment_expand_kernel[(groups.count, num_slots, triton.cdiv(n, block_n))](
             y,
             b,
@@ -799,7 +970,7 @@ def _expand(
         )
         return out
     block_t = _block_t(tokens)
-    block_n = block_n or (256 if tokens <= 16 else 128)
+    block_n = 256 if tokens <= 16 else 128
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots, triton.cdiv(n, block_n))
     _expand_kernel[grid](
@@ -1096,11 +1267,12 @@ def expert_down_lora(
 ) -> torch.Tensor:
     """out += the down LoRA of dispatched rows x: `expert_out_lora_expand(expert_lora_shrink(x, A), B, ...)`.
 
-    With `expert_ends` (rows sorted by expert) and up to SEGMENT_MAX_ROWS rows this is one launch, one program
-    per (expert, slot, column tile); the shrink result stays in registers.
+    One launch, where the shrink result stays in registers: up to ROW_MAX_ROWS rows one program per (row, column
+    tile), and with `expert_ends` (rows sorted by expert) up to SEGMENT_MAX_ROWS one per (expert, slot, column tile).
     """
     _check(lora_a.dim() == 4 and lora_b.dim() == 4, "expert_down_lora needs lora_a [S,E,R,K] and lora_b [S,G,N,R]")
-    if expert_ends is None or x.shape[0] > SEGMENT_MAX_ROWS:
+    per_row = x.shape[0] <= ROW_MAX_ROWS
+    if not per_row and (expert_ends is None or x.shape[0] > SEGMENT_MAX_ROWS):
         y = expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
         return expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
     rows, k = x.shape
@@ -1112,6 +1284,34 @@ def expert_down_lora(
     if rows == 0 or rank == 0:
         return out
     n = out.shape[1]
+    if per_row:
+        block_r = _pow2(rank, 2)
+        block_n = _row_block_n(n, block_r)
+        _row_down_kernel[(rows, triton.cdiv(n, block_n))](
+            x,
+            lora_a,
+            lora_b,
+            out,
+            slots,
+            expert_ids,
+            scalings,
+            k,
+            n,
+            rank,
+            groups.first,
+            count,
+            _local_split(groups),
+            *x.stride(),
+            *lora_a.stride(),
+            *lora_b.stride(),
+            *out.stride(),
+            ss,
+            sg,
+            BLOCK_N=block_n,
+            BLOCK_K=min(_pow2(k, 2), max(16, ROW_TILE_ELEMENTS // block_r)),
+            BLOCK_R=block_r,
+        )
+        return out
     dot_fp32 = x.dtype == torch.float32 or x.dtype != lora_b.dtype
     block_n = 256
     _segment_down_kernel[(count, num_slots, triton.cdiv(n, block_n))](

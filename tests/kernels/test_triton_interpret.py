@@ -5,10 +5,13 @@ process started with TRITON_INTERPRET=1; the checks themselves (`check_*`, share
 tests) compare every op with the torch twins computed in float64 on the same inputs.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from types import ModuleType
+from unittest import mock
 
 import torch
 
@@ -143,6 +146,21 @@ def expert_groups(routed: int, shared: int, covered: str) -> ExpertGroups:
     }[covered]
 
 
+# The ways the Triton expert kernels can run the same dispatched rows: name -> (pass the segment ends, the
+# per-row kernels' row limit). The torch twins ignore both.
+EXPERT_PATHS = {"per row": (False, 2**31), "segments": (True, 0), "token tiles": (False, 0)}
+
+
+@contextlib.contextmanager
+def expert_path(name: str, ends: torch.Tensor) -> Iterator[torch.Tensor | None]:
+    """Within the block the expert kernels take path `name`; yields the segment ends to pass (or None)."""
+    from inkwell.kernels import triton_lora
+
+    with_ends, row_max = EXPERT_PATHS[name]
+    with mock.patch.object(triton_lora, "ROW_MAX_ROWS", row_max):
+        yield ends if with_ends else None
+
+
 def check_experts(
     ops: ModuleType,
     device: str,
@@ -157,9 +175,9 @@ def check_experts(
 ):
     """The expert ops on dispatched rows of `experts` routed + 2 shared experts, of which `covered` have LoRA.
 
-    Rows are sorted by expert, as the engine dispatches them; the gate/up expand and the fused down run both
-    ways: token tiles walking their groups, and (with the segment ends) one program per expert and slot.
-    Rows of uncovered experts and of slot -1 must stay untouched (zero after the shrink)."""
+    Rows are sorted by expert, as the engine dispatches them; the gate/up expand and the fused down run every
+    way in EXPERT_PATHS: one program per row, one per expert and slot (with the segment ends), and token tiles
+    walking their groups. Rows of uncovered experts and of slot -1 must stay untouched (zero after the shrink)."""
     gen = torch.Generator().manual_seed(rows * 3 + experts + len(covered))
     groups = expert_groups(experts, 2, covered)
     tokens = max(rows // 3, 1)
@@ -193,12 +211,13 @@ def check_experts(
     ops.expert_out_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, out, groups)
     assert_close(out, ref_out, dtype, "expert_out_lora_expand")
     assert torch.equal(out[untouched], before[untouched]), "expert_out_lora_expand touched uncovered rows"
-    for segment_ends in (None, ends):
-        fused = ops.expert_down_lora(
-            x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, base.to(**dev), groups, segment_ends
-        )
-        assert_close(fused, ref_out, dtype, f"expert_down_lora (segments: {segment_ends is not None})")
-        assert torch.equal(fused[untouched], before[untouched]), "expert_down_lora touched uncovered rows"
+    for path in EXPERT_PATHS:
+        with expert_path(path, ends) as segment_ends:
+            fused = ops.expert_down_lora(
+                x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, base.to(**dev), groups, segment_ends
+            )
+        assert_close(fused, ref_out, dtype, f"expert_down_lora ({path})")
+        assert torch.equal(fused[untouched], before[untouched]), f"expert_down_lora ({path}) touched uncovered rows"
 
     # gate/up: each group's shared A (the tokens' shrink y_in), per-expert B per projection
     y_in = torch.randn(tokens, 2 * groups.groups * rank, generator=gen, dtype=torch.float64)
@@ -208,14 +227,13 @@ def check_experts(
         y_in, b_in, slots, expert_ids, scalings.double(), base.clone(), token_of_row, groups
     )
     before = base.to(**dev)
-    for segment_ends in (None, ends):
+    d_tokens, d_y, d_b, d_scal = token_of_row.to(device), y_in.to(**dev), b_in.to(**dev), scalings.to(device)
+    for path in EXPERT_PATHS:
         out = before.clone()
-        d_tokens = token_of_row.to(device)
-        ops.expert_in_lora_expand(
-            y_in.to(**dev), b_in.to(**dev), d_slots, d_experts, scalings.to(device), out, d_tokens, groups, segment_ends
-        )
-        assert_close(out, ref_out, dtype, f"expert_in_lora_expand ({covered}, segments: {segment_ends is not None})")
-        assert torch.equal(out[untouched], before[untouched]), "expert_in_lora_expand touched uncovered rows"
+        with expert_path(path, ends) as segment_ends:
+            ops.expert_in_lora_expand(d_y, d_b, d_slots, d_experts, d_scal, out, d_tokens, groups, segment_ends)
+        assert_close(out, ref_out, dtype, f"expert_in_lora_expand ({covered}, {path})")
+        assert torch.equal(out[untouched], before[untouched]), f"expert_in_lora_expand ({path}) touched uncovered rows"
 
 
 def run_interpreted_cases() -> None:
