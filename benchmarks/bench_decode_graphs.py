@@ -9,7 +9,8 @@ step after the first (which prefills every prompt); each case is timed `--repeat
   graphs+side   the same, with LoRA work on a side stream (EngineConfig.lora_side_stream; off by default)
 Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% slower than 1.
 With --profile (CUDA), one more batch per adapter count runs under torch.profiler: the GPU kernel time and kernel
-count per decode step, steadier than tok/s for small differences, and the kernels that differ most from 1 adapter.
+count per decode step, steadier than tok/s for small differences, and the kernels that differ most from 1 adapter;
+then the batch's captured step graph is replayed alone and timed (GPU time per step, without the host's work).
 Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--out decode_graphs.json]
 CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny
 --device cpu --prompt 16 --new 8 --repeats 1
@@ -65,7 +66,29 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
             us[event.name] += event.device_time_total / steps
             count[event.name] += 1 / steps
-    return {"kernel_us": sum(us.values()), "kernels": round(sum(count.values())), "by_name": dict(us), "steps": steps}
+    return {
+        "kernel_us": sum(us.values()),
+        "kernels": round(sum(count.values())),
+        "replay_us": replay_us(engine, lora=any(k is not None for k in keys)),
+        "by_name": dict(us),
+        "steps": steps,
+    }
+
+
+def replay_us(engine, lora: bool, replays: int = 20) -> float:
+    """GPU time of one decode step: the median over replays of the batch's captured graph, timed by CUDA events.
+    Unlike tok/s it leaves out the host's work between steps; unlike the kernel sum it counts the gaps between
+    kernels and the overlap of concurrent ones. The replays rewrite only state that no request holds now."""
+    (graph, _), *_ = [g for (_, _, with_lora), g in engine.decoder.graphs.items() if with_lora == lora]
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
 
 
 def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, prompts) -> dict:
@@ -81,7 +104,8 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
         print(f"{n} adapters: {tok_s:.0f} decode tok/s ({out[n]['decode_step_ms']:.2f} ms/step)", flush=True)
         if args.profile:
             out[n]["profile"] = profile_decode(engine, prompts, keys, args.new)
-            print(f"  {out[n]['profile']['kernels']} kernels, {out[n]['profile']['kernel_us']:.0f} µs per step")
+            prof = out[n]["profile"]
+            print(f"  {prof['kernels']} kernels, {prof['kernel_us']:.0f} µs, graph replay {prof['replay_us']:.0f} µs")
     if engine.decoder is not None:
         out["graphs_captured"] = len(engine.decoder.graphs)
     del engine
@@ -118,13 +142,15 @@ def profile_table(mode: str, result: dict, top: int = 8) -> str:
     prof = {n: result[n]["profile"] for n in COUNTS}
     lines = [
         f"\n[{mode}] GPU kernels per decode step (torch.profiler)",
-        "| adapters | kernels | kernel µs | vs 0 adapters | vs 1 adapter |",
-        "|---|---|---|---|---|",
+        "| adapters | kernels | kernel µs | vs 0 adapters | vs 1 adapter | graph replay µs | vs 0 | vs 1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in COUNTS:
-        us = prof[n]["kernel_us"]
-        vs = [f"{us / prof[base]['kernel_us']:.4f}" for base in (0, 1)]
-        lines.append(f"| {n} | {prof[n]['kernels']} | {us:.0f} | {vs[0]} | {vs[1]} |")
+        cells = [str(n), str(prof[n]["kernels"])]
+        for what in ("kernel_us", "replay_us"):
+            us = prof[n][what]
+            cells += [f"{us:.0f}", *(f"{us / prof[base][what]:.4f}" for base in (0, 1))]
+        lines.append("| " + " | ".join(cells) + " |")
     one, eight = prof[1]["by_name"], prof[8]["by_name"]
     moved = sorted(set(one) | set(eight), key=lambda k: -abs(eight.get(k, 0) - one.get(k, 0)))[:top]
     lines.append("\nlargest kernel-time changes from 1 to 8 adapters (µs per step):")
