@@ -69,26 +69,29 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
     return {
         "kernel_us": sum(us.values()),
         "kernels": round(sum(count.values())),
-        "replay_us": replay_us(engine, lora=any(k is not None for k in keys)),
+        **replay_us(engine, lora=any(k is not None for k in keys)),
         "by_name": dict(us),
         "steps": steps,
     }
 
 
-def replay_us(engine, lora: bool, replays: int = 20) -> float:
-    """GPU time of one decode step: the median over replays of the batch's captured graph, timed by CUDA events.
-    Unlike tok/s it leaves out the host's work between steps; unlike the kernel sum it counts the gaps between
-    kernels and the overlap of concurrent ones. The replays rewrite only state that no request holds now."""
+def replay_us(engine, lora: bool, replays: int = 20) -> dict:
+    """One decode step's graph replayed alone, medians over replays: its GPU time by CUDA events ("replay_us";
+    unlike tok/s it leaves out the host's work between steps, unlike the kernel sum it counts the gaps between
+    kernels and the overlap of concurrent ones) and the host's time in `replay()` ("launch_us"). The replays
+    rewrite only state that no request holds now."""
     (graph, _), *_ = [g for (_, _, with_lora), g in engine.decoder.graphs.items() if with_lora == lora]
-    times = []
+    gpu, host = [], []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         graph.replay()
+        host.append((time.perf_counter() - t0) * 1e6)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+        gpu.append(start.elapsed_time(end) * 1000)
+    return {"replay_us": statistics.median(gpu), "launch_us": statistics.median(host)}
 
 
 def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, prompts) -> dict:
@@ -105,7 +108,8 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
         if args.profile:
             out[n]["profile"] = profile_decode(engine, prompts, keys, args.new)
             prof = out[n]["profile"]
-            print(f"  {prof['kernels']} kernels, {prof['kernel_us']:.0f} µs, graph replay {prof['replay_us']:.0f} µs")
+            times = f"{prof['kernel_us']:.0f} µs, replay {prof['replay_us']:.0f} µs, launch {prof['launch_us']:.0f} µs"
+            print(f"  {prof['kernels']} kernels, {times}")
     if engine.decoder is not None:
         out["graphs_captured"] = len(engine.decoder.graphs)
     del engine
