@@ -36,7 +36,6 @@ SEGMENT_MAX_ROWS = 1024
 # segment, every load goes out at once, and the grid does the same work for one adapter as for eight.
 ROW_MAX_ROWS = 256
 ROW_TILE_ELEMENTS = 8192  # elements of a per-row program's A block ([R, K]); its B tile ([N, R]) holds half
-MAX_SHRINK_SPLITS = 16  # K ranges of lora_linear's shrink at decode, which its epilogue adds
 
 
 @triton.jit
@@ -203,50 +202,6 @@ def _shrink_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=sel[:, None] & in_r)
         keys = tl.where(sel, _NONE, keys)
         key = tl.min(keys, 0)
-
-
-@triton.jit
-def _split_shrink_kernel(
-    x_ptr,
-    a_ptr,
-    part_ptr,
-    slot_ptr,
-    K,
-    R,
-    K_PER_SPLIT,
-    stride_xt,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_ps,
-    stride_pt,
-    stride_pr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
-):
-    """One token's shrink over one K range and rank block: part[split, t, ranks] = x[t, range] @ A[slot_t, ranks,
-    range]^T in fp32 (zeros for slot -1), a program per (token, split, rank block); `_linear_kernel` adds the
-    splits. At decode this spreads each adapter's A over many programs of a few KB, where `_shrink_kernel`
-    streams a slot's whole A through one program, so the shrink no longer takes longer than the GEMM beside it."""
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
-    t = tl.program_id(0)
-    split = tl.program_id(1)
-    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_r = rr < R
-    slot = tl.load(slot_ptr + t)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    if slot >= 0:
-        a_rows = a_ptr + slot * stride_as + rr[:, None] * stride_ar
-        for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            in_k = rk < K
-            xk = tl.load(x_ptr + t * stride_xt + rk * stride_xk, mask=in_k, other=0.0).to(tl.float32)
-            at = tl.load(a_rows + rk[None, :] * stride_ak, mask=in_r[:, None] & in_k[None, :], other=0.0)
-            acc += tl.sum(at.to(tl.float32) * xk[None, :], axis=1)
-    tl.store(part_ptr + split * stride_ps + t * stride_pt + rr * stride_pr, acc, mask=in_r)
 
 
 @triton.jit
@@ -431,7 +386,6 @@ def _linear_kernel(
     stride_xk,
     stride_wn,
     stride_wk,
-    stride_ys,
     stride_yt,
     stride_yr,
     stride_bs,
@@ -441,7 +395,6 @@ def _linear_kernel(
     stride_on,
     stride_ss,
     stride_sp,
-    SPLITS: tl.constexpr,
     WAIT_FOR_SHRINK: tl.constexpr,
     ONE_SLICE_PER_TILE: tl.constexpr,
     PREFETCH_B: tl.constexpr,
@@ -453,9 +406,7 @@ def _linear_kernel(
 ):
     """out[:, tile] = x @ W[tile]^T plus each token's (sliced) LoRA expand of y, as the tile's epilogue.
 
-    y is the shrink as SPLITS partial sums [SPLITS, T, R] (K blocks of `_split_shrink_kernel`, or one: the
-    shrink itself); the epilogue adds them and rounds to x's dtype, as a stored shrink result would be.
-    Launched right after the shrink, with programmatic dependent launch (WAIT_FOR_SHRINK): the
+    Launched right after the shrink that writes y, with programmatic dependent launch (WAIT_FOR_SHRINK): the
     GEMM's K loop runs while the shrink does, and only the epilogue waits for it. Each token gathers its own
     slot's B, so one program serves every adapter in the batch. The slots and scalings, and up to rank BLOCK_R
     the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind it. Where
@@ -498,24 +449,15 @@ def _linear_kernel(
     if WAIT_FOR_SHRINK:
         gdc_wait()
     delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    x_dtype = x_ptr.dtype.element_ty
     for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
         rr = r0 + tl.arange(0, BLOCK_R)
         in_b = adapted[:, :, None] & (rr < R)[None, None, :]
         bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
         if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
             in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
-            yt = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-            for split in range(SPLITS):
-                y_ptrs = y_rows + split * stride_ys + rr[None, :] * stride_yr
-                yt += tl.load(y_ptrs, mask=in_y, other=0.0).to(tl.float32)
-            yt = yt.to(x_dtype).to(tl.float32)[:, None, :]
+            yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
         else:
-            yt = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_R), dtype=tl.float32)
-            for split in range(SPLITS):
-                y_ptrs = y_rows + split * stride_ys + rr[None, None, :] * stride_yr
-                yt += tl.load(y_ptrs, mask=in_b, other=0.0).to(tl.float32)
-            yt = yt.to(x_dtype).to(tl.float32)
+            yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
         delta += tl.sum(yt * bt.to(tl.float32), axis=2)
     out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
@@ -929,33 +871,6 @@ def _shrink(
     return y
 
 
-def _split_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, launch_dependents: bool) -> torch.Tensor:
-    """fp32 partial sums [splits, T, R] of x @ A[slot]^T (a [S, R, K]) over at most MAX_SHRINK_SPLITS K ranges."""
-    tokens, k = x.shape
-    rank = a.shape[1]
-    block_r = _pow2(rank, 2, 64)
-    block_k = min(_pow2(k, 2), ROW_TILE_ELEMENTS // block_r)
-    k_per_split = block_k * triton.cdiv(triton.cdiv(k, block_k), MAX_SHRINK_SPLITS)
-    splits = triton.cdiv(k, k_per_split)
-    part = torch.empty((splits, tokens, rank), dtype=torch.float32, device=x.device)
-    _split_shrink_kernel[(tokens, splits, triton.cdiv(rank, block_r))](
-        x,
-        a,
-        part,
-        slots,
-        k,
-        rank,
-        k_per_split,
-        *x.stride(),
-        *a.stride(),
-        *part.stride(),
-        BLOCK_K=block_k,
-        BLOCK_R=block_r,
-        LAUNCH_DEPENDENTS=launch_dependents,
-    )
-    return part
-
-
 @dataclass(frozen=True)
 class _ExpertRows:
     """Dispatched rows for the expand kernel: each row's expert, the LoRA's groups, and for expert_in
@@ -1241,7 +1156,7 @@ def lora_linear(
     if tokens == 0 or n == 0:
         return out
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
-    y = _split_shrink(x, lora_a, token_slots, launch_dependents=pdl)
+    y = _shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl)
     block_n = 32
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -1265,7 +1180,6 @@ def lora_linear(
         *out.stride(),
         ss,
         sp,
-        SPLITS=y.shape[0],
         WAIT_FOR_SHRINK=pdl,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=_precision(x.dtype),
