@@ -75,22 +75,24 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
     }
 
 
-def replay_us(engine, lora: bool, replays: int = 20) -> dict:
-    """One decode step's graph replayed alone, medians over replays: its GPU time by CUDA events ("replay_us";
-    unlike tok/s it leaves out the host's work between steps, unlike the kernel sum it counts the gaps between
-    kernels and the overlap of concurrent ones) and the host's time in `replay()` ("launch_us"). The replays
-    rewrite only state that no request holds now."""
+def replay_us(engine, lora: bool, rounds: int = 10, burst: int = 5) -> dict:
+    """The batch's captured step graph replayed alone, `burst` replays back to back per round, medians over rounds
+    of the per-replay times: the GPU's by CUDA events ("replay_us": unlike tok/s it leaves out the host's work
+    between steps, unlike the kernel sum it counts the gaps between kernels and the overlap of concurrent ones;
+    after the first replay the host launches the next one while the GPU runs) and the host's in `replay()`
+    ("launch_us"). The replays rewrite only state that no request holds now."""
     (graph, _), *_ = [g for (_, _, with_lora), g in engine.decoder.graphs.items() if with_lora == lora]
     gpu, host = [], []
-    for _ in range(replays):
+    for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        graph.replay()
-        host.append((time.perf_counter() - t0) * 1e6)
+        for _ in range(burst):
+            graph.replay()
+        host.append((time.perf_counter() - t0) * 1e6 / burst)
         end.record()
         end.synchronize()
-        gpu.append(start.elapsed_time(end) * 1000)
+        gpu.append(start.elapsed_time(end) * 1000 / burst)
     return {"replay_us": statistics.median(gpu), "launch_us": statistics.median(host)}
 
 
