@@ -66,7 +66,8 @@ def expert_in_lora_expand(
     """Gate/up LoRA of dispatched rows, in place: per-expert B over the tokens' shrink by each group's shared A
     (y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]; `torch_ops` says it exactly).
 
-    `expert_ends` (rows sorted by expert, ends[e] = rows of experts <= e) lets CUDA run a program per expert."""
+    On CUDA, decode's few rows run a program per row; for more, `expert_ends` (rows sorted by expert, ends[e] =
+    rows of experts <= e) lets CUDA run a program per expert."""
     if out.is_cuda:
         return _triton().expert_in_lora_expand(
             y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups, expert_ends
@@ -101,7 +102,8 @@ def expert_down_lora(
     expert_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out += the down LoRA of dispatched rows x (per-expert A [S,E,R,K], each group's B [S,G,N,R]), in place:
-    `expert_out_lora_expand(expert_lora_shrink(x, A), B, ...)`; on CUDA with `expert_ends` one launch."""
+    `expert_out_lora_expand(expert_lora_shrink(x, A), B, ...)`; on CUDA one launch at decode sizes, and with
+    `expert_ends` up to SEGMENT_MAX_ROWS rows."""
     if out.is_cuda:
         return _triton().expert_down_lora(x, lora_a, lora_b, slots, expert_ids, scalings, out, groups, expert_ends)
     y = torch_ops.expert_lora_shrink(x, lora_a, slots, expert_ids, groups)

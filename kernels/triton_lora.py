@@ -7,7 +7,9 @@ Every kernel gives one program a tile of BLOCK_T consecutive tokens and one slot
 down to that slot's tokens (and for routed experts walks the experts those tokens went to), so mixed
 adapters, base-model tokens (slot -1) and slots absent from the batch need no sort, no host sync and
 a grid that depends only on shapes, which keeps every launch CUDA-graph capturable. Programs of
-absent slots exit after reading BLOCK_T slot ids.
+absent slots exit after reading BLOCK_T slot ids. The experts' kernels have two more shapes: one program
+per (expert, slot) over rows sorted by expert, and at decode one program per dispatched row, which reads
+its own slot and expert.
 
 Slot buffers are zero-padded to the largest rank, so per-slot ranks need no rank table. A sliced
 projection keeps A stacked along the rank ([S, P*R, K]) and B stacked along the output ([S, N, R]);
@@ -1221,8 +1223,9 @@ def expert_in_lora_expand(
     expert_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-expert B of the projections that read one input (gate/up) on dispatched rows, in place; see the
-    torch twin. y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]. `expert_ends`: the
-    rows are sorted by expert and ends[e] counts those of experts <= e (one program per expert and slot)."""
+    torch twin. y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]. Up to ROW_MAX_ROWS rows,
+    one program per row; past that, `expert_ends` (the rows sorted by expert, ends[e] counting those of experts
+    <= e) gives one program per expert and slot."""
     _check(y.dim() == 2 and lora_b.dim() == 5, "expert_in_lora_expand needs y [T, P*G*R] and lora_b [S,P,E,N,R]")
     rows = out.shape[0]
     _check(
