@@ -909,7 +909,6 @@ def _expand(
     ss, sp = _scale_strides(scalings, num_slots, parts * groups.groups)
     if tokens == 0 or rank == 0 or n == 0:
         return out
-    dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype
     split = _local_split(groups)
     if expert_in and tokens <= ROW_MAX_ROWS:
         block_r = _pow2(rank, 2)
@@ -940,6 +939,7 @@ def _expand(
             BLOCK_R=block_r,
         )
         return out
+    dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype  # the tl.dot kernels' operand precision
     if rows is not None and rows.ends is not None and tokens <= SEGMENT_MAX_ROWS:
         block_n = 256
         _segment_expand_kernel[(groups.count, num_slots, triton.cdiv(n, block_n))](
