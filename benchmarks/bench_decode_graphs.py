@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = parse_engine_args(ap)
     cuda = args.device.startswith("cuda")
+    if args.profile and not cuda:
+        ap.error("--profile times CUDA kernels and graph replays: run it with --device cuda")
     modes = [m for m in args.modes if cuda or not MODES[m].get("cuda_graphs")]
     clock = Clock(torch.device(args.device))
     results: dict = {
