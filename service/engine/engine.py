@@ -6,7 +6,9 @@ their adapters: the per-token slot index selects each token's LoRA. A request is
 adapter's slot when it is admitted, so an adapter version loaded later never changes a running
 request; copying an adapter into a slot happens between steps and touches only that slot.
 On CUDA, steps in which every sequence decodes one token replay a captured CUDA graph
-(`CudaGraphDecoder`); steps with prefill chunks run the eager forward.
+(`CudaGraphDecoder`); steps with prefill chunks run the eager forward. Every step picks greedy tokens on
+the device; while every sequence decodes greedily, the next step is queued before this one's tokens
+reach the host (`Engine.step`), so the host's work per step hides behind the GPU's.
 """
 
 import itertools
@@ -104,6 +106,8 @@ class EngineConfig:
     # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: since decode projections take
     # one launch each (lora_linear), its forks and joins cost graph decode more than they hide (docs/benchmarks.md)
     lora_side_stream: bool = False
+    # Queue the next greedy decode step before reading this one's tokens on the host (see `Engine.step`).
+    overlap_decode: bool = True
 
 
 @dataclass
@@ -137,7 +141,7 @@ class StepOutput:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # with SamplingParams.logprobs = k
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `in` and `remove` compare identities
 class _Sequence:
     request: Request
     index: int
@@ -160,6 +164,29 @@ class _Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt :]
+
+
+@dataclass(frozen=True, eq=False)
+class _Chunk:
+    """A sequence's rows in a step: `length` tokens from position `start`, at batch rows from `first`."""
+
+    seq: _Sequence
+    first: int
+    start: int
+    length: int
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step queued on the device: its chunks, the rows it scores, their greedy next tokens on the device and
+    on the host (there once `ready` has fired; None: already there), and the host logits where a row needs them."""
+
+    chunks: list[_Chunk]
+    logit_rows: list[int]
+    greedy: torch.Tensor
+    host_greedy: torch.Tensor
+    ready: torch.cuda.Event | None
+    logits: torch.Tensor | None
 
 
 class Engine:
@@ -196,6 +223,7 @@ class Engine:
         self._pinned: set[str] = set()
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
+        self._queued: _Launched | None = None  # the next step, already on the device (see `step`)
         self.steps = 0
 
     # ---- adapters ----------------------------------------------------------------------------
@@ -292,11 +320,28 @@ class Engine:
             self.lora.release(seq.request.adapter)
 
     def step(self) -> list[StepOutput]:
-        """Run one forward over every running sequence; returns each choice's new output."""
-        self._admit()
-        if not self.running:
-            return []
-        plan: list[tuple[_Sequence, int, int]] = []  # (sequence, first row, chunk length)
+        """Run one forward over every running sequence; returns each choice's new output.
+
+        Greedy decoding overlaps steps: before this step's tokens are read on the host, the next step is queued on
+        the device with those tokens as its input (`overlap_decode`), so the host's work of a step (reading its
+        tokens, stop checks, detokenizing, the next launch) runs while the GPU computes the next one."""
+        current, self._queued = self._queued, None
+        if current is not None and not any(c.seq in self.running for c in current.chunks):
+            current = None  # every sequence it decoded ended (or was aborted) after it was queued
+        if current is None:
+            self._admit()
+            if not self.running:
+                return []
+            current = self._launch(*self._plan())
+        follow_up = self._follow_up(current)
+        if follow_up is not None:
+            self._queued = self._launch(*follow_up)
+        return self._collect(current)
+
+    def _plan(self) -> tuple[list[_Chunk], list[int], list[int]]:
+        """The next step's chunks (every decoding sequence first, then prefill chunks up to the token budget),
+        their input ids and the rows whose logits it scores."""
+        chunks: list[_Chunk] = []
         budget = self.config.max_batch_tokens
         decoding = [s for s in self.running if len(s.tokens) - s.computed == 1]
         prefilling = [s for s in self.running if len(s.tokens) - s.computed > 1]
@@ -305,42 +350,102 @@ class Engine:
             length = min(len(seq.tokens) - seq.computed, max(budget - rows, 1 if seq in decoding else 0))
             if length <= 0:
                 continue
-            plan.append((seq, rows, length))
+            chunks.append(_Chunk(seq, rows, seq.computed, length))
             rows += length
-        ids, slots, segments, logit_rows = [], [], [], []
-        for seq, first, length in plan:
-            ids += seq.tokens[seq.computed : seq.computed + length]
-            slots += [seq.lora_slot] * length
-            segments.append(Segment(seq.seq_slot, seq.computed, length))
-            if seq.prompt_logprobs is not None and seq.computed < seq.num_prompt:
-                logit_rows += range(first, first + length)
-            elif seq.computed + length == len(seq.tokens):
-                logit_rows.append(first + length - 1)
-        if self.decoder is not None and len(ids) == len(plan) == len(logit_rows):  # one token each, all scored
-            logits = self.decoder(ids, [s.seq_slot for s in segments], [s.start for s in segments], slots).cpu()
+        ids, logit_rows = [], []
+        for c in chunks:
+            seq = c.seq
+            ids += seq.tokens[c.start : c.start + c.length]
+            if seq.prompt_logprobs is not None and c.start < seq.num_prompt:
+                logit_rows += range(c.first, c.first + c.length)
+            elif c.start + c.length == len(seq.tokens):
+                logit_rows.append(c.first + c.length - 1)
+        return chunks, ids, logit_rows
+
+    def _follow_up(self, current: "_Launched") -> tuple[list[_Chunk], torch.Tensor, list[int]] | None:
+        """The decode step after `current` while `current` is still on the device, if it can be planned now: every
+        running sequence is in `current`, gets its next token from it greedily and needs no logits on the host,
+        and no waiting request could be admitted. Sequences that `current`'s token ends by length are left out;
+        one that a stop token or string ends is decoded once more and the result dropped."""
+        if not self.config.overlap_decode or (self.waiting and self.state.free_slots):
+            return None
+        if current.logits is not None or len(current.chunks) != len(self.running):
+            return None
+        scored = {r: i for i, r in enumerate(current.logit_rows)}
+        chunks, sources = [], []
+        for c in current.chunks:
+            seq, end = c.seq, c.start + c.length
+            if end != len(seq.tokens) or seq not in self.running:
+                return None  # a prompt still prefilling in chunks, or a sequence aborted since
+            max_tokens = seq.request.params.max_tokens
+            if end + 1 >= self.max_context or (max_tokens is not None and end + 1 - seq.num_prompt >= max_tokens):
+                continue
+            chunks.append(_Chunk(seq, len(chunks), end, 1))
+            sources.append(scored[c.first + c.length - 1])
+        if not chunks:
+            return None
+        if sources == list(range(len(sources))):
+            ids = current.greedy[: len(sources)]
         else:
+            ids = current.greedy[torch.tensor(sources, device=self.device)]
+        return chunks, ids, list(range(len(chunks)))
+
+    def _needs_logits(self, seq: _Sequence) -> bool:
+        """Whether a step must bring `seq`'s logits to the host: to sample, or to report logprobs."""
+        params = seq.request.params
+        return params.temperature > 0.0 or params.logprobs is not None or seq.prompt_logprobs is not None
+
+    def _launch(self, chunks: list[_Chunk], ids: list[int] | torch.Tensor, logit_rows: list[int]) -> "_Launched":
+        """Queue a step's forward on the device; returns before it ends unless some row needs its logits."""
+        seq_slots = [c.seq.seq_slot for c in chunks]
+        if self.decoder is not None and len(ids) == len(chunks) == len(logit_rows):  # one token each, all scored
+            logits, greedy = self.decoder(ids, seq_slots, [c.start for c in chunks], [c.seq.lora_slot for c in chunks])
+        else:
+            device = self.device
             batch = ForwardBatch(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-                lora_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-                segments=segments,
-                logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+                input_ids=ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=device),
+                lora_slots=torch.tensor(
+                    [c.seq.lora_slot for c in chunks for _ in range(c.length)], dtype=torch.long, device=device
+                ),
+                segments=[Segment(slot, c.start, c.length) for slot, c in zip(seq_slots, chunks, strict=True)],
+                logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             )
-            logits = self.model.forward(batch, self.state, self.lora).cpu()
+            logits = self.model.forward(batch, self.state, self.lora)
+            greedy = logits.argmax(-1)
+        host_logits = logits.cpu() if any(self._needs_logits(c.seq) for c in chunks) else None
+        ready = None
+        if greedy.is_cuda:  # the tokens come back through pinned memory, so the host need not wait here
+            ready = torch.cuda.Event()
+            host_greedy = greedy.to("cpu", non_blocking=True)
+            ready.record()
+        else:
+            host_greedy = greedy.clone()
+        return _Launched(chunks, logit_rows, greedy, host_greedy, ready, host_logits)
+
+    def _collect(self, launched: "_Launched") -> list[StepOutput]:
+        """Wait for a launched step's tokens and advance each of its sequences still running."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
         self.steps += 1
-        row_of = {r: i for i, r in enumerate(logit_rows)}
+        row_of = {r: i for i, r in enumerate(launched.logit_rows)}
         outputs = []
-        for seq, first, length in plan:
-            start = seq.computed
-            seq.computed += length
-            if seq.prompt_logprobs is not None and start < seq.num_prompt:
-                self._record_prompt_logprobs(seq, logits, [row_of[r] for r in range(first, first + length)], start)
+        for c in launched.chunks:
+            seq = c.seq
+            if seq not in self.running:
+                continue  # ended while this step was queued
+            seq.computed = c.start + c.length
+            if seq.prompt_logprobs is not None and c.start < seq.num_prompt:
+                rows = [row_of[r] for r in range(c.first, c.first + c.length)]
+                self._record_prompt_logprobs(seq, launched.logits, rows, c.start)
             if seq.computed < len(seq.tokens):
                 continue
             if seq.request.params.max_tokens == 0:  # scoring the prompt only
                 self._finish(seq)
                 outputs.append(self._output(seq, "length"))
                 continue
-            out = self._advance(seq, logits[row_of[first + length - 1]])
+            row = row_of[c.first + c.length - 1]
+            logits = launched.logits[row] if launched.logits is not None else None
+            out = self._advance(seq, int(launched.host_greedy[row]), logits)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -355,9 +460,10 @@ class Engine:
                 seq.prompt_logprobs.append(chosen)
                 seq.prompt_top_logprobs.append(best)
 
-    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> StepOutput | None:
+    def _advance(self, seq: _Sequence, greedy: int, logits: torch.Tensor | None) -> StepOutput | None:
+        """Append the sequence's next token: `greedy` at temperature 0, else drawn from its host `logits`."""
         params = seq.request.params
-        token = sample(logits, params, seq.generator)
+        token = greedy if params.temperature == 0.0 else sample(logits, params, seq.generator)
         if params.logprobs is not None:
             chosen, top = token_logprobs(torch.log_softmax(logits, dim=-1), token, params.logprobs)
             seq.pending_logprobs.append(TokenLogprob(token, chosen, top))

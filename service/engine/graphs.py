@@ -9,9 +9,15 @@ warm-up run (Triton compiles, cuBLAS picks its workspaces) whose padding-only ba
 the scratch state slot; all graphs share one private memory pool, which is safe because replays
 run one at a time on one stream and each graph's output buffer stays alive.
 
+Each step also picks every row's greedy next token on the device (captured with the forward), so a step
+of greedy rows reads back a few token ids instead of the logits, and the next step can take its input
+tokens straight from this one's output without the host in between (`Engine` overlaps steps so).
+
 On the CPU (or with `graphs=False`) the same bucketed forward runs eagerly, which is how the CPU
 tests check everything but the capture itself.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +47,14 @@ def context_bucket(max_position: int, max_context: int) -> int:
     return min(size, max_context)
 
 
+class Decoded(NamedTuple):
+    """A decode step's fp32 next-token logits [n, vocab] and each row's greedy next token [n] (long), on the device;
+    views of the graph's output buffers, valid until the next step."""
+
+    logits: torch.Tensor
+    greedy: torch.Tensor
+
+
 class CudaGraphDecoder:
     """Bucketed decode of up to `max_batch` sequences over `state`, replayed from CUDA graphs on CUDA.
 
@@ -65,22 +79,28 @@ class CudaGraphDecoder:
         self.buckets = batch_buckets(max_batch)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.inputs = {b: DecodeInputs.empty(b, self.device) for b in self.buckets}
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def __call__(
-        self, input_ids: list[int], seq_slots: list[int], positions: list[int], lora_slots: list[int]
-    ) -> torch.Tensor:
-        """fp32 next-token logits [n, vocab] of n one-token rows; a view of the graph's output buffer,
-        valid until the next call."""
-        n = len(input_ids)
+        self,
+        input_ids: list[int] | torch.Tensor,
+        seq_slots: list[int],
+        positions: list[int],
+        lora_slots: list[int],
+    ) -> Decoded:
+        """The next-token logits and greedy tokens of n one-token rows. `input_ids` on the device (a [n] long
+        tensor, say the greedy tokens of the step before) are copied in on the device, so the host need not
+        wait for them."""
+        n = len(seq_slots)
+        on_device = isinstance(input_ids, torch.Tensor)
         batch = next(b for b in self.buckets if b >= n)
         context = context_bucket(max(positions), self.state.max_context)
         use_lora = self.has_lora and any(s >= 0 for s in lora_slots)
         pad = batch - n
         packed = torch.tensor(
             [
-                input_ids + [0] * pad,
+                [0] * batch if on_device else input_ids + [0] * pad,
                 seq_slots + [self.scratch] * pad,
                 positions + [0] * pad,
                 lora_slots + [-1] * pad,
@@ -92,13 +112,20 @@ class CudaGraphDecoder:
         if self.use_graphs and key not in self.graphs:
             self.graphs[key] = self._capture(inputs, context, use_lora)
         inputs.packed.copy_(packed, non_blocking=True)  # pageable memory: staged before the call returns
+        if on_device:
+            inputs.input_ids[:n].copy_(input_ids)
         if not self.use_graphs:
-            return self.forward(inputs, context, use_lora)[:n]
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits[:n]
+            out = self._step(inputs, context, use_lora)
+        else:
+            graph, out = self.graphs[key]
+            graph.replay()
+        return Decoded(out.logits[:n], out.greedy[:n])
 
-    def _capture(self, inputs: DecodeInputs, context: int, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _step(self, inputs: DecodeInputs, context: int, use_lora: bool) -> Decoded:
+        logits = self.forward(inputs, context, use_lora)
+        return Decoded(logits, logits.argmax(-1))
+
+    def _capture(self, inputs: DecodeInputs, context: int, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, Decoded]:
         """Warm up on a side stream, then capture, both over a padding-only batch (scratch slot only)."""
         batch = inputs.packed.shape[1]
         padding = torch.tensor([[0] * batch, [self.scratch] * batch, [0] * batch, [-1] * batch], dtype=torch.long)
@@ -107,9 +134,9 @@ class CudaGraphDecoder:
         warm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(warm):
             for _ in range(2):
-                self.forward(inputs, context, use_lora)
+                self._step(inputs, context, use_lora)
         torch.cuda.current_stream(self.device).wait_stream(warm)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self.forward(inputs, context, use_lora)
-        return graph, logits
+            out = self._step(inputs, context, use_lora)
+        return graph, out

@@ -83,13 +83,14 @@ def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
             eager,
             lora,
         )
-        got = decoder(
+        got, greedy = decoder(
             [tokens[i] for i in live],
             [pool_slots[i] for i in live],
             [positions[i] for i in live],
             [adapters[i] for i in live],
         )
         assert got.shape == expected.shape
+        assert greedy.tolist() == got.argmax(-1).tolist()
         worst = max(worst, (got - expected).abs().max().item())
         for row, i in enumerate(live):
             tokens[i] = int(expected[row].argmax())
@@ -117,7 +118,7 @@ def test_base_only_batch_skips_lora_and_equals_eager(tiny):
     for state, slot in ((eager, e), (pool, p)):
         model.forward(batch_of(prompt, [-1] * 29, [Segment(slot, 0, 29)], [28]), state, lora)
     expected = model.forward(batch_of([7], [-1], [Segment(e, 29, 1)], [0]), eager, lora)
-    assert (decoder([7], [p], [29], [-1]) - expected).abs().max().item() < 1e-5
+    assert (decoder([7], [p], [29], [-1]).logits - expected).abs().max().item() < 1e-5
 
 
 def test_engine_decode_steps_go_through_the_decoder(tiny_model_dir, tiny_adapters):

@@ -102,3 +102,29 @@ def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tin
     fresh.load_adapter("a2", tiny_adapters[2])
     fresh.load_adapter("a1", tiny_adapters[1])
     assert_close(fresh.generate(requests), after, 2e-2)
+
+
+def test_overlapped_graph_decode_gives_the_tokens_of_synchronous_graph_decode(tiny_model_dir, tiny_adapters):
+    """Greedy rows without logprobs queue each graph step before the last one's tokens are read (their input tokens
+    copied on the device): the same tokens as synchronous steps, a stop token included."""
+    sync = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", overlap_decode=False)
+    overlapped = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
+    requests = [
+        Request(r.request_id, r.prompt_ids, SamplingParams(max_tokens=r.params.max_tokens, temperature=0.0), r.adapter)
+        for r in mixed_requests()
+    ]
+    expected = sync.generate(requests)
+    stop = expected["r2"][0].token_ids[9]
+    greedy_stop = SamplingParams(max_tokens=28, temperature=0.0, stop_token_ids=(stop,))
+    requests[2] = Request("r2", requests[2].prompt_ids, greedy_stop, "a2")
+    expected = sync.generate(requests)
+    for request in requests:
+        overlapped.add_request(request)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    queued = 0
+    while overlapped.has_work():
+        for out in overlapped.step():
+            tokens[out.request_id] += out.token_ids
+        queued += overlapped._queued is not None
+    assert tokens == {rid: c[0].token_ids for rid, c in expected.items()}
+    assert expected["r2"][0].finish_reason == "stop" and queued >= 30

@@ -1,0 +1,128 @@
+"""Overlapped decode steps (`EngineConfig.overlap_decode`): the next greedy step is queued on the device before this
+one's tokens reach the host, and every output is what synchronous steps give."""
+
+import dataclasses
+
+import pytest
+
+from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+CONFIG = EngineConfig(max_loras_per_batch=5, max_lora_rank=16, max_seqs=6, max_batch_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, tiny_adapters) -> tuple[Engine, Engine]:
+    """(overlapped, synchronous) engines with the same five adapters."""
+    pair = Engine(tiny_model_dir, CONFIG), Engine(tiny_model_dir, dataclasses.replace(CONFIG, overlap_decode=False))
+    for engine in pair:
+        for i, adapter in enumerate(tiny_adapters):
+            engine.load_adapter(f"a{i}", adapter)
+    return pair
+
+
+def prompt(i: int) -> list[int]:
+    return [1, *range(11 + 3 * i, 30 + 4 * i)]
+
+
+def run(engine: Engine, requests: list[Request]) -> tuple[dict, int]:
+    """Each request's outputs in order, and how many steps left the next one queued."""
+    for request in requests:
+        engine.add_request(request)
+    outputs: dict[str, list] = {r.request_id: [] for r in requests}
+    queued = 0
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        queued += engine._queued is not None
+    return outputs, queued
+
+
+def test_overlapped_steps_give_every_output_of_synchronous_steps(engines):
+    """Greedy requests ending by length, by a stop token and by a stop string, n=2, with and without adapters:
+    the same outputs step by step as synchronous decoding, and most steps overlapped."""
+    overlapped, synchronous = engines
+    plain = [Request(f"r{i}", prompt(i), GREEDY, f"a{i}" if i < 5 else None) for i in range(6)]
+    tokens = {k: [t for o in v for t in o.token_ids] for k, v in run(synchronous, plain)[0].items()}
+    stop_token = tokens["r1"][7]  # the eighth token of r1 ends it
+    text = synchronous.tokenizer.decode(tokens["r3"])
+    requests = [
+        Request("length", prompt(0), dataclasses.replace(GREEDY, max_tokens=5), "a0"),
+        Request("stop_token", prompt(1), dataclasses.replace(GREEDY, stop_token_ids=(stop_token,)), "a1"),
+        Request("stop_string", prompt(3), dataclasses.replace(GREEDY, stop=(text[len(text) // 2 :][:2],)), "a3"),
+        Request("choices", prompt(2), dataclasses.replace(GREEDY, n=2, max_tokens=17), "a2"),
+        Request("base", prompt(5), GREEDY),
+    ]
+    expected, none_queued = run(synchronous, requests)
+    got, queued = run(overlapped, requests)
+    assert got == expected
+    assert none_queued == 0 and queued >= 15
+    assert expected["stop_token"][-1].finish_reason == "stop" and expected["stop_token"][-1].token_ids[-1] == stop_token
+    assert expected["stop_string"][-1].finish_reason == "stop"
+    assert [o.finish_reason for o in expected["length"]][-1] == "length"
+
+
+def test_rows_that_sample_or_report_logprobs_are_never_overlapped(engines):
+    """A step whose rows need their logits on the host (sampling, logprobs) waits for them; greedy requests beside
+    them still get their synchronous outputs, and seeded draws their seeded tokens."""
+    overlapped, synchronous = engines
+    requests = [
+        Request("greedy", prompt(0), GREEDY, "a0"),
+        Request("sampled", prompt(1), SamplingParams(max_tokens=12, temperature=0.9, seed=7), "a1"),
+        Request("logprobs", prompt(2), dataclasses.replace(GREEDY, max_tokens=8, logprobs=3), "a2"),
+    ]
+    expected, _ = run(synchronous, requests)
+    got, queued = run(overlapped, requests)
+    assert got == expected
+    # The 12 steps that draw the sampled request's tokens queue nothing; of the greedy request's last 12, all but
+    # the one that ends it queue the next.
+    assert queued == GREEDY.max_tokens - 12 - 1
+
+
+def test_abort_and_a_new_request_while_a_step_is_queued(engines):
+    """Aborting a request whose next step is already queued ends it with no more tokens; a request arriving then
+    is admitted within two steps into the freed state slot and decodes as it does alone."""
+    overlapped, _ = engines
+    alone = run(overlapped, [Request("late", prompt(4), GREEDY, "a4")])[0]["late"]
+    keep = run(overlapped, [Request("keep", prompt(0), GREEDY, "a0")])[0]["keep"]
+    overlapped.add_request(Request("keep", prompt(0), GREEDY, "a0"))
+    overlapped.add_request(Request("gone", prompt(1), GREEDY, "a1"))
+    seen: dict[str, list] = {"keep": [], "gone": [], "late": []}
+    for _ in range(4):
+        for out in overlapped.step():
+            seen[out.request_id].append(out)
+    assert overlapped._queued is not None
+    (aborted,) = overlapped.abort("gone")
+    assert aborted.finish_reason == "abort"
+    before_abort = len(seen["gone"])
+    overlapped.add_request(Request("late", prompt(4), GREEDY, "a4"))
+    steps_to_admit = 0
+    while not overlapped.running or len(overlapped.running) < 2:
+        steps_to_admit += 1
+        for out in overlapped.step():
+            seen[out.request_id].append(out)
+    assert steps_to_admit <= 2
+    while overlapped.has_work():
+        for out in overlapped.step():
+            seen[out.request_id].append(out)
+    assert len(seen["gone"]) == before_abort  # nothing after the abort, though its next step was queued
+    assert [t for o in seen["keep"] for t in o.token_ids] == [t for o in keep for t in o.token_ids]
+    assert [t for o in seen["late"] for t in o.token_ids] == [t for o in alone for t in o.token_ids]
+    assert overlapped.state.free_slots == overlapped.state.max_seqs and overlapped._queued is None
+
+
+def test_a_request_arriving_while_steps_overlap_is_admitted_by_the_second_step(engines):
+    overlapped, _ = engines
+    alone = run(overlapped, [Request("late", prompt(4), GREEDY, "a4")])[0]["late"]
+    overlapped.add_request(Request("first", prompt(0), GREEDY, "a0"))
+    for _ in range(3):
+        overlapped.step()
+    assert overlapped._queued is not None
+    overlapped.add_request(Request("late", prompt(4), GREEDY, "a4"))
+    late = []
+    for _ in range(2):
+        late += [o for o in overlapped.step() if o.request_id == "late"]
+    assert len(overlapped.running) == 2
+    while overlapped.has_work():
+        late += [o for o in overlapped.step() if o.request_id == "late"]
+    assert [t for o in late for t in o.token_ids] == [t for o in alone for t in o.token_ids]
