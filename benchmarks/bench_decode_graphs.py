@@ -1,12 +1,14 @@
-"""Decode throughput of the native engine: eager steps vs CUDA-graph replays vs graphs with the LoRA side stream.
+"""Decode throughput of the native engine: eager steps vs CUDA-graph replays, synchronous or overlapped steps.
 
 A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each, with no adapter and with
 1, 4 and 8 distinct rank-16 adapters over every target group (request i uses adapter i mod n). Decode = every
 step after the first (which prefills every prompt); each case is timed `--repeats` times after a warm-up run
 (Triton compiles, graphs are captured) and the median is kept.
   eager         cuda_graphs=False: every step runs InklingModel.forward (one stream)
-  graphs        pure decode steps replay a captured CudaGraphDecoder graph (one stream)
-  graphs+side   the same, with LoRA work on a side stream (EngineConfig.lora_side_stream; off by default)
+  graphs-sync   pure decode steps replay a captured CudaGraphDecoder graph, each step waits for its tokens
+                before the next is launched (overlap_decode=False)
+  graphs        the same, overlapped: the next step is queued before this one's tokens reach the host (default)
+  graphs+side   graphs, with LoRA work on a side stream (EngineConfig.lora_side_stream; off by default)
 Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% slower than 1.
 With --profile (CUDA), one more batch per adapter count runs under torch.profiler: the GPU kernel time and kernel
 count per decode step, steadier than tok/s for small differences, and the kernels that differ most from 1 adapter;
@@ -16,6 +18,7 @@ CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode
 --device cpu --prompt 16 --new 8 --repeats 1
 """
 
+import dataclasses
 import datetime
 import json
 import platform
@@ -45,13 +48,16 @@ from inkwell.models import init_base_model
 
 MODES = {
     "eager": {"cuda_graphs": False, "lora_side_stream": False},
+    "graphs-sync": {"cuda_graphs": True, "lora_side_stream": False, "overlap_decode": False},
     "graphs": {"cuda_graphs": True, "lora_side_stream": False},
     "graphs+side": {"cuda_graphs": True, "lora_side_stream": True},
 }
 
 
 def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
-    """GPU kernels per decode step of one batch (the prefill step runs before the profiler starts)."""
+    """GPU kernels per decode step of one batch (the prefill step runs before the profiler starts). Steps run
+    synchronously here, so each step() inside the profiler launches exactly the step it returns."""
+    overlapped, engine.config = engine.config, dataclasses.replace(engine.config, overlap_decode=False)
     submit(engine, prompts, keys, new)
     engine.step()
     torch.cuda.synchronize()
@@ -61,6 +67,7 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
             engine.step()
             steps += 1
         torch.cuda.synchronize()
+    engine.config = overlapped
     us, count = Counter(), Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
@@ -122,9 +129,9 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
 
 def table(results: dict) -> str:
     modes = [m for m in MODES if m in results]
+    baselines = [b for b in ("eager", "graphs-sync") if b in modes]
     head = ["adapters", *(f"{m} tok/s" for m in modes), *(f"{m} vs 0" for m in modes)]
-    if "eager" in modes:
-        head += [f"{m} / eager" for m in modes if m != "eager"]
+    head += [f"{m} / {b}" for b in baselines for m in modes if m != b]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def rate(mode: str, n: int) -> float:
@@ -132,8 +139,7 @@ def table(results: dict) -> str:
 
     for n in COUNTS:
         cells = [str(n), *(f"{rate(m, n):.0f}" for m in modes), *(f"{rate(m, n) / rate(m, 0):.3f}" for m in modes)]
-        if "eager" in modes:
-            cells += [f"{rate(m, n) / rate('eager', n):.2f}" for m in modes if m != "eager"]
+        cells += [f"{rate(m, n) / rate(b, n):.2f}" for b in baselines for m in modes if m != b]
         lines.append("| " + " | ".join(cells) + " |")
     ratios = ", ".join(f"{m} {rate(m, 8) / rate(m, 1):.3f}" for m in modes)
     lines.append(f"\n8 vs 1 adapters (decode tok/s ratio): {ratios}")
