@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import triton
 
-from inkwell.kernels import dispatch, triton_lora
+from inkwell.kernels import dispatch
+from inkwell.kernels.triton_lora import dense
 
 HIDDEN, RANK, SLOTS = 2048, 16, 8
 PROJECTIONS = {
@@ -133,18 +134,18 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
         fork.record()
         with torch.cuda.stream(side):
             side.wait_event(fork)
-            y = triton_lora.lora_shrink(x, a_stk[i], slots)
+            y = dense.lora_shrink(x, a_stk[i], slots)
             join.record()
         torch.mm(x, w[i].t(), out=out)
         torch.cuda.current_stream().wait_event(join)
-        triton_lora.lora_expand_sliced(y, b[i], slots, scal_p, out, offsets)
+        dense.lora_expand_sliced(y, b[i], slots, scal_p, out, offsets)
 
     def side_fused(i: int) -> None:
         fork.record()
         with torch.cuda.stream(side):
             side.wait_event(fork)
             delta.zero_()
-            triton_lora.lora_shrink_expand(x, a_stk[i], b[i], slots, scal_p, delta, offsets)
+            dense.lora_shrink_expand(x, a_stk[i], b[i], slots, scal_p, delta, offsets)
             join.record()
         torch.mm(x, w[i].t(), out=out)
         torch.cuda.current_stream().wait_event(join)
@@ -152,7 +153,7 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
 
     def serial(i: int) -> None:
         torch.mm(x, w[i].t(), out=out)
-        triton_lora.lora_shrink_expand(x, a_stk[i], b[i], slots, scal_p, out, offsets)
+        dense.lora_shrink_expand(x, a_stk[i], b[i], slots, scal_p, out, offsets)
 
     row = {"case": case, "proj": proj, "N": n, "adapters": adapters, "tokens": tokens}
     measure(row, "base", lambda i: torch.mm(x, w[i].t(), out=out))
@@ -170,11 +171,11 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
             permutation=None,
         )
         measure(row, "sglang", lambda i: sgl.b(sgl.a(x, a[i], info), b[i], info, out))
-    measure(row, "ours", lambda i: triton_lora.lora_shrink_expand(x, a[i], b[i], slots, scal, out))
+    measure(row, "ours", lambda i: dense.lora_shrink_expand(x, a[i], b[i], slots, scal, out))
     measure(
         row,
         "ours_2l",
-        lambda i: triton_lora.lora_expand(triton_lora.lora_shrink(x, a[i], slots), b[i], slots, scal, out),
+        lambda i: dense.lora_expand(dense.lora_shrink(x, a[i], slots), b[i], slots, scal, out),
     )
     measure(row, "sliced", lambda i: dispatch.lora_shrink_expand(x, a_stk[i], b[i], slots, scal_p, out, offsets))
     measure(row, "serial", serial)
@@ -188,7 +189,7 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
             measure(
                 row,
                 "fused_bn{}_bk{}_w{}_s{}".format(*cfg),
-                lambda i, c=cfg: triton_lora._fused(
+                lambda i, c=cfg: dense._fused(
                     x, a[i], b[i], slots, scal, out, None, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3]
                 ),
             )

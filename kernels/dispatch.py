@@ -20,15 +20,21 @@ from inkwell.kernels.torch_ops import ExpertGroups
 FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
 
 
-def _triton() -> ModuleType:
-    from inkwell.kernels import triton_lora
+def _triton_dense() -> ModuleType:
+    from inkwell.kernels.triton_lora import dense
 
-    return triton_lora
+    return dense
+
+
+def _triton_expert() -> ModuleType:
+    from inkwell.kernels.triton_lora import expert
+
+    return expert
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero."""
-    ops = _triton() if x.is_cuda else torch_ops
+    ops = _triton_dense() if x.is_cuda else torch_ops
     return ops.lora_shrink(x, lora_a, token_slots)
 
 
@@ -36,7 +42,7 @@ def lora_expand(
     y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
     """out[T,N] += scaling[slot] * y[T,R] @ B[slot]^T, in place; rows of slot -1 are untouched."""
-    ops = _triton() if out.is_cuda else torch_ops
+    ops = _triton_dense() if out.is_cuda else torch_ops
     return ops.lora_expand(y, lora_b, token_slots, scalings, out)
 
 
@@ -48,7 +54,7 @@ def expert_lora_shrink(
     groups: ExpertGroups | None = None,
 ) -> torch.Tensor:
     """Dispatched rows x[M,K] @ A[slot, expert - first]^T -> [M,R] (A: [S,E,R,K]); uncovered rows are zero."""
-    ops = _triton() if x.is_cuda else torch_ops
+    ops = _triton_expert() if x.is_cuda else torch_ops
     return ops.expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
 
 
@@ -69,7 +75,7 @@ def expert_in_lora_expand(
     On CUDA, decode's few rows run a program per row; for more, `expert_ends` (rows sorted by expert, ends[e] =
     rows of experts <= e) lets CUDA run a program per expert."""
     if out.is_cuda:
-        return _triton().expert_in_lora_expand(
+        return _triton_expert().expert_in_lora_expand(
             y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups, expert_ends
         )
     return torch_ops.expert_in_lora_expand(y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups)
@@ -86,7 +92,7 @@ def expert_out_lora_expand(
 ) -> torch.Tensor:
     """Down LoRA of dispatched rows, in place: out[M,N] += scaling[slot, g] * y[M,R] @ B[slot, g]^T, g the row's
     expert group (lora_b [S, G, N, R], scalings [S, G])."""
-    ops = _triton() if out.is_cuda else torch_ops
+    ops = _triton_expert() if out.is_cuda else torch_ops
     return ops.expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
 
 
@@ -105,7 +111,9 @@ def expert_down_lora(
     `expert_out_lora_expand(expert_lora_shrink(x, A), B, ...)`; on CUDA one launch at decode sizes, and with
     `expert_ends` up to SEGMENT_MAX_ROWS rows."""
     if out.is_cuda:
-        return _triton().expert_down_lora(x, lora_a, lora_b, slots, expert_ids, scalings, out, groups, expert_ends)
+        return _triton_expert().expert_down_lora(
+            x, lora_a, lora_b, slots, expert_ids, scalings, out, groups, expert_ends
+        )
     y = torch_ops.expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
     return torch_ops.expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
 
@@ -144,7 +152,7 @@ def lora_expand_sliced(
     scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_{p+1}]^T to out[:, o_p:o_{p+1}].
     """
     if out.is_cuda:
-        return _triton().lora_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
+        return _triton_dense().lora_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
     return _torch_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
 
 
@@ -162,7 +170,7 @@ def lora_shrink_expand(
     On CUDA, decode-sized batches take one fused launch (the shrink result never leaves registers).
     """
     if out.is_cuda:
-        return _triton().lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
+        return _triton_dense().lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     y = torch_ops.lora_shrink(x, lora_a, token_slots)
     return _torch_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
 
@@ -186,5 +194,5 @@ def lora_linear(
     Where `one_launch_projection` holds, one Triton GEMM: the shrink beside it, the expand in its epilogue.
     """
     if x.is_cuda:
-        return _triton().lora_linear(x, weight, lora_a, lora_b, token_slots, scalings, slice_offsets)
+        return _triton_dense().lora_linear(x, weight, lora_a, lora_b, token_slots, scalings, slice_offsets)
     return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, F.linear(x, weight), slice_offsets)

@@ -154,10 +154,10 @@ EXPERT_PATHS = {"per row": (False, 2**31), "segments": (True, 0), "token tiles":
 @contextlib.contextmanager
 def expert_path(name: str, ends: torch.Tensor) -> Iterator[torch.Tensor | None]:
     """Within the block the expert kernels take path `name`; yields the segment ends to pass (or None)."""
-    from inkwell.kernels import triton_lora
+    from inkwell.kernels.triton_lora import common
 
     with_ends, row_max = EXPERT_PATHS[name]
-    with mock.patch.object(triton_lora, "ROW_MAX_ROWS", row_max):
+    with mock.patch.object(common, "ROW_MAX_ROWS", row_max):
         yield ends if with_ends else None
 
 
@@ -239,9 +239,9 @@ def check_experts(
 def run_interpreted_cases() -> None:
     """Small shapes that still cross every tile edge: several token tiles, rank tiles, K and N tails."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from inkwell.kernels import triton_lora
+    from inkwell.kernels.triton_lora import dense, expert
 
-    dev = dict(ops=triton_lora, device="cpu")
+    dev, expert_dev = dict(ops=dense, device="cpu"), dict(ops=expert, device="cpu")
     for dtype in (torch.float32, torch.float16):
         check_linear(**dev, dtype=dtype, tokens=5, num_slots=3, used=2, rank=8, k=40, n=24)
         check_linear(**dev, dtype=dtype, tokens=70, num_slots=4, used=3, rank=16, k=72, n=130)
@@ -253,8 +253,10 @@ def run_interpreted_cases() -> None:
         check_projection(**dev, dtype=dtype, tokens=7, num_slots=3, rank=16, k=40, offsets=(0, 32, 64, 96, 150))
         check_projection(**dev, dtype=dtype, tokens=6, num_slots=2, rank=40, k=40, offsets=(0, 64, 96))
         for covered in ("both", "routed", "shared"):
-            check_experts(**dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered)
-        check_experts(**dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
+            check_experts(
+                **expert_dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered
+            )
+        check_experts(**expert_dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
     check_linear(**dev, dtype=torch.float32, tokens=20, num_slots=2, used=2, rank=80, k=16, n=16)  # 2 rank tiles
     print("interpreted cases passed")
 
@@ -282,44 +284,44 @@ def test_dispatch_torch_path_of_sliced_and_fused_ops():
 
 
 def test_triton_launchers_reject_bad_shapes():
-    from inkwell.kernels import triton_lora
+    from inkwell.kernels.triton_lora import dense
 
     x, slots = torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)
     bad = [
-        (lambda: triton_lora.lora_shrink(x, torch.zeros(2, 4, 9), slots), "K=9"),
-        (lambda: triton_lora.lora_shrink(x, torch.zeros(2, 4, 8), slots[:3]), "token_slots"),
+        (lambda: dense.lora_shrink(x, torch.zeros(2, 4, 9), slots), "K=9"),
+        (lambda: dense.lora_shrink(x, torch.zeros(2, 4, 8), slots[:3]), "token_slots"),
         (
-            lambda: triton_lora.lora_expand_sliced(
+            lambda: dense.lora_expand_sliced(
                 torch.zeros(4, 6), torch.zeros(2, 6, 4), slots, torch.ones(2), torch.zeros(4, 6), (0, 4, 6)
             ),
             "columns",
         ),
         (
-            lambda: triton_lora.lora_expand(torch.zeros(4, 4), torch.zeros(2, 6, 4), slots, torch.ones(3), x),
+            lambda: dense.lora_expand(torch.zeros(4, 4), torch.zeros(2, 6, 4), slots, torch.ones(3), x),
             "out must be",
         ),
         (
-            lambda: triton_lora.lora_expand(torch.zeros(4, 4), torch.zeros(2, 6, 4), slots, torch.ones(3), x[:, :6]),
+            lambda: dense.lora_expand(torch.zeros(4, 4), torch.zeros(2, 6, 4), slots, torch.ones(3), x[:, :6]),
             "scalings",
         ),
         (
-            lambda: triton_lora.lora_expand_sliced(
+            lambda: dense.lora_expand_sliced(
                 torch.zeros(4, 8), torch.zeros(2, 6, 4), slots, torch.ones(2), x[:, :6], (0, 5, 4, 6)
             ),
             "increase",
         ),
         (
-            lambda: triton_lora.lora_linear(x, torch.zeros(6, 9), torch.zeros(2, 4, 8), torch.zeros(2, 6, 4), slots, x),
+            lambda: dense.lora_linear(x, torch.zeros(6, 9), torch.zeros(2, 4, 8), torch.zeros(2, 6, 4), slots, x),
             "K=8",
         ),
         (
-            lambda: triton_lora.lora_linear(
+            lambda: dense.lora_linear(
                 x, torch.zeros(6, 8), torch.zeros(2, 4, 8), torch.zeros(2, 5, 4), slots, torch.ones(2)
             ),
             "N=5",
         ),
         (
-            lambda: triton_lora.lora_linear(
+            lambda: dense.lora_linear(
                 x, torch.zeros(6, 8), torch.zeros(2, 4, 8), torch.zeros(2, 6, 4), slots, torch.ones(2), (0, 3, 6)
             ),
             "[S, 2*R, K]",

@@ -1,0 +1,194 @@
+"""What the Triton LoRA kernels share: jit helpers, host-side tiling and checks, and the limits that pick a kernel.
+
+The jit helpers locate slices and (slot, expert) groups and add a delta in place, as the torch twins round it;
+the host helpers turn shapes into tile sizes and check them. The row limits live here, not with one kernel,
+because the expand launcher and the fused down both choose their program shape by them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from inkwell.kernels.torch_ops import ExpertGroups
+
+_NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
+MAX_SLICES = 4
+SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
+# Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
+# per (expert, slot): decode's few rows per expert then take one step each instead of a walk over all groups.
+SEGMENT_MAX_ROWS = 1024
+# Up to this many dispatched rows (decode), the expert gate/up expand and the fused down run one program per
+# (row, column tile) instead: the row's slot, expert and token locate its factors, so no program searches a
+# segment, every load goes out at once, and the grid does the same work for one adapter as for eight.
+ROW_MAX_ROWS = 256
+ROW_TILE_ELEMENTS = 8192  # elements of a per-row program's A block ([R, K]); its B tile ([N, R]) holds half
+
+
+@triton.jit
+def _slice_of(n, o1, o2, o3):
+    """Slice index of output column(s) n, given the slice starts o1 <= o2 <= o3 (N where unused)."""
+    return (n >= o1).to(tl.int32) + (n >= o2).to(tl.int32) + (n >= o3).to(tl.int32)
+
+
+@triton.jit
+def _slice_start(part, o1, o2, o3):
+    """First output column of slice(s) `part`."""
+    return tl.where(part >= 1, o1, 0) + tl.where(part >= 2, o2 - o1, 0) + tl.where(part >= 3, o3 - o2, 0)
+
+
+@triton.jit
+def _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS: tl.constexpr):
+    """Each row's slot and expert - first; rows of experts outside first .. first+E-1 get slot -1."""
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    if HAS_EXPERTS:
+        local = tl.load(expert_ptr + rt, mask=in_t, other=0).to(tl.int32) - first
+        slots = tl.where((local >= 0) & (local < E), slots, -1)
+    else:
+        local = tl.zeros_like(rt)
+    return slots, local
+
+
+@triton.jit
+def _row_keys(rows, slots, local, E):
+    """Group key slot * E + local expert of each selected row; _NONE elsewhere."""
+    return tl.where(rows, slots.to(tl.int32) * E + local, _NONE)
+
+
+@triton.jit
+def _expand_acc(
+    y_ptr,
+    y_rows,
+    sel,
+    stride_yt,
+    stride_yr,
+    b_base,
+    b_cols,
+    stride_br,
+    part,
+    r_lo,
+    r_hi,
+    R,
+    G,
+    group,
+    in_n,
+    EXPERT_IN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """fp32 [BLOCK_T, BLOCK_N]: the selected rows' y rank blocks (virtual ranks r_lo .. r_hi-1) times B^T, each
+    column reading only its slice's block (see `_expand_kernel`)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        rj = r0 + tl.arange(0, BLOCK_R)
+        y_cols = (rj // R) * (G * R) + group * R + rj % R if EXPERT_IN else rj
+        yt = tl.load(
+            y_ptr + y_rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
+            mask=sel[:, None] & (rj[None, :] < r_hi),
+            other=0.0,
+        )
+        local = rj[:, None] - (part * R)[None, :]  # rank inside column n's slice
+        bt = tl.load(
+            b_base + b_cols[None, :] + local * stride_br, mask=(local >= 0) & (local < R) & in_n[None, :], other=0.0
+        )
+        if DOT_FP32:
+            acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _plus_delta(old, acc, scale, dtype: tl.constexpr):
+    """old + acc * scale in `dtype`, the delta rounded to it first, as the torch twins add it."""
+    delta = (acc * scale).to(dtype).to(tl.float32)
+    return (old.to(tl.float32) + delta).to(dtype)
+
+
+@triton.jit
+def _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale):
+    """out[rows, columns] += acc * scale (see `_plus_delta`)."""
+    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+    m = sel[:, None] & in_n[None, :]
+    old = tl.load(out_ptrs, mask=m, other=0.0)
+    tl.store(out_ptrs, _plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _segment(ends_ptr, expert):
+    """Rows start .. end-1 of `expert` among dispatched rows sorted by expert (ends: cumulative row counts)."""
+    start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
+    return start, tl.load(ends_ptr + expert)
+
+
+@triton.jit
+def _row_expert(slot_ptr, expert_ptr, first, count, split):
+    """Dispatched row program_id(0)'s slot, its expert counted from `first`, its group, and whether a LoRA
+    covers it (a slot, and an expert among the `count` covered)."""
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row)
+    local = tl.load(expert_ptr + row).to(tl.int32) - first
+    return row, slot, local, (local >= split).to(tl.int32), (slot >= 0) & (local >= 0) & (local < count)
+
+
+# ---- host side: tile sizes and shape checks -------------------------------------------------------
+
+
+def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
+    p = max(lo, triton.next_power_of_2(max(n, 1)))
+    return p if hi is None else min(p, hi)
+
+
+def _per_row(rows: int) -> bool:
+    """Whether `rows` dispatched rows run the per-row expert kernels; one reader of ROW_MAX_ROWS, which tests lower."""
+    return rows <= ROW_MAX_ROWS
+
+
+def _row_block_n(n: int, block_r: int) -> int:
+    """Column tile of the per-row expert kernels: [BLOCK_N, BLOCK_R] factor tiles of ROW_TILE_ELEMENTS / 2."""
+    return min(_pow2(n, 2), max(16, ROW_TILE_ELEMENTS // 2 // block_r))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 operands (the torch twins do not use TF32); tensor-core default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_t(tokens: int) -> int:
+    return _pow2(tokens, 16, 64)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _slices(slice_offsets: tuple[int, ...] | None, n: int) -> tuple[int, int, int, int]:
+    """(P, o1, o2, o3) from slice start offsets (0, ..., N); unused starts are N."""
+    offsets = (0, n) if slice_offsets is None else tuple(int(o) for o in slice_offsets)
+    p = len(offsets) - 1
+    _check(
+        1 <= p <= MAX_SLICES and offsets[0] == 0 and offsets[-1] == n,
+        f"slice_offsets must run from 0 to N={n} with 1..{MAX_SLICES} slices, got {offsets}",
+    )
+    _check(all(a < b for a, b in zip(offsets, offsets[1:], strict=False)), f"slice_offsets must increase: {offsets}")
+    starts = list(offsets[1:-1]) + [n] * (MAX_SLICES - p)
+    return p, starts[0], starts[1], starts[2]
+
+
+def _local_split(groups: ExpertGroups) -> int:
+    """The kernels' `split`: the second group's first expert counted from `first`; _NONE with one group."""
+    return _NONE.value if groups.split is None else groups.split - groups.first
+
+
+def _scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int, int]:
+    if scalings.dim() == 1:
+        _check(scalings.shape[0] == slots, f"scalings must be [S={slots}] or [S, {parts}], got {tuple(scalings.shape)}")
+        return scalings.stride(0), 0
+    _check(
+        tuple(scalings.shape) == (slots, parts),
+        f"scalings must be [S={slots}] or [S, {parts}], got {tuple(scalings.shape)}",
+    )
+    return scalings.stride(0), scalings.stride(1)

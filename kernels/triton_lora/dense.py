@@ -1,0 +1,408 @@
+"""The dense projections' ops: shrink, (sliced) expand, the fused shrink+expand and `lora_linear`.
+
+Beyond the shrink and expand launchers they have two kernels of their own for decode: the fused shrink+expand,
+whose shrink result never leaves registers, and the base GEMM with the LoRA expand as its tiles' epilogue.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS
+from inkwell.kernels.triton_lora.common import (
+    _add_delta,
+    _block_t,
+    _check,
+    _pow2,
+    _precision,
+    _scale_strides,
+    _slice_of,
+    _slices,
+)
+from inkwell.kernels.triton_lora.expand import _expand
+from inkwell.kernels.triton_lora.shrink import _shrink
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    scale_ptr,
+    T,
+    K,
+    N,
+    R,
+    o1,
+    o2,
+    o3,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Shrink then expand in one program: the rank blocks this column tile needs, never leaving registers."""
+    slot = tl.program_id(1)
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = rt < T
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    rows = in_t & (slots == slot)
+    if tl.max(rows.to(tl.int32), 0) == 0:
+        return
+    n0 = tl.program_id(2) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    part = _slice_of(rn, o1, o2, o3)
+    r_lo = _slice_of(n0, o1, o2, o3) * R
+    r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    scale = tl.load(scale_ptr + slot * stride_ss + part * stride_sp, mask=in_n, other=0.0).to(tl.float32)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        rj = r0 + tl.arange(0, BLOCK_R)
+        in_r = rj < r_hi
+        y = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            in_k = rk < K
+            xt = tl.load(
+                x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=rows[:, None] & in_k[None, :], other=0.0
+            )
+            at = tl.load(
+                a_base + rk[:, None] * stride_ak + rj[None, :] * stride_ar,
+                mask=in_k[:, None] & in_r[None, :],
+                other=0.0,
+            )
+            y = tl.dot(xt, at.to(xt.dtype), y, input_precision=PRECISION)
+        yt = y.to(x_ptr.dtype.element_ty)  # the shrink result is rounded, as the two-launch path stores it
+        local = rj[:, None] - (part * R)[None, :]
+        bt = tl.load(
+            b_base + rn[None, :] * stride_bn + local * stride_br,
+            mask=(local >= 0) & (local < R) & in_n[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+    _add_delta(out_ptr, rt, rn, stride_ot, stride_on, rows, in_n, acc, scale[None, :])
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    scale_ptr,
+    T,
+    K,
+    N,
+    R,
+    o1,
+    o2,
+    o3,
+    stride_xt,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    WAIT_FOR_SHRINK: tl.constexpr,
+    ONE_SLICE_PER_TILE: tl.constexpr,
+    PREFETCH_B: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """out[:, tile] = x @ W[tile]^T plus each token's (sliced) LoRA expand of y, as the tile's epilogue.
+
+    Launched right after the shrink that writes y, with programmatic dependent launch (WAIT_FOR_SHRINK): the
+    GEMM's K loop runs while the shrink does, and only the epilogue waits for it. Each token gathers its own
+    slot's B, so one program serves every adapter in the batch. The slots and scalings, and up to rank BLOCK_R
+    the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind it. Where
+    every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per token, not
+    one per column.
+    """
+    rt = tl.arange(0, BLOCK_T)
+    in_t = rt < T
+    n0 = tl.program_id(0) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    adapted = (slots >= 0)[:, None] & in_n[None, :]
+    if ONE_SLICE_PER_TILE:
+        part = _slice_of(n0, o1, o2, o3)
+        scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
+        y_rows = y_ptr + rt[:, None] * stride_yt + (part * R) * stride_yr  # [BLOCK_T, 1]
+    else:
+        part = _slice_of(rn, o1, o2, o3)
+        scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
+        y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr  # [BLOCK_T, BLOCK_N, 1]
+    b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
+    if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
+        rr = tl.arange(0, BLOCK_R)
+        in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+        b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        in_k = rk < K
+        xt = tl.load(
+            x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=in_t[:, None] & in_k[None, :], other=0.0
+        )
+        wt = tl.load(
+            w_ptr + rn[None, :] * stride_wn + rk[:, None] * stride_wk, mask=in_n[None, :] & in_k[:, None], other=0.0
+        )
+        acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
+    # as F.linear then the in-place expand: the base rounded, the delta rounded, their sum rounded
+    out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if WAIT_FOR_SHRINK:
+        gdc_wait()
+    delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
+        rr = r0 + tl.arange(0, BLOCK_R)
+        in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+        bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+        if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
+            in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
+            yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
+        else:
+            yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
+        delta += tl.sum(yt * bt.to(tl.float32), axis=2)
+    out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_n[None, :])
+
+
+def _check_sliced_lora(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+) -> None:
+    """x [T,K], A stacked [S, P*R, K] and B stacked [S, N, R] of one sliced projection, and [T] slots."""
+    _check(x.dim() == 2 and lora_a.dim() == 3 and lora_b.dim() == 3, "need x [T,K], lora_a [S,P*R,K], lora_b [S,N,R]")
+    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
+    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
+    parts = _slices(slice_offsets, lora_b.shape[1])[0]
+    _check(
+        lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == parts * lora_b.shape[2],
+        f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
+    )
+
+
+def _fused(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """One launch, one program per (token tile, slot, column tile); the bench sweeps the tile knobs."""
+    tokens, k = x.shape
+    num_slots, n, rank = b.shape
+    parts, o1, o2, o3 = _slices(slice_offsets, n)
+    ss, sp = _scale_strides(scalings, num_slots, parts)
+    if tokens == 0 or rank == 0 or n == 0:
+        return out
+    block_t = _block_t(tokens)
+    block_n = block_n or (128 if tokens > 16 and n <= 2048 else 256)
+    block_k = block_k or _pow2(k, 16, 256 if x.element_size() <= 2 else 64)
+    dot_fp32 = x.dtype == torch.float32 or x.dtype != b.dtype
+    grid = (triton.cdiv(tokens, block_t), num_slots, triton.cdiv(n, block_n))
+    _fused_kernel[grid](
+        x,
+        a,
+        b,
+        out,
+        slots,
+        scalings,
+        tokens,
+        k,
+        n,
+        rank,
+        o1,
+        o2,
+        o3,
+        *x.stride(),
+        *a.stride(),
+        *b.stride(),
+        *out.stride(),
+        ss,
+        sp,
+        DOT_FP32=dot_fp32,
+        PRECISION="ieee" if dot_fp32 else "tf32",
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=_pow2(rank, 16, 64),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+# ---- public ops: the torch twins' signatures --------------------------------------------------------
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks."""
+    _check(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
+    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
+    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
+    return _shrink(x, lora_a.unsqueeze(1), token_slots, None)
+
+
+def lora_expand(
+    y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """out[T,N] += scaling[slot] * y[T,R] @ B[slot]^T, in place; rows of slot -1 are untouched."""
+    return lora_expand_sliced(y, lora_b, token_slots, scalings, out, None)
+
+
+def lora_expand_sliced(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """Expand of a fused projection: out[:, o_p:o_p+1] += scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_p+1]^T.
+
+    y [T, P*R] is the shrink over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
+    slice_offsets (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P].
+    """
+    _check(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
+    _check(token_slots.shape == (y.shape[0],), f"token_slots must be [T={y.shape[0]}]")
+    _check(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
+    return _expand(y, lora_b[:, None, None], token_slots, scalings, out, slice_offsets)
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """out += the LoRA delta of x, as lora_expand_sliced(lora_shrink(x, A), B, ...) computes it.
+
+    Up to FUSED_MAX_TOKENS tokens and FUSED_MAX_N columns (decode) this is one launch: the shrink
+    result stays in registers.
+    """
+    _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
+    _check(tuple(out.shape) == (x.shape[0], lora_b.shape[1]), f"out must be [T, N={lora_b.shape[1]}]")
+    if x.shape[0] <= FUSED_MAX_TOKENS and lora_b.shape[1] <= FUSED_MAX_N:
+        return _fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
+    return lora_expand_sliced(lora_shrink(x, lora_a, token_slots), lora_b, token_slots, scalings, out, slice_offsets)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: torch.Tensor,
+    slice_offsets: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """x @ W^T plus each token's (sliced) LoRA delta: `F.linear` then `lora_shrink_expand`.
+
+    Up to FUSED_MAX_TOKENS tokens (decode) with one dtype throughout, the LoRA hides behind the base GEMM: the
+    shrink launches first and lets the GEMM kernel start at once (programmatic dependent launch), the GEMM's K
+    loop runs beside it, and the expand is the GEMM tiles' epilogue. Otherwise the base GEMM, then
+    `lora_shrink_expand`.
+    """
+    _check(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
+    _check(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
+    _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
+    (tokens, k), n = x.shape, weight.shape[0]
+    _check(lora_b.shape[1] == n, f"lora_b's N={lora_b.shape[1]} differs from weight's N={n}")
+    num_slots, rank = lora_a.shape[0], lora_b.shape[2]
+    one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
+    # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
+    if tokens > FUSED_MAX_TOKENS or not one_dtype or rank == 0:
+        out = torch.nn.functional.linear(x, weight)
+        return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
+    parts, o1, o2, o3 = _slices(slice_offsets, n)
+    ss, sp = _scale_strides(scalings, num_slots, parts)
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    if tokens == 0 or n == 0:
+        return out
+    pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
+    y = _shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl)
+    block_n = 32
+    _linear_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        y,
+        lora_b,
+        out,
+        token_slots,
+        scalings,
+        tokens,
+        k,
+        n,
+        rank,
+        o1,
+        o2,
+        o3,
+        *x.stride(),
+        *weight.stride(),
+        *y.stride(),
+        *lora_b.stride(),
+        *out.stride(),
+        ss,
+        sp,
+        WAIT_FOR_SHRINK=pdl,
+        ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
+        PRECISION=_precision(x.dtype),
+        BLOCK_T=_block_t(tokens),
+        BLOCK_N=block_n,
+        BLOCK_K=_pow2(k, 16, 256 if x.element_size() <= 2 else 64),
+        PREFETCH_B=rank <= 16,  # a larger block of B would not fit in registers beside the K loop
+        BLOCK_R=16,
+        num_stages=4 if x.element_size() <= 2 else 2,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return out
