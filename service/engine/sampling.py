@@ -1,7 +1,8 @@
 """Sampling parameters and next-token selection with a per-sequence generator.
 
 Each sequence owns its torch.Generator (seeded from the request's seed and its choice index), and
-sampling happens on the CPU, so a seeded request draws the same tokens alone or in any batch.
+sampling happens on the CPU, so a seeded request draws the same tokens alone or in any batch. Greedy
+choice (temperature 0) happens on the device, in the engine's step.
 Logprobs are those of the model's distribution (before temperature and top_p), as OpenAI reports.
 """
 
@@ -62,10 +63,9 @@ def make_generator(seed: int | None, index: int) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from fp32 logits [V]: greedy at temperature 0, else temperature + top_p sampling."""
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.cpu() / params.temperature, dim=-1)
+    """One token id drawn from fp32 host logits [V] with temperature (> 0) and top_p. Greedy tokens (temperature
+    0) are picked on the device by the engine, so their logits need not reach the host."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
