@@ -21,7 +21,7 @@ from inkwell.kernels.triton_lora.common import (
     _slices,
 )
 from inkwell.kernels.triton_lora.expand import _expand
-from inkwell.kernels.triton_lora.shrink import _shrink
+from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, _shrink
 
 
 @triton.jit
@@ -283,11 +283,14 @@ def _fused(
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks."""
+    """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks.
+
+    Up to FUSED_MAX_TOKENS tokens (decode) the K loop is split over SHRINK_SPLIT_K programs per slot."""
     _check(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
     _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
     _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
-    return _shrink(x, lora_a.unsqueeze(1), token_slots, None)
+    split_k = SHRINK_SPLIT_K if x.shape[0] <= FUSED_MAX_TOKENS else 1
+    return _shrink(x, lora_a.unsqueeze(1), token_slots, None, split_k=split_k)
 
 
 def lora_expand(

@@ -1,8 +1,12 @@
 """The shrink y = x @ A[slot, expert]^T over token tiles, for the dense projections and the experts' rows alike.
 
 Its launcher can let the next kernel start early (programmatic dependent launch), which `lora_linear` uses to
-run its base GEMM beside the shrink.
+run its base GEMM beside the shrink. At decode sizes a shrink that nothing runs beside (the experts' gate/up
+shrink) can split its K loop over several programs instead (`split_k`): one program streaming a slot's whole A
+is latency, not bandwidth, and a decode step waits for all of it.
 """
+
+import math
 
 import torch
 import triton
@@ -86,6 +90,93 @@ def _shrink_kernel(
         key = tl.min(keys, 0)
 
 
+@triton.jit
+def _split_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    part_ptr,
+    y_ptr,
+    slot_ptr,
+    count_ptr,
+    T,
+    K,
+    R,
+    K_PER_SPLIT,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """y[t, r-block] = x[t] @ A[slot]^T with the K loop split over SPLIT_K programs per (token tile, slot, rank
+    block); slot -1 rows get zeros.
+
+    Each program adds its K range into an fp32 partial ([SPLIT_K, T, R]); the last of a group to finish (an
+    atomic count, acquire-release) sums the partials in split order, writes y and resets the count, so the next
+    launch and every CUDA graph replay find it zero. Programs of slots absent from their tile exit at once.
+    """
+    slot = tl.program_id(1) - 1
+    split = tl.program_id(2) % SPLIT_K
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rr = (tl.program_id(2) // SPLIT_K) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_t = rt < T
+    in_r = rr[None, :] < R
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
+    if slot < 0:
+        if split == 0:
+            zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
+            tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
+        return
+    rows = in_t & (slots == slot)
+    if tl.max(rows.to(tl.int32), 0) == 0:
+        return
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    k_first = split * K_PER_SPLIT
+    for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        in_k = rk < K
+        xt = tl.load(
+            x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=rows[:, None] & in_k[None, :], other=0.0
+        )
+        at = tl.load(a_base + rk[:, None] * stride_ak + rr[None, :] * stride_ar, mask=in_k[:, None] & in_r, other=0.0)
+        acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
+    written = rows[:, None] & in_r
+    part_rows = part_ptr + rt[:, None] * R + rr[None, :]
+    tl.store(part_rows + split * T * R, acc, mask=written)
+    group = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // SPLIT_K)
+    group += tl.program_id(2) // SPLIT_K
+    if tl.atomic_add(count_ptr + group, 1) == SPLIT_K - 1:  # the other splits' partials are visible now
+        total = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(part_rows + s * T * R, mask=written, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=written)
+        tl.atomic_xchg(count_ptr + group, 0)
+
+
+SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for a decode-sized `lora_shrink` (2048 / 256 at bf16)
+# The split shrink's counts: one per (token tile, slot, rank block) of a launch, zero between launches (the last
+# program of each group resets its count). One buffer per device, made on first use outside any graph capture
+# (the decode graphs' warm-up runs first), serves every launch: the engine never runs two split shrinks at once
+# (on one stream launches run in turn, and a programmatic dependent launch pairs a shrink with its GEMM only).
+SPLIT_COUNTS = 4096
+_split_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts(device: torch.device) -> torch.Tensor:
+    if device not in _split_counts:
+        _split_counts[device] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
+    return _split_counts[device]
+
+
 def _shrink(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -93,8 +184,12 @@ def _shrink(
     experts: torch.Tensor | None,
     first: int = 0,
     launch_dependents: bool = False,
+    split_k: int = 1,
 ) -> torch.Tensor:
-    """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case); rows read A[slot, expert - first]."""
+    """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case); rows read A[slot, expert - first].
+
+    `split_k` > 1 splits the K loop over up to that many programs (linear case, one program per slot, no
+    dependent launch)."""
     tokens, k = x.shape
     num_slots, num_experts, rank, _ = a.shape
     y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
@@ -104,6 +199,10 @@ def _shrink(
     block_k = _pow2(k, 16, 256 if x.element_size() <= 2 else 128)
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
+    split_k = min(split_k, triton.cdiv(k, block_k))
+    splittable = experts is None and not slot_loop and not launch_dependents and math.prod(grid) <= SPLIT_COUNTS
+    if split_k > 1 and splittable:
+        return _split_shrink(x, a, slots, y, grid, split_k, block_t, block_k, block_r)
     _shrink_kernel[grid](
         x,
         a,
@@ -125,5 +224,46 @@ def _shrink(
         BLOCK_K=block_k,
         BLOCK_R=block_r,
         LAUNCH_DEPENDENTS=launch_dependents,
+    )
+    return y
+
+
+def _split_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    slots: torch.Tensor,
+    y: torch.Tensor,
+    grid: tuple[int, int, int],
+    split_k: int,
+    block_t: int,
+    block_k: int,
+    block_r: int,
+) -> torch.Tensor:
+    tokens, k = x.shape
+    rank = a.shape[2]
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no split left without a K range
+    partials = torch.empty((split_k, tokens, rank), dtype=torch.float32, device=x.device)
+    _split_shrink_kernel[(grid[0], grid[1], grid[2] * split_k)](
+        x,
+        a,
+        partials,
+        y,
+        slots,
+        _counts(x.device),
+        tokens,
+        k,
+        rank,
+        k_per_split,
+        *x.stride(),
+        a.stride(0),
+        a.stride(2),
+        a.stride(3),
+        *y.stride(),
+        SPLIT_K=split_k,
+        PRECISION=_precision(x.dtype),
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        BLOCK_R=block_r,
     )
     return y

@@ -245,6 +245,8 @@ def run_interpreted_cases() -> None:
     for dtype in (torch.float32, torch.float16):
         check_linear(**dev, dtype=dtype, tokens=5, num_slots=3, used=2, rank=8, k=40, n=24)
         check_linear(**dev, dtype=dtype, tokens=70, num_slots=4, used=3, rank=16, k=72, n=130)
+        # decode sizes: the shrink's K loop split over 2-3 programs, the last of which sums their partials
+        check_linear(**dev, dtype=dtype, tokens=9, num_slots=4, used=3, rank=8, k=300, n=24)
         check_sliced(**dev, dtype=dtype, tokens=9, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
         check_sliced(**dev, dtype=dtype, tokens=66, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
         check_projection(**dev, dtype=dtype, tokens=5, num_slots=3, rank=8, k=40, offsets=(0, 20, 36, 52, 60))
