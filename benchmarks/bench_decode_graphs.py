@@ -1,6 +1,7 @@
 """Decode throughput of the native engine: eager steps vs CUDA-graph replays, synchronous or overlapped steps.
 
-A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each, with no adapter and with
+A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each (or sampled, with
+`--temperature` > 0 and `--top-p`, seeded per request), with no adapter and with
 1, 4 and 8 distinct rank-16 adapters over every target group (request i uses adapter i mod n). Decode = every
 step after the first (which prefills every prompt); each case is timed `--repeats` times after a warm-up run
 (Triton compiles, graphs are captured) and the median is kept.
@@ -109,8 +110,9 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
     out = {}
     for n in COUNTS:
         keys = adapter_keys(n, len(prompts))
-        engine_batch(engine, clock, prompts, keys, args.new)  # warm-up
-        runs = [rates(engine_batch(engine, clock, prompts, keys, args.new)) for _ in range(args.repeats)]
+        sampling = {"temperature": args.temperature, "top_p": args.top_p}
+        engine_batch(engine, clock, prompts, keys, args.new, **sampling)  # warm-up
+        runs = [rates(engine_batch(engine, clock, prompts, keys, args.new, **sampling)) for _ in range(args.repeats)]
         tok_s = statistics.median(r["decode_tok_s"] for r in runs)
         out[n] = {"decode_tok_s": tok_s, "decode_step_ms": 1e3 * args.batch / tok_s, "runs": runs}
         print(f"{n} adapters: {tok_s:.0f} decode tok/s ({out[n]['decode_step_ms']:.2f} ms/step)", flush=True)
@@ -175,6 +177,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="also GPU kernel time per decode step (CUDA)")
     ap.add_argument("--out", type=Path)
     args = parse_engine_args(ap)

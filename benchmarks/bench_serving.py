@@ -105,16 +105,22 @@ def adapter_keys(n: int, batch: int) -> list[str | None]:
     return [None if n == 0 else f"a{i % n}" for i in range(batch)]
 
 
-def submit(engine: Engine, prompts: list[list[int]], keys: list[str | None], new: int) -> None:
-    """Queue one greedy request of `new` tokens per prompt, prompt i on adapter keys[i] (None: base model)."""
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+def submit(
+    engine: Engine, prompts: list[list[int]], keys: list[str | None], new: int, temperature: float = 0.0, top_p=1.0
+) -> None:
+    """Queue one request of `new` tokens per prompt, prompt i on adapter keys[i] (None: base model) with seed i;
+    greedy unless `temperature` > 0."""
     for i, (prompt, key) in enumerate(zip(prompts, keys, strict=True)):
+        params = SamplingParams(max_tokens=new, temperature=temperature, top_p=top_p, seed=i, ignore_eos=True)
         engine.add_request(Request(f"r{i}", prompt, params, key))
 
 
-def engine_batch(engine: Engine, clock: Clock, prompts: list[list[int]], keys: list[str | None], new: int) -> dict:
-    """Seconds and tokens of the prefill step (to its tokens on the host) and of the decode steps of one batch."""
-    submit(engine, prompts, keys, new)
+def engine_batch(
+    engine: Engine, clock: Clock, prompts: list[list[int]], keys: list[str | None], new: int, **sampling
+) -> dict:
+    """Seconds and tokens of the prefill step (to its tokens on the host) and of the decode steps of one batch;
+    `sampling` as `submit` takes it."""
+    submit(engine, prompts, keys, new, **sampling)
     t0 = clock()
     engine.step()
     # The prefill's tokens are on the host once step() returns; no device sync here, since the engine may have
