@@ -6,9 +6,10 @@ their adapters: the per-token slot index selects each token's LoRA. A request is
 adapter's slot when it is admitted, so an adapter version loaded later never changes a running
 request; copying an adapter into a slot happens between steps and touches only that slot.
 On CUDA, steps in which every sequence decodes one token replay a captured CUDA graph
-(`CudaGraphDecoder`); steps with prefill chunks run the eager forward. Every step picks greedy tokens on
-the device; while every sequence decodes greedily, the next step is queued before this one's tokens
-reach the host (`Engine.step`), so the host's work per step hides behind the GPU's.
+(`CudaGraphDecoder`); steps with prefill chunks run the eager forward. Every step picks its tokens on
+the device (greedy, or drawn at a uniform from the sequence's own generator); while no sequence needs
+its logits on the host (logprobs), the next step is queued before this one's tokens reach the host
+(`Engine.step`), so the host's work per step hides behind the GPU's.
 """
 
 import itertools
@@ -24,7 +25,7 @@ from inkwell.models import base_model_identity, load_base_config, load_base_weig
 from inkwell.service.engine.graphs import CudaGraphDecoder
 from inkwell.service.engine.lora import LoraSlots
 from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment
-from inkwell.service.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
+from inkwell.service.engine.sampling import SamplingParams, make_generator, sample_rows, token_logprobs
 from inkwell.service.engine.state import StatePool
 from inkwell.service.engine.streams import SideStream
 from inkwell.service.engine.text import TextTracker
@@ -106,7 +107,7 @@ class EngineConfig:
     # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: since decode projections take
     # one launch each (lora_linear), its forks and joins cost graph decode more than they hide (docs/benchmarks.md)
     lora_side_stream: bool = False
-    # Queue the next greedy decode step before reading this one's tokens on the host (see `Engine.step`).
+    # Queue the next decode step before reading this one's tokens on the host (see `Engine.step`).
     overlap_decode: bool = True
 
 
@@ -168,23 +169,26 @@ class _Sequence:
 
 @dataclass(frozen=True, eq=False)
 class _Chunk:
-    """A sequence's rows in a step: `length` tokens from position `start`, at batch rows from `first`."""
+    """A sequence's rows in a step: `length` tokens from position `start`, at batch rows from `first`; `yields`:
+    its last row gives the sequence's next token (not a prompt chunk that more chunks follow)."""
 
     seq: _Sequence
     first: int
     start: int
     length: int
+    yields: bool
 
 
 @dataclass(eq=False)
 class _Launched:
-    """A step queued on the device: its chunks, the rows it scores, their greedy next tokens on the device and
-    on the host (there once `ready` has fired; None: already there), and the host logits where a row needs them."""
+    """A step queued on the device: its chunks, the rows it scores, their next tokens (greedy or drawn) on the
+    device and on the host (there once `ready` has fired; None: already there), and the host logits where a row
+    reports logprobs."""
 
     chunks: list[_Chunk]
     logit_rows: list[int]
-    greedy: torch.Tensor
-    host_greedy: torch.Tensor
+    tokens: torch.Tensor
+    host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
     logits: torch.Tensor | None
 
@@ -322,9 +326,10 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one forward over every running sequence; returns each choice's new output.
 
-        Greedy decoding overlaps steps: before this step's tokens are read on the host, the next step is queued on
-        the device with those tokens as its input (`overlap_decode`), so the host's work of a step (reading its
-        tokens, stop checks, detokenizing, the next launch) runs while the GPU computes the next one."""
+        Decoding overlaps steps: before this step's tokens are read on the host, the next step is queued on the
+        device with those tokens as its input (`overlap_decode`), so the host's work of a step (reading its
+        tokens, stop checks, detokenizing, the next launch) runs while the GPU computes the next one. Steps with
+        a row that reports logprobs wait for their logits instead."""
         current, self._queued = self._queued, None
         if current is not None and not any(c.seq in self.running for c in current.chunks):
             current = None  # every sequence it decoded ended (or was aborted) after it was queued
@@ -350,7 +355,7 @@ class Engine:
             length = min(len(seq.tokens) - seq.computed, max(budget - rows, 1 if seq in decoding else 0))
             if length <= 0:
                 continue
-            chunks.append(_Chunk(seq, rows, seq.computed, length))
+            chunks.append(_Chunk(seq, rows, seq.computed, length, seq.computed + length == len(seq.tokens)))
             rows += length
         ids, logit_rows = [], []
         for c in chunks:
@@ -358,15 +363,15 @@ class Engine:
             ids += seq.tokens[c.start : c.start + c.length]
             if seq.prompt_logprobs is not None and c.start < seq.num_prompt:
                 logit_rows += range(c.first, c.first + c.length)
-            elif c.start + c.length == len(seq.tokens):
+            elif c.yields:
                 logit_rows.append(c.first + c.length - 1)
         return chunks, ids, logit_rows
 
     def _follow_up(self, current: "_Launched") -> tuple[list[_Chunk], torch.Tensor, list[int]] | None:
         """The decode step after `current` while `current` is still on the device, if it can be planned now: every
-        running sequence is in `current`, gets its next token from it greedily and needs no logits on the host,
-        and no waiting request could be admitted. Sequences that `current`'s token ends by length are left out;
-        one that a stop token or string ends is decoded once more and the result dropped."""
+        running sequence is in `current`, gets its next token from it and needs no logits on the host (no
+        logprobs), and no waiting request could be admitted. Sequences that `current`'s token ends by length are
+        left out; one that a stop token or string ends is decoded once more and the result dropped."""
         if not self.config.overlap_decode or (self.waiting and self.state.free_slots):
             return None
         if current.logits is not None or len(current.chunks) != len(self.running):
@@ -375,25 +380,24 @@ class Engine:
         chunks, sources = [], []
         for c in current.chunks:
             seq, end = c.seq, c.start + c.length
-            if end != len(seq.tokens) or seq not in self.running:
+            if not c.yields or seq not in self.running:
                 return None  # a prompt still prefilling in chunks, or a sequence aborted since
             max_tokens = seq.request.params.max_tokens
             if end + 1 >= self.max_context or (max_tokens is not None and end + 1 - seq.num_prompt >= max_tokens):
                 continue
-            chunks.append(_Chunk(seq, len(chunks), end, 1))
+            chunks.append(_Chunk(seq, len(chunks), end, 1, True))
             sources.append(scored[c.first + c.length - 1])
         if not chunks:
             return None
         if sources == list(range(len(sources))):
-            ids = current.greedy[: len(sources)]
+            ids = current.tokens[: len(sources)]
         else:
-            ids = current.greedy[torch.tensor(sources, device=self.device)]
+            ids = current.tokens[torch.tensor(sources, device=self.device)]
         return chunks, ids, list(range(len(chunks)))
 
     def _needs_logits(self, seq: _Sequence) -> bool:
-        """Whether a step must bring `seq`'s logits to the host: to sample, or to report logprobs."""
-        params = seq.request.params
-        return params.temperature > 0.0 or params.logprobs is not None or seq.prompt_logprobs is not None
+        """Whether a step must bring `seq`'s logits to the host: to report logprobs."""
+        return seq.request.params.logprobs is not None or seq.prompt_logprobs is not None
 
     def _launch(self, chunks: list[_Chunk], ids: list[int] | torch.Tensor, logit_rows: list[int]) -> "_Launched":
         """Queue a step's forward on the device; returns before it ends unless some row needs its logits."""
@@ -412,15 +416,35 @@ class Engine:
             )
             logits = self.model.forward(batch, self.state, self.lora)
             greedy = logits.argmax(-1)
+        tokens = self._draw(chunks, logit_rows, logits, greedy)
         host_logits = logits.cpu() if any(self._needs_logits(c.seq) for c in chunks) else None
         ready = None
-        if greedy.is_cuda:  # the tokens come back through pinned memory, so the host need not wait here
+        if tokens.is_cuda:  # the tokens come back through pinned memory, so the host need not wait here
             ready = torch.cuda.Event()
-            host_greedy = greedy.to("cpu", non_blocking=True)
+            host_tokens = tokens.to("cpu", non_blocking=True)
             ready.record()
         else:
-            host_greedy = greedy.clone()
-        return _Launched(chunks, logit_rows, greedy, host_greedy, ready, host_logits)
+            host_tokens = tokens.clone()
+        return _Launched(chunks, logit_rows, tokens, host_tokens, ready, host_logits)
+
+    def _draw(
+        self, chunks: list[_Chunk], logit_rows: list[int], logits: torch.Tensor, greedy: torch.Tensor
+    ) -> torch.Tensor:
+        """Each scored row's next token on the device: greedy, or for a sequence that samples, drawn at a uniform
+        from its own generator (one draw per token it yields, so the same alone or in any batch)."""
+        draws = [(i, c.seq) for i, c in enumerate(chunks) if c.yields and c.seq.request.params.temperature > 0.0]
+        if not draws:
+            return greedy
+        row_of = {r: i for i, r in enumerate(logit_rows)}
+        rows = [row_of[chunks[i].first + chunks[i].length - 1] for i, _ in draws]
+        params = [seq.request.params for _, seq in draws]
+        uniforms = [float(torch.rand((), generator=seq.generator)) for _, seq in draws]
+        packed = torch.tensor(
+            [rows, [p.temperature for p in params], [p.top_p for p in params], uniforms], dtype=torch.float64
+        ).to(self.device, non_blocking=True)
+        index = packed[0].long()
+        drawn = sample_rows(logits[index], *packed[1:].float())
+        return greedy.index_copy(0, index, drawn)
 
     def _collect(self, launched: "_Launched") -> list[StepOutput]:
         """Wait for a launched step's tokens and advance each of its sequences still running."""
@@ -445,7 +469,7 @@ class Engine:
                 continue
             row = row_of[c.first + c.length - 1]
             logits = launched.logits[row] if launched.logits is not None else None
-            out = self._advance(seq, int(launched.host_greedy[row]), logits)
+            out = self._advance(seq, int(launched.host_tokens[row]), logits)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -460,10 +484,9 @@ class Engine:
                 seq.prompt_logprobs.append(chosen)
                 seq.prompt_top_logprobs.append(best)
 
-    def _advance(self, seq: _Sequence, greedy: int, logits: torch.Tensor | None) -> StepOutput | None:
-        """Append the sequence's next token: `greedy` at temperature 0, else drawn from its host `logits`."""
+    def _advance(self, seq: _Sequence, token: int, logits: torch.Tensor | None) -> StepOutput | None:
+        """Append the sequence's next token (its logprobs from the host `logits` where the request asks)."""
         params = seq.request.params
-        token = greedy if params.temperature == 0.0 else sample(logits, params, seq.generator)
         if params.logprobs is not None:
             chosen, top = token_logprobs(torch.log_softmax(logits, dim=-1), token, params.logprobs)
             seq.pending_logprobs.append(TokenLogprob(token, chosen, top))

@@ -10,7 +10,7 @@ the scratch state slot; all graphs share one private memory pool, which is safe 
 run one at a time on one stream and each graph's output buffer stays alive.
 
 Each step also picks every row's greedy next token on the device (captured with the forward), so a step
-of greedy rows reads back a few token ids instead of the logits, and the next step can take its input
+reads back a few token ids instead of the logits, and the next step can take its input
 tokens straight from this one's output without the host in between (`Engine` overlaps steps so).
 
 On the CPU (or with `graphs=False`) the same bucketed forward runs eagerly, which is how the CPU

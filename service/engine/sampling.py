@@ -1,8 +1,8 @@
 """Sampling parameters and next-token selection with a per-sequence generator.
 
-Each sequence owns its torch.Generator (seeded from the request's seed and its choice index), and
-sampling happens on the CPU, so a seeded request draws the same tokens alone or in any batch. Greedy
-choice (temperature 0) happens on the device, in the engine's step.
+Each sequence owns a CPU torch.Generator (seeded from the request's seed and its choice index) that gives
+one uniform per token it draws; the draw itself runs on the logits' device, row by row, so a seeded
+request draws the same tokens alone or in any batch, and its logits never need to reach the host.
 Logprobs are those of the model's distribution (before temperature and top_p), as OpenAI reports.
 """
 
@@ -62,16 +62,20 @@ def make_generator(seed: int | None, index: int) -> torch.Generator:
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id drawn from fp32 host logits [V] with temperature (> 0) and top_p. Greedy tokens (temperature
-    0) are picked on the device by the engine, so their logits need not reach the host."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs[before >= params.top_p] = 0.0  # keep the smallest prefix reaching top_p (at least one)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor):
+    """One token per row of fp32 logits [n, V], drawn with the row's temperature (> 0) and top_p at its uniform
+    u in [0, 1): in order of falling probability, the first token whose cumulative probability within the top_p
+    prefix exceeds u times that prefix's total. Every op works row by row, so a row's token depends on its own
+    logits and u alone, whatever else is in the batch; on the GPU nothing waits for the host."""
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    kept = torch.where(before < top_p[:, None], sorted_probs, 0.0)  # the smallest prefix reaching top_p (>= 1)
+    cdf = kept.cumsum(dim=-1)
+    # u < 1 puts u * total below the total (fp32 rounds it down or to a neighbour), so the first cdf entry above it
+    # is a kept token of non-zero probability: [cdf[i-1], cdf[i]) is token i's share of [0, total)
+    pick = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+    return order.gather(-1, pick)[:, 0]
 
 
 def token_logprobs(log_probs: torch.Tensor, token: int, top: int | None) -> tuple[float, list[tuple[int, float]]]:

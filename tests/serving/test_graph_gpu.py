@@ -105,19 +105,25 @@ def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tin
 
 
 def test_overlapped_graph_decode_gives_the_tokens_of_synchronous_graph_decode(tiny_model_dir, tiny_adapters):
-    """Greedy rows without logprobs queue each graph step before the last one's tokens are read (their input tokens
-    copied on the device): the same tokens as synchronous steps, a stop token included."""
+    """Rows without logprobs queue each graph step before the last one's tokens are read (their input tokens copied
+    on the device): the same tokens as synchronous steps, for greedy rows, a stop token and seeded draws on the
+    device alike."""
     sync = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", overlap_decode=False)
     overlapped = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
     requests = [
         Request(r.request_id, r.prompt_ids, SamplingParams(max_tokens=r.params.max_tokens, temperature=0.0), r.adapter)
         for r in mixed_requests()
     ]
+    greedy = sync.generate(requests)
+    stop = greedy["r2"][0].token_ids[9]
+    requests[2] = Request(
+        "r2", requests[2].prompt_ids, SamplingParams(max_tokens=28, temperature=0.0, stop_token_ids=(stop,)), "a2"
+    )
+    for i in (1, 4):
+        drawn = SamplingParams(max_tokens=requests[i].params.max_tokens, temperature=0.8, top_p=0.9, seed=i)
+        requests[i] = Request(f"r{i}", requests[i].prompt_ids, drawn, requests[i].adapter)
     expected = sync.generate(requests)
-    stop = expected["r2"][0].token_ids[9]
-    greedy_stop = SamplingParams(max_tokens=28, temperature=0.0, stop_token_ids=(stop,))
-    requests[2] = Request("r2", requests[2].prompt_ids, greedy_stop, "a2")
-    expected = sync.generate(requests)
+    assert expected["r1"][0].token_ids != greedy["r1"][0].token_ids  # the device drew them
     for request in requests:
         overlapped.add_request(request)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}

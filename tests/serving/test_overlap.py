@@ -62,21 +62,32 @@ def test_overlapped_steps_give_every_output_of_synchronous_steps(engines):
     assert [o.finish_reason for o in expected["length"]][-1] == "length"
 
 
-def test_rows_that_sample_or_report_logprobs_are_never_overlapped(engines):
-    """A step whose rows need their logits on the host (sampling, logprobs) waits for them; greedy requests beside
-    them still get their synchronous outputs, and seeded draws their seeded tokens."""
+def test_rows_that_report_logprobs_wait_for_their_logits_and_sampled_rows_overlap(engines):
+    """A step with a row that reports logprobs brings its logits to the host before the next step is planned; rows
+    that sample draw on the device and overlap like greedy ones. Every output is the synchronous one, seeded draws
+    included."""
     overlapped, synchronous = engines
     requests = [
         Request("greedy", prompt(0), GREEDY, "a0"),
-        Request("sampled", prompt(1), SamplingParams(max_tokens=12, temperature=0.9, seed=7), "a1"),
+        Request("sampled", prompt(1), SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=7), "a1"),
         Request("logprobs", prompt(2), dataclasses.replace(GREEDY, max_tokens=8, logprobs=3), "a2"),
     ]
     expected, _ = run(synchronous, requests)
-    got, queued = run(overlapped, requests)
+    for request in requests:
+        overlapped.add_request(request)
+    got: dict[str, list] = {r.request_id: [] for r in requests}
+    queued, ends = [], {}
+    while overlapped.has_work():
+        for out in overlapped.step():
+            got[out.request_id].append(out)
+            if out.finish_reason is not None:
+                ends[out.request_id] = len(queued) + 1  # steps up to and including this one
+        queued.append(overlapped._queued is not None)
+    logprobs_end = ends["logprobs"]
     assert got == expected
-    # The 12 steps that draw the sampled request's tokens queue nothing; of the greedy request's last 12, all but
-    # the one that ends it queue the next.
-    assert queued == GREEDY.max_tokens - 12 - 1
+    # nothing queued while the logprobs request ran; then every step but the last queued the next
+    assert not any(queued[:logprobs_end]) and all(queued[logprobs_end:-1]) and not queued[-1]
+    assert ends["sampled"] > logprobs_end + 1  # overlapped steps drew the sampled request's last tokens
 
 
 def test_abort_and_a_new_request_while_a_step_is_queued(engines):
