@@ -432,13 +432,13 @@ class Engine:
     ) -> torch.Tensor:
         """Each scored row's next token on the device: greedy, or for a sequence that samples, drawn at a uniform
         from its own generator (one draw per token it yields, so the same alone or in any batch)."""
-        draws = [(i, c.seq) for i, c in enumerate(chunks) if c.yields and c.seq.request.params.temperature > 0.0]
+        draws = [c for c in chunks if c.yields and c.seq.request.params.temperature > 0.0]
         if not draws:
             return greedy
         row_of = {r: i for i, r in enumerate(logit_rows)}
-        rows = [row_of[chunks[i].first + chunks[i].length - 1] for i, _ in draws]
-        params = [seq.request.params for _, seq in draws]
-        uniforms = [float(torch.rand((), generator=seq.generator)) for _, seq in draws]
+        rows = [row_of[c.first + c.length - 1] for c in draws]
+        params = [c.seq.request.params for c in draws]
+        uniforms = [float(torch.rand((), generator=c.seq.generator)) for c in draws]
         packed = torch.tensor(
             [rows, [p.temperature for p in params], [p.top_p for p in params], uniforms], dtype=torch.float64
         ).to(self.device, non_blocking=True)
