@@ -317,6 +317,12 @@ class Engine:
             self.running.append(seq)
         self.waiting.extendleft(reversed(blocked))
 
+    def _can_admit(self) -> bool:
+        """Whether `_admit` would admit a waiting sequence now (a free state slot, and its adapter placeable)."""
+        if not self.state.free_slots:
+            return False
+        return any(s.request.adapter is None or self.lora.can_place(s.request.adapter) for s in self.waiting)
+
     def _finish(self, seq: _Sequence) -> None:
         self.running.remove(seq)
         self.state.release(seq.seq_slot)
@@ -372,7 +378,7 @@ class Engine:
         running sequence is in `current`, gets its next token from it and needs no logits on the host (no
         logprobs), and no waiting request could be admitted. Sequences that `current`'s token ends by length are
         left out; one that a stop token or string ends is decoded once more and the result dropped."""
-        if not self.config.overlap_decode or (self.waiting and self.state.free_slots):
+        if not self.config.overlap_decode or self._can_admit():
             return None
         if current.logits is not None or len(current.chunks) != len(self.running):
             return None

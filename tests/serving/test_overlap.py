@@ -137,3 +137,24 @@ def test_a_request_arriving_while_steps_overlap_is_admitted_by_the_second_step(e
     while overlapped.has_work():
         late += [o for o in overlapped.step() if o.request_id == "late"]
     assert [t for o in late for t in o.token_ids] == [t for o in alone for t in o.token_ids]
+
+
+def test_a_request_waiting_for_an_adapter_slot_does_not_stop_the_overlap(tiny_model_dir, tiny_adapters):
+    """With both adapter slots held by running requests, a request for a third adapter cannot be admitted: steps
+    keep overlapping until a slot frees, then it is admitted and decodes as it does alone."""
+    engine = Engine(tiny_model_dir, dataclasses.replace(CONFIG, max_loras_per_batch=2))
+    for i, adapter in enumerate(tiny_adapters[:3]):
+        engine.load_adapter(f"a{i}", adapter)
+    alone = run(engine, [Request("late", prompt(2), GREEDY, "a2")])[0]["late"]
+    short = dataclasses.replace(GREEDY, max_tokens=10)
+    engine.add_request(Request("first", prompt(0), short, "a0"))
+    engine.add_request(Request("second", prompt(1), GREEDY, "a1"))
+    engine.add_request(Request("late", prompt(2), GREEDY, "a2"))
+    late, queued = [], []
+    while engine.has_work():
+        late += [o for o in engine.step() if o.request_id == "late"]
+        queued.append(engine._queued is not None)
+        if len(queued) == 5:
+            assert [s.request.request_id for s in engine.waiting] == ["late"]
+    assert all(queued[2:8])  # "late" waits for a slot while the others' steps overlap
+    assert [t for o in late for t in o.token_ids] == [t for o in alone for t in o.token_ids]
