@@ -9,9 +9,9 @@ warm-up run (Triton compiles, cuBLAS picks its workspaces) whose padding-only ba
 the scratch state slot; all graphs share one private memory pool, which is safe because replays
 run one at a time on one stream and each graph's output buffer stays alive.
 
-Each step also picks every row's greedy next token on the device (captured with the forward), so a step
-reads back a few token ids instead of the logits, and the next step can take its input
-tokens straight from this one's output without the host in between (`Engine` overlaps steps so).
+Each step also picks every row's greedy next token on the device (captured with the forward), so a
+step reads back a few token ids instead of the logits, and the next step can take its input tokens
+straight from this one's output without the host in between (`Engine` overlaps steps so).
 
 On the CPU (or with `graphs=False`) the same bucketed forward runs eagerly, which is how the CPU
 tests check everything but the capture itself.

@@ -62,7 +62,9 @@ def make_generator(seed: int | None, index: int) -> torch.Generator:
     return gen
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor):
+def sample_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
     """One token per row of fp32 logits [n, V], drawn with the row's temperature (> 0) and top_p at its uniform
     u in [0, 1): in order of falling probability, the first token whose cumulative probability within the top_p
     prefix exceeds u times that prefix's total. Every op works row by row, so a row's token depends on its own
