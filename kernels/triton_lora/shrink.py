@@ -166,7 +166,8 @@ SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for a decode-sized `lo
 # The split shrink's counts: one per (token tile, slot, rank block) of a launch, zero between launches (the last
 # program of each group resets its count). One buffer per device, made on first use outside any graph capture
 # (the decode graphs' warm-up runs first), serves every launch: the engine never runs two split shrinks at once
-# (on one stream launches run in turn, and a programmatic dependent launch pairs a shrink with its GEMM only).
+# (on one stream launches run in turn, and a programmatic dependent launch pairs a shrink with its GEMM only);
+# two streams running split shrinks at the same time would share the counts, and must not.
 SPLIT_COUNTS = 4096
 _split_counts: dict[torch.device, torch.Tensor] = {}
 
