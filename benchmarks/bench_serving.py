@@ -106,7 +106,12 @@ def adapter_keys(n: int, batch: int) -> list[str | None]:
 
 
 def submit(
-    engine: Engine, prompts: list[list[int]], keys: list[str | None], new: int, temperature: float = 0.0, top_p=1.0
+    engine: Engine,
+    prompts: list[list[int]],
+    keys: list[str | None],
+    new: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> None:
     """Queue one request of `new` tokens per prompt, prompt i on adapter keys[i] (None: base model) with seed i;
     greedy unless `temperature` > 0."""

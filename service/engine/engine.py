@@ -178,15 +178,19 @@ class _Chunk:
     length: int
     yields: bool
 
+    @property
+    def last_row(self) -> int:
+        return self.first + self.length - 1
+
 
 @dataclass(eq=False)
 class _Launched:
-    """A step queued on the device: its chunks, the rows it scores, their next tokens (greedy or drawn) on the
-    device and on the host (there once `ready` has fired; None: already there), and the host logits where a row
-    reports logprobs."""
+    """A step queued on the device: its chunks, the index among its logits of each batch row it scores, their next
+    tokens (greedy or drawn) on the device and on the host (there once `ready` has fired; None: already there),
+    and the host logits where a row reports logprobs."""
 
     chunks: list[_Chunk]
-    logit_rows: list[int]
+    row_of: dict[int, int]
     tokens: torch.Tensor
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
@@ -370,7 +374,7 @@ class Engine:
             if seq.prompt_logprobs is not None and c.start < seq.num_prompt:
                 logit_rows += range(c.first, c.first + c.length)
             elif c.yields:
-                logit_rows.append(c.first + c.length - 1)
+                logit_rows.append(c.last_row)
         return chunks, ids, logit_rows
 
     def _follow_up(self, current: "_Launched") -> tuple[list[_Chunk], torch.Tensor, list[int]] | None:
@@ -382,17 +386,15 @@ class Engine:
             return None
         if current.logits is not None or len(current.chunks) != len(self.running):
             return None
-        scored = {r: i for i, r in enumerate(current.logit_rows)}
         chunks, sources = [], []
         for c in current.chunks:
             seq, end = c.seq, c.start + c.length
             if not c.yields or seq not in self.running:
                 return None  # a prompt still prefilling in chunks, or a sequence aborted since
-            max_tokens = seq.request.params.max_tokens
-            if end + 1 >= self.max_context or (max_tokens is not None and end + 1 - seq.num_prompt >= max_tokens):
+            if self._ends_by_length(seq, end + 1):  # with the token `current` gives it
                 continue
             chunks.append(_Chunk(seq, len(chunks), end, 1, True))
-            sources.append(scored[c.first + c.length - 1])
+            sources.append(current.row_of[c.last_row])
         if not chunks:
             return None
         if sources == list(range(len(sources))):
@@ -422,7 +424,8 @@ class Engine:
             )
             logits = self.model.forward(batch, self.state, self.lora)
             greedy = logits.argmax(-1)
-        tokens = self._draw(chunks, logit_rows, logits, greedy)
+        row_of = {r: i for i, r in enumerate(logit_rows)}
+        tokens = self._draw(chunks, row_of, logits, greedy)
         host_logits = logits.cpu() if any(self._needs_logits(c.seq) for c in chunks) else None
         ready = None
         if tokens.is_cuda:  # the tokens come back through pinned memory, so the host need not wait here
@@ -431,18 +434,17 @@ class Engine:
             ready.record()
         else:
             host_tokens = tokens.clone()
-        return _Launched(chunks, logit_rows, tokens, host_tokens, ready, host_logits)
+        return _Launched(chunks, row_of, tokens, host_tokens, ready, host_logits)
 
     def _draw(
-        self, chunks: list[_Chunk], logit_rows: list[int], logits: torch.Tensor, greedy: torch.Tensor
+        self, chunks: list[_Chunk], row_of: dict[int, int], logits: torch.Tensor, greedy: torch.Tensor
     ) -> torch.Tensor:
         """Each scored row's next token on the device: greedy, or for a sequence that samples, drawn at a uniform
         from its own generator (one draw per token it yields, so the same alone or in any batch)."""
         draws = [c for c in chunks if c.yields and c.seq.request.params.temperature > 0.0]
         if not draws:
             return greedy
-        row_of = {r: i for i, r in enumerate(logit_rows)}
-        rows = [row_of[c.first + c.length - 1] for c in draws]
+        rows = [row_of[c.last_row] for c in draws]
         params = [c.seq.request.params for c in draws]
         uniforms = [float(torch.rand((), generator=c.seq.generator)) for c in draws]
         packed = torch.tensor(
@@ -457,7 +459,7 @@ class Engine:
         if launched.ready is not None:
             launched.ready.synchronize()
         self.steps += 1
-        row_of = {r: i for i, r in enumerate(launched.logit_rows)}
+        row_of = launched.row_of
         outputs = []
         for c in launched.chunks:
             seq = c.seq
@@ -473,7 +475,7 @@ class Engine:
                 self._finish(seq)
                 outputs.append(self._output(seq, "length"))
                 continue
-            row = row_of[c.first + c.length - 1]
+            row = row_of[c.last_row]
             logits = launched.logits[row] if launched.logits is not None else None
             out = self._advance(seq, int(launched.host_tokens[row]), logits)
             if out is not None:
@@ -490,6 +492,11 @@ class Engine:
                 seq.prompt_logprobs.append(chosen)
                 seq.prompt_top_logprobs.append(best)
 
+    def _ends_by_length(self, seq: _Sequence, tokens: int) -> bool:
+        """Whether `seq` holding `tokens` tokens (prompt included) has reached max_tokens or the context."""
+        max_tokens = seq.request.params.max_tokens
+        return tokens >= self.max_context or (max_tokens is not None and tokens - seq.num_prompt >= max_tokens)
+
     def _advance(self, seq: _Sequence, token: int, logits: torch.Tensor | None) -> StepOutput | None:
         """Append the sequence's next token (its logprobs from the host `logits` where the request asks)."""
         params = seq.request.params
@@ -501,8 +508,7 @@ class Engine:
         is_stop_token = token in self.stop_ids and not params.ignore_eos
         is_stop_token |= token in params.stop_token_ids
         generated = seq.generated[:-1] if is_stop_token else seq.generated
-        at_length = params.max_tokens is not None and len(seq.generated) >= params.max_tokens
-        at_length |= len(seq.tokens) >= self.max_context
+        at_length = self._ends_by_length(seq, len(seq.tokens))
         final = is_stop_token or at_length
         seq.text_delta, hit_stop = seq.text.update(generated, final)
         reason = "stop" if is_stop_token or hit_stop else "length" if at_length else None
