@@ -15,7 +15,7 @@ import platform
 import time
 
 from inkwell.models.tokenizer import build_tokenizer
-from inkwell.service.engine.text import TextTracker
+from inkwell.serving.text import TextTracker
 
 TEXT = "Inkling serves many adapters \u00e0 la fois: \u4e2d\u6587, \U0001f600, and plain ASCII. "
 

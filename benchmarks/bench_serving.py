@@ -47,10 +47,12 @@ from inkwell.adapters.adapter import Adapter, init_adapter
 from inkwell.adapters.io import load_adapter, save_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, init_base_model, load_base_config, load_base_model
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.serving.loader import loader_main, stop_loader
-from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.transfer import ImageReceiver
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.loader import loader_main, stop_loader
+from inkwell.serving.messages import Load, Staged
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.sources import DirectorySource
+from inkwell.serving.transfer import ImageReceiver
 
 COUNTS = (0, 1, 4, 8)
 RANK = 16
@@ -320,9 +322,10 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
         def swap(key: str) -> tuple[float, float]:
             """What the worker does with an arriving staged adapter; seconds to slot written, and to done."""
             t0 = clock()
-            kind, got, staged, _ = arrived.get()
-            if kind != "adapter" or got != key:
-                raise RuntimeError(f"loader answered {kind} for {got}, expected {key}: {staged}")
+            msg = arrived.get()
+            if not isinstance(msg, Staged) or msg.key != key:
+                raise RuntimeError(f"loader answered {msg}, expected adapter {key} staged")
+            staged = msg.staged
             adapter = receiver.adapter(staged)
             engine.load_adapter(key, adapter, pinned=True)
             t1 = clock()
@@ -334,7 +337,7 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
         for k in range(SWAPS + 1):  # the first swap maps the ring
             key = f"ipc{k}"
             t0 = time.perf_counter()
-            inbox.put(("load", key, DirectorySource(str(directory)), True))
+            inbox.put(Load(key, DirectorySource(str(directory)), True))
             wait_for_message()
             t_slot, t_done = swap(key)
             end_to_end.append(time.perf_counter() - t0)
@@ -348,7 +351,7 @@ def bench_swap(engine: Engine, adapter: Adapter, model_dir: Path, tmp: Path, arg
 
         # Decode of 7 other adapters' requests while adapters are swapped in between their steps.
         for k in range(SWAPS):  # the loader stages them as ring rows come back
-            inbox.put(("load", f"stall{k}", DirectorySource(str(directory)), True))
+            inbox.put(Load(f"stall{k}", DirectorySource(str(directory)), True))
         params = SamplingParams(max_tokens=8 + 4 * SWAPS + 8, temperature=0.0, ignore_eos=True)
         for i in range(7):
             engine.add_request(Request(f"s{i}", prompts[i], params, f"a{i}"))

@@ -53,7 +53,7 @@ METADATA_KEY = "inkwell"
 _ATTN = {"q_proj": "wq_du", "k_proj": "wk_dv", "v_proj": "wv_dv", "r_proj": "wr_du", "o_proj": "wo_ud"}
 _EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # The Inkling LoRA modules (InklingForConditionalGeneration.supported_lora_modules) each group feeds.
-_SGLANG_MODULES = {
+SGLANG_MODULES = {
     "attn": ("qkvr", "wo_ud"),
     "mlp": ("gate_up_proj", "down_proj"),
     "experts": ("gate_up_proj", "down_proj"),
@@ -106,7 +106,7 @@ def to_sglang(adapter: Adapter, config: InklingTextConfig) -> tuple[dict[str, to
 def sglang_config(adapter: Adapter) -> dict:
     """The PEFT `LoraConfig` fields SGLang reads, plus our metadata under `inkwell`."""
     spec = adapter.spec
-    modules = sorted({m for group in spec.targets for m in _SGLANG_MODULES[group]})
+    modules = sorted({m for group in spec.targets for m in SGLANG_MODULES[group]})
     alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
     return {
         "peft_type": "LORA",

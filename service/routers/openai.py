@@ -24,9 +24,8 @@ from pydantic import ValidationError
 
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
-from inkwell.service.engine import EngineError, SamplingError, SamplingParams
-from inkwell.service.engine.engine import context_error
-from inkwell.service.serving.protocol import (
+from inkwell.service.model_resolver import RegistryResolver
+from inkwell.service.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
@@ -38,11 +37,12 @@ from inkwell.service.serving.protocol import (
     step_logprobs,
     usage,
 )
-from inkwell.service.serving.resolve import ModelMismatchError, ModelNotFoundError, RegistryResolver, ResolvedModel
-from inkwell.service.serving.router import QueueFullError
-from inkwell.service.serving.settings import ServingSettings
-from inkwell.service.serving.tier import ServingTier
-from inkwell.service.serving.worker import AdapterLoadError, RequestStream, WorkerDiedError
+from inkwell.serving.contract import Choice, EngineError, SamplingParams
+from inkwell.serving.handle import AdapterLoadError, RequestStream, WorkerDiedError
+from inkwell.serving.resolve import ModelMismatchError, ModelNotFoundError, ResolvedModel
+from inkwell.serving.router import QueueFullError
+from inkwell.serving.settings import ServingSettings
+from inkwell.serving.tier import ServingTier
 
 router = APIRouter(prefix="/v1", tags=["serving"])
 
@@ -105,16 +105,16 @@ async def _resolve(request: Request, tenant: str, model: str) -> tuple[ServingTi
         raise OpenAIError(400, "model_mismatch", str(exc), "model") from exc
 
 
-def _check(params: SamplingParams, prompts: list[list[int]], max_context: int, prompt_param: str) -> SamplingParams:
-    """Validate sampling and context; a chat with no max_tokens may use the rest of the context."""
-    try:
-        params.validate()
-    except SamplingError as exc:
-        raise OpenAIError(400, "invalid_parameter", str(exc), exc.param) from exc
-    error = context_error(max(len(p) for p in prompts), params.max_tokens, max_context)
-    if error is not None:
-        param = prompt_param if error.param == "prompt" else error.param
-        raise OpenAIError(400, error.code, str(error), param)
+def _check(
+    tier: ServingTier, resolved: ResolvedModel, prompts: list[list[int]], params: SamplingParams, prompt_param: str
+) -> SamplingParams:
+    """The workers' own checks of every prompt, run before any stream starts (a 400 now, not an error event)."""
+    for prompt in prompts:
+        try:
+            tier.check(resolved, prompt, params)
+        except EngineError as exc:
+            param = prompt_param if exc.param == "prompt" else exc.param
+            raise OpenAIError(400, exc.code, str(exc), param) from exc
     return params
 
 
@@ -122,7 +122,7 @@ async def _start(tier: ServingTier, resolved: ResolvedModel, prompts: list[list[
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
-            streams.append(await tier.router.submit(resolved.base, prompt, params, resolved.adapter))
+            streams.append(await tier.submit(resolved, prompt, params))
     except BaseException as exc:
         for stream in streams:
             stream.cancel()
@@ -143,19 +143,13 @@ def _stream_error(exc: Exception) -> OpenAIError:
     return OpenAIError(503, "worker_unavailable", str(exc))
 
 
-async def _collect(streams: list[RequestStream], n: int) -> dict[int, dict]:
-    """Every choice's accumulated text, logprob steps, finish reason and token count, by choice index."""
-    choices: dict[int, dict] = {}
+async def _collect(streams: list[RequestStream], n: int) -> dict[int, Choice]:
+    """Every choice's outputs added up, by choice index."""
+    choices: dict[int, Choice] = {}
     try:
         for p, stream in enumerate(streams):
             async for out in stream:
-                c = choices.setdefault(p * n + out.index, {"text": "", "steps": [], "finish": None, "tokens": 0})
-                if out.prompt_logprobs is not None:
-                    c["prompt"] = (out.prompt_logprobs, out.prompt_top_logprobs)
-                c["text"] += out.text
-                c["steps"] += out.logprobs
-                c["finish"] = out.finish_reason or c["finish"]
-                c["tokens"] = out.completion_tokens
+                choices.setdefault(p * n + out.index, Choice()).extend(out)
     except (EngineError, WorkerDiedError) as exc:
         raise _stream_error(exc) from exc
     finally:
@@ -208,35 +202,26 @@ async def completions(request: Request, tenant: str = Depends(tenant_id)):
 async def _completions(request: Request, tenant: str):
     body = await _parse(request, CompletionRequest)
     tier, resolved = await _resolve(request, tenant, body.model)
-    tokenizer = tier.tokenizer(resolved.model_dir)
-    vocab = len(tokenizer)
-    prompts, texts = [], []
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            prompts.append(encode_prompt_completion(tokenizer, prompt)[0])
-            texts.append(prompt)
-        elif all(0 <= t < vocab for t in prompt):
-            prompts.append(list(prompt))
-            texts.append(tokenizer.decode(prompt, skip_special_tokens=True))
-        else:
-            raise OpenAIError(400, "invalid_parameter", f"prompt token ids must be in [0, {vocab})", "prompt")
-    if not prompts:
+    tokenizer = tier.tokenizer(resolved)
+    given = body.prompts()
+    if not given:
         raise OpenAIError(400, "invalid_parameter", "prompt is empty", "prompt")
+    prompts = [encode_prompt_completion(tokenizer, p)[0] if isinstance(p, str) else list(p) for p in given]
     params = body.sampling(body.max_tokens, body.logprobs)
     if body.echo and body.logprobs is not None:  # score the prompt too (max_tokens 0: only the prompt)
         params = dataclasses.replace(params, prompt_logprobs=True)
-    params = _check(params, prompts, tier.max_context(resolved.model_dir), "prompt")
+    params = _check(tier, resolved, prompts, params, "prompt")
+    texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in given]
     streams = await _start(tier, resolved, prompts, params)
     rid, created, n = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.n
     prompt_tokens = sum(len(p) for p in prompts)
 
-    def echoed(index: int, prompt_lps) -> tuple[str, dict | None]:
+    def echoed(index: int, chosen: list[float | None] | None, tops) -> tuple[str, dict | None]:
         """The prompt's text and, with logprobs, its logprobs object (first token: no context, null)."""
         if not body.echo:
             return "", None
         lps = None
-        if body.logprobs is not None and prompt_lps is not None:
-            chosen, tops = prompt_lps
+        if body.logprobs is not None and chosen is not None:
             lps = completion_logprobs(tokenizer, prompts[index // n], chosen, [None, *tops[1:]], 0)
         return texts[index // n], lps
 
@@ -246,7 +231,7 @@ async def _completions(request: Request, tenant: str):
         def chunk(index: int, out) -> dict:
             text, lps = "", None
             if index not in offsets:
-                text, lps = echoed(index, (out.prompt_logprobs, out.prompt_top_logprobs))
+                text, lps = echoed(index, out.prompt_logprobs, out.prompt_top_logprobs)
                 offsets[index] = len(text)
             if body.logprobs is not None:
                 mine = step_logprobs(tokenizer, out.logprobs, offsets[index])
@@ -261,13 +246,13 @@ async def _completions(request: Request, tenant: str):
     data = []
     for index in sorted(choices):
         c = choices[index]
-        text, lps = echoed(index, c.get("prompt"))
+        text, lps = echoed(index, c.prompt_logprobs, c.prompt_top_logprobs)
         if body.logprobs is not None:
-            mine = step_logprobs(tokenizer, c["steps"], len(text))
+            mine = step_logprobs(tokenizer, c.logprobs, len(text))
             lps = mine if lps is None else join_logprobs(lps, mine)
-        data.append({"index": index, "text": text + c["text"], "logprobs": lps, "finish_reason": c["finish"]})
+        data.append({"index": index, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason})
     result = envelope("text_completion", rid, body.model, data, created)
-    result["usage"] = usage(prompt_tokens, sum(c["tokens"] for c in choices.values()))
+    result["usage"] = usage(prompt_tokens, sum(c.completion_tokens for c in choices.values()))
     return JSONResponse(result)
 
 
@@ -279,18 +264,13 @@ async def chat_completions(request: Request, tenant: str = Depends(tenant_id)):
 async def _chat(request: Request, tenant: str):
     body = await _parse(request, ChatCompletionRequest)
     tier, resolved = await _resolve(request, tenant, body.model)
-    tokenizer = tier.tokenizer(resolved.model_dir)
+    tokenizer = tier.tokenizer(resolved)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt = encode_chat(tokenizer, messages, add_generation_prompt=True)[0]
     top = body.top_logprobs or 0
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "invalid_parameter", "top_logprobs needs logprobs: true", "top_logprobs")
-    params = _check(
-        body.sampling(body.limit(), top if body.logprobs else None),
-        [prompt],
-        tier.max_context(resolved.model_dir),
-        "messages",
-    )
+    params = _check(tier, resolved, [prompt], body.sampling(body.limit(), top if body.logprobs else None), "messages")
     streams = await _start(tier, resolved, [prompt], params)
     rid, created, n = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.n
 
@@ -319,11 +299,11 @@ async def _chat(request: Request, tenant: str):
         data.append(
             {
                 "index": index,
-                "message": {"role": "assistant", "content": c["text"]},
-                "logprobs": chat_logprobs(tokenizer, c["steps"]) if body.logprobs else None,
-                "finish_reason": c["finish"],
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(tokenizer, c.logprobs) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
             }
         )
     result = envelope("chat.completion", rid, body.model, data, created)
-    result["usage"] = usage(len(prompt), sum(c["tokens"] for c in choices.values()))
+    result["usage"] = usage(len(prompt), sum(c.completion_tokens for c in choices.values()))
     return JSONResponse(result)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from inkwell.service.serving.sources import DirectorySource
+from inkwell.serving.sources import DirectorySource
 
 
 @dataclass(frozen=True)

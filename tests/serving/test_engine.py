@@ -15,17 +15,17 @@ from inkwell.models import (
     load_base_weights,
 )
 from inkwell.models.base import BaseModelIdentity
-from inkwell.service.engine import (
+from inkwell.serving.contract import (
     AdapterIncompatibleError,
-    Engine,
     EngineConfig,
     EngineError,
     Request,
     SamplingError,
     SamplingParams,
 )
-from inkwell.service.engine.graphs import CudaGraphDecoder
-from inkwell.service.engine.text import TextTracker
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.native.graphs import CudaGraphDecoder
+from inkwell.serving.text import TextTracker
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(10, 40))  # 30 tokens: greedy decoding to 62 crosses the window (24) and rel_extent (48)

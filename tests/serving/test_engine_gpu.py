@@ -7,10 +7,12 @@ import torch
 
 from inkwell.adapters.io import save_adapter
 from inkwell.models import load_base_config
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.serving.router import AdapterRef, ServingRouter
-from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.worker import WorkerConfig, WorkerHandle
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.handle import WorkerHandle
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.router import AdapterRef, ServingRouter
+from inkwell.serving.sources import DirectorySource
+from inkwell.serving.worker import WorkerConfig
 from inkwell.tests.serving.test_engine import PROMPT, merged_model, reference_greedy, reference_prompt_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]

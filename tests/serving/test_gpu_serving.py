@@ -5,7 +5,8 @@ bf16 mixed-adapter batches against each request run alone (the CUDA IPC hot-swap
 
 import pytest
 
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
 from inkwell.tests.serving.test_engine import PROMPT
 
 pytestmark = pytest.mark.gpu

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from inkwell.models import base_model_identity, load_base_config, load_base_weights
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.engine.graphs import CudaGraphDecoder, batch_buckets, context_bucket
-from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment, padded_groups
-from inkwell.service.engine.state import StatePool
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.native.graphs import CudaGraphDecoder, batch_buckets, context_bucket
+from inkwell.serving.native.lora import LoraSlots
+from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment, padded_groups
+from inkwell.serving.native.state import StatePool
 
 MAX_CONTEXT = 96
 

@@ -4,7 +4,8 @@ engine, the LoRA side stream, and an adapter swap into a slot a captured graph r
 import pytest
 import torch
 
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)

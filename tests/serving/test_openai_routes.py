@@ -19,9 +19,10 @@ from inkwell.models import encode_chat, encode_prompt_completion, init_base_mode
 from inkwell.service.app import create_app
 from inkwell.service.bootstrap import register_base_model
 from inkwell.service.db import repo
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
 from inkwell.service.settings import Settings
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
 
 SERVING_ENV = {
     "INKWELL_SERVING_MAX_LORA_RANK": "16",

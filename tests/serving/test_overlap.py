@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 CONFIG = EngineConfig(max_loras_per_batch=5, max_lora_rank=16, max_seqs=6, max_batch_tokens=48)

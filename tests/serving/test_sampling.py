@@ -2,7 +2,7 @@
 
 import torch
 
-from inkwell.service.engine.sampling import sample_rows
+from inkwell.serving.native.sampling import sample_rows
 
 
 def draws(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor) -> torch.Tensor:

@@ -18,17 +18,11 @@ from transformers import InklingConfig, InklingForConditionalGeneration
 
 from inkwell.adapters.layouts.sglang import to_sglang
 from inkwell.models import load_base_config, load_base_weights, load_tokenizer, stop_token_ids
-from inkwell.service.engine import (
-    ENGINES,
-    Choice,
-    Engine,
-    EngineConfig,
-    Request,
-    SamplingParams,
-    make_engine,
-)
-from inkwell.service.engine.sglang_checkpoint import interleave_gate_up, released_config, write_sglang_checkpoint
-from inkwell.service.engine.sglang_engine import (
+from inkwell.serving.contract import ENGINES, Choice, EngineConfig, Request, SamplingParams, make_engine
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.rules import Finisher
+from inkwell.serving.sglang.checkpoint import interleave_gate_up, released_config, write_sglang_checkpoint
+from inkwell.serving.sglang.engine import (
     INSTALL_HINT,
     ChoiceStream,
     SglangEngine,
@@ -37,7 +31,6 @@ from inkwell.service.engine.sglang_engine import (
     server_args,
     sglang_sampling_params,
 )
-from inkwell.service.engine.text import TextTracker
 from inkwell.tests.sglang_import import import_sglang
 
 PROMPT = list(range(10, 40))
@@ -95,25 +88,29 @@ def test_server_args_are_sglang_server_args_and_cover_every_adapter(sgl, tiny_mo
         server_args("/m", EngineConfig(device="cpu"), 512)
 
 
-def test_sampling_params_map_to_sglang(sgl):
-    stop_ids = (2, 3)
-    greedy = sglang_sampling_params(SamplingParams(max_tokens=5, temperature=0.0), 0, 10, 100, stop_ids)
+def test_sampling_params_map_to_sglang(sgl, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+
+    def mapped(params: SamplingParams, index: int = 0) -> dict:  # a 10-token prompt, a context of 100, EOS 2 and 3
+        return sglang_sampling_params(params, index, Finisher(tokenizer, params, 10, (2, 3), 100))
+
+    greedy = mapped(SamplingParams(max_tokens=5, temperature=0.0))
     assert greedy["max_new_tokens"] == 5 and greedy["stop_token_ids"] == [2, 3] and greedy["sampling_seed"] is None
     parsed = sgl.SamplingParams(**greedy)
     parsed.verify(384)
     assert parsed.top_k == 1  # SGLang's greedy decoding
 
     params = SamplingParams(max_tokens=None, temperature=0.7, top_p=0.9, seed=5, n=2, stop_token_ids=(7,))
-    first, second = (sglang_sampling_params(params, i, 10, 100, stop_ids) for i in (0, 1))
+    first, second = (mapped(params, i) for i in (0, 1))
     assert first["max_new_tokens"] == 90  # the rest of the context
     assert first["stop_token_ids"] == [2, 3, 7] and not first["ignore_eos"]
     assert (first["temperature"], first["top_p"]) == (0.7, 0.9)
     assert first["sampling_seed"] != second["sampling_seed"]
     sgl.SamplingParams(**first).verify(384)
 
-    no_eos = sglang_sampling_params(SamplingParams(ignore_eos=True, stop_token_ids=(7,)), 0, 10, 100, stop_ids)
+    no_eos = mapped(SamplingParams(ignore_eos=True, stop_token_ids=(7,)))
     assert no_eos["stop_token_ids"] == [7] and no_eos["ignore_eos"]
-    assert sglang_sampling_params(SamplingParams(ignore_eos=True), 0, 10, 100, stop_ids)["stop_token_ids"] is None
+    assert mapped(SamplingParams(ignore_eos=True))["stop_token_ids"] is None
 
 
 # ---- the released-format checkpoint SGLang loads ----------------------------------------------
@@ -183,7 +180,8 @@ def sglang_chunk(native: Choice, extra: list[int], upto: int, finish: dict | Non
 
 def replay(side: SimpleNamespace, native: Choice, request: Request, sizes: list[int], extra: list[int], finish=None):
     """Feed SGLang-style chunks of `sizes` tokens to a ChoiceStream until it ends; gather its outputs."""
-    stream = ChoiceStream(request, 0, TextTracker(side.tokenizer, request.params.stop), side.stop_ids, 1024)
+    finisher = Finisher(side.tokenizer, request.params, len(request.prompt_ids), side.stop_ids, 1024)
+    stream = ChoiceStream(request, 0, finisher)
     total, got = len(native.token_ids) + len(extra), Choice()
     upto = 0
     for size in sizes:

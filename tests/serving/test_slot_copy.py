@@ -8,9 +8,10 @@ from inkwell.adapters.adapter import Adapter, init_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.adapters.targets import model_targets
 from inkwell.models import base_model_identity, load_base_config
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.slot_copy import ALIGN, ImageAdapter
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.native.lora import LoraSlots
+from inkwell.serving.slot_copy import ALIGN, ImageAdapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [1, *range(40, 56)]

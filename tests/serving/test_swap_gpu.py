@@ -12,11 +12,13 @@ import torch.multiprocessing as mp
 
 from inkwell.adapters.io import load_adapter, save_adapter
 from inkwell.models import base_model_identity, load_base_config
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.serving.loader import loader_main
-from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.transfer import ImageReceiver
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.loader import loader_main
+from inkwell.serving.messages import Load, Staged, Stop
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.native.lora import LoraSlots
+from inkwell.serving.sources import DirectorySource
+from inkwell.serving.transfer import ImageReceiver
 from inkwell.tests.serving.test_engine import PROMPT
 
 pytestmark = pytest.mark.gpu
@@ -33,16 +35,16 @@ class Loader:
         self.receiver = ImageReceiver(layout)
 
     def load(self, key: str, directory, pinned: bool = True) -> None:
-        self.inbox.put(("load", key, DirectorySource(str(directory)), pinned))
+        self.inbox.put(Load(key, DirectorySource(str(directory)), pinned))
 
     def receive(self, key: str, pinned: bool = True):
-        kind, got, staged, was_pinned = self.arrived.get(timeout=120)
-        assert (kind, got, was_pinned) == ("adapter", key, pinned), (kind, got, staged)
-        return staged
+        msg = self.arrived.get(timeout=120)
+        assert isinstance(msg, Staged) and (msg.key, msg.pinned) == (key, pinned), msg
+        return msg.staged
 
     def close(self) -> None:
         self.receiver.close()
-        self.inbox.put(("stop",))
+        self.inbox.put(Stop())
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from inkwell.models.tokenizer import SPECIAL_TOKENS, build_tokenizer
-from inkwell.service.engine.text import REPLACEMENT, TextTracker
+from inkwell.serving.text import REPLACEMENT, TextTracker
 
 PIECES = ["a", "b", " ", "caf\u00e9", "\u4e2d\u6587", "\U0001f600", "\n"]  # 1- to 4-byte characters
 

@@ -9,12 +9,13 @@ import torch.multiprocessing as mp
 
 from inkwell.adapters.io import load_adapter, save_adapter
 from inkwell.models import base_model_identity, load_base_config
-from inkwell.service.engine import EngineConfig
-from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.slot_copy import slot_layout
-from inkwell.service.serving.loader import loader_main, stop_loader
-from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.transfer import ImageReceiver, StagingRing
+from inkwell.serving.contract import EngineConfig
+from inkwell.serving.loader import loader_main, stop_loader
+from inkwell.serving.messages import Load, Staged, StageFailed
+from inkwell.serving.native.lora import LoraSlots
+from inkwell.serving.slot_copy import slot_layout
+from inkwell.serving.sources import DirectorySource
+from inkwell.serving.transfer import ImageReceiver, StagingRing
 
 ENGINE = EngineConfig(max_loras_per_batch=2, max_lora_rank=16)
 
@@ -32,8 +33,10 @@ def test_ring_rows_are_reused_only_after_release(tiny_model_dir, tiny_adapters):
     want = [layout.image(a) for a in tiny_adapters[:3]]
     assert torch.equal(kept.flat, want[0])
     assert kept.flat.data_ptr() == ring.ring.flat[0].data_ptr()  # no copy until the worker keeps it
-    ring.release(*receiver.release(first, kept)[1:])
-    ring.release(*receiver.release(second, None)[1:])
+    released = receiver.release(first, kept)
+    ring.release(released.row, released.copied)
+    released = receiver.release(second, None)
+    ring.release(released.row, released.copied)
     third = ring.stage(tiny_adapters[2])
     assert third.index == 0  # the first released row, now overwritten
     assert torch.equal(receiver.adapter(third).flat, want[2])
@@ -65,13 +68,15 @@ def test_loader_process_stages_through_a_one_row_ring(tiny_model_dir, tiny_adapt
     receiver = ImageReceiver(slots.layout)
     try:
         for i in (0, 1):
-            inbox.put(("load", f"a{i}", DirectorySource(str(dirs[i])), i == 0))
-        inbox.put(("load", "a2", DirectorySource(str(dirs[2])), False))
-        inbox.put(("load", "gone", DirectorySource(str(tmp_path / "missing")), False))
+            inbox.put(Load(f"a{i}", DirectorySource(str(dirs[i])), i == 0))
+        inbox.put(Load("a2", DirectorySource(str(dirs[2]))))
+        inbox.put(Load("gone", DirectorySource(str(tmp_path / "missing"))))
         kept = []
         for i in (0, 1):
-            kind, key, staged, pinned = arrived.get(timeout=120)
-            assert (kind, key, pinned, staged.index) == ("adapter", f"a{i}", i == 0, 0)
+            msg = arrived.get(timeout=120)
+            assert isinstance(msg, Staged)
+            key, staged = msg.key, msg.staged
+            assert (key, msg.pinned, staged.index) == (f"a{i}", i == 0, 0)
             assert (staged.ring is not None) == (i == 0)
             if i == 0:
                 with pytest.raises(queue.Empty):  # the only row is taken: nothing else is staged meanwhile
@@ -83,8 +88,10 @@ def test_loader_process_stages_through_a_one_row_ring(tiny_model_dir, tiny_adapt
             inbox.put(receiver.release(staged, adapter))
             kept.append((adapter, want))
         failed = [arrived.get(timeout=120) for _ in range(2)]
-        assert failed[0][:3] == ("adapter_failed", "a2", "adapter_incompatible") and "max_lora_rank" in failed[0][3]
-        assert failed[1][:3] == ("adapter_failed", "gone", "adapter_load_failed")
+        assert [type(f) for f in failed] == [StageFailed, StageFailed]
+        assert (failed[0].key, failed[0].failure.code) == ("a2", "adapter_incompatible")
+        assert "max_lora_rank" in failed[0].failure.message
+        assert (failed[1].key, failed[1].failure.code) == ("gone", "adapter_load_failed")
         for adapter, flat in kept:  # the row was rewritten after each; the kept images were not
             assert torch.equal(adapter.flat, flat)
     finally:

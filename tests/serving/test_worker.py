@@ -10,10 +10,12 @@ from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.io import save_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, load_base_config
-from inkwell.service.engine import Engine, EngineConfig, Request, SamplingParams
-from inkwell.service.serving.router import AdapterRef, QueueFullError, ServingRouter
-from inkwell.service.serving.sources import DirectorySource
-from inkwell.service.serving.worker import AdapterLoadError, WorkerConfig, WorkerHandle
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.handle import AdapterLoadError, WorkerHandle
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.router import AdapterRef, QueueFullError, ServingRouter
+from inkwell.serving.sources import DirectorySource
+from inkwell.serving.worker import WorkerConfig
 from inkwell.tests.serving.slow_source import SlowSource
 
 ENGINE = EngineConfig(max_loras_per_batch=4, max_lora_rank=16, max_batch_tokens=64)

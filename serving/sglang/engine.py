@@ -1,7 +1,7 @@
 """The `sglang` engine: SGLang 0.5.23's offline Engine behind our `ServingEngine` interface.
 
 Install with `pip install 'inkwell[sglang]'` on a CUDA machine. The engine writes the base model
-as a released-format checkpoint (service/engine/sglang_checkpoint.py) into a temporary folder and
+as a released-format checkpoint (serving/sglang/checkpoint.py) into a temporary folder and
 starts SGLang on it with LoRA enabled. Adapters go in through `load_lora_adapter_from_tensors` in
 our `sglang` layout; each choice of a request is one streaming SGLang request with its adapter's
 name as `lora_path`.
@@ -25,7 +25,6 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,23 +32,20 @@ from typing import Any
 import torch
 
 from inkwell.adapters.adapter import Adapter
-from inkwell.adapters.layouts.sglang import _SGLANG_MODULES, SglangLayoutError, to_sglang
+from inkwell.adapters.layouts.sglang import SGLANG_MODULES, SglangLayoutError, to_sglang
 from inkwell.models import base_model_identity, load_base_config, load_tokenizer, stop_token_ids
-from inkwell.service.engine.engine import (
+from inkwell.serving.contract import (
+    AdapterIncompatibleError,
     EngineConfig,
     EngineError,
     Request,
+    SamplingParams,
     StepOutput,
     TokenLogprob,
-    check_unload,
-    make_room,
-    validate_request,
 )
-from inkwell.service.engine.lora import AdapterIncompatibleError, check_adapter
-from inkwell.service.engine.sampling import SamplingParams
-from inkwell.service.engine.sglang_checkpoint import write_sglang_checkpoint
-from inkwell.service.engine.slot_copy import slot_layout
-from inkwell.service.engine.text import TextTracker
+from inkwell.serving.rules import AdapterTable, Finisher, context_limit, validate_request
+from inkwell.serving.sglang.checkpoint import write_sglang_checkpoint
+from inkwell.serving.slot_copy import check_adapter, slot_layout
 
 log = logging.getLogger("inkwell.serving")
 
@@ -88,7 +84,7 @@ def server_args(model_path: str | Path, config: EngineConfig, max_context: int) 
         "skip_tokenizer_init": True,
         "enable_lora": True,
         "max_lora_rank": config.max_lora_rank,
-        "lora_target_modules": sorted({m for group in config.lora_groups for m in _SGLANG_MODULES[group]}),
+        "lora_target_modules": sorted({m for group in config.lora_groups for m in SGLANG_MODULES[group]}),
         "max_loras_per_batch": config.max_loras_per_batch,
         "experts_shared_outer_loras": True,  # our layout's w1/w3 A and w2 B have expert dim 1
         "lora_backend": "triton",  # Inkling's shared-sink LoRA needs it for more than one adapter per batch
@@ -96,23 +92,20 @@ def server_args(model_path: str | Path, config: EngineConfig, max_context: int) 
     }
 
 
-def sglang_sampling_params(
-    params: SamplingParams, index: int, prompt_len: int, max_context: int, stop_ids: tuple[int, ...]
-) -> dict:
-    """SGLang sampling params of choice `index`: the tokens SGLang may stop on are a subset of ours.
+def sglang_sampling_params(params: SamplingParams, index: int, finisher: Finisher) -> dict:
+    """SGLang sampling params of choice `index`: the tokens SGLang may stop on are those `finisher` ends on.
 
     Stop strings are not passed (SGLang has no tokenizer here); this engine ends on them itself.
     """
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(stop_ids))
+    rest = finisher.max_context - finisher.prompt_len
     return {
-        "max_new_tokens": params.max_tokens if params.max_tokens is not None else max_context - prompt_len,
+        "max_new_tokens": params.max_tokens if params.max_tokens is not None else rest,
         "temperature": params.temperature,
         "top_p": params.top_p,
         # SGLang's ignore_eos also ignores stop_token_ids; then this engine ends on them and aborts
         "ignore_eos": params.ignore_eos,
-        "stop_token_ids": sorted(stops) or None,
-        # each choice of a seeded request its own seed, derived as make_generator derives it
-        "sampling_seed": None if params.seed is None else params.seed * 1009 + index,
+        "stop_token_ids": sorted(finisher.stop_ids) or None,
+        "sampling_seed": params.choice_seed(index),
     }
 
 
@@ -148,9 +141,7 @@ class ChoiceStream:
 
     request: Request
     index: int
-    text: TextTracker
-    stop_ids: tuple[int, ...]
-    max_context: int
+    finisher: Finisher
     rid: str = ""
     task: asyncio.Task | None = None
     latest: dict | None = None
@@ -192,18 +183,13 @@ class ChoiceStream:
 
     def _advance(self, token: int, logprob: TokenLogprob | None) -> str | None:
         """Take one generated token; the finish reason if it ends the choice (as the native engine decides)."""
-        params = self.request.params
         self.generated.append(token)
         self.pending.append(token)
         if logprob is not None:
             self.pending_logprobs.append(logprob)
-        is_stop_token = (token in self.stop_ids and not params.ignore_eos) or token in params.stop_token_ids
-        at_length = params.max_tokens is not None and len(self.generated) >= params.max_tokens
-        at_length |= self.num_prompt + len(self.generated) >= self.max_context
-        generated = self.generated[:-1] if is_stop_token else self.generated
-        delta, hit_stop = self.text.update(generated, is_stop_token or at_length)
+        delta, reason = self.finisher.advance(self.generated)
         self.text_delta += delta
-        return "stop" if is_stop_token or hit_stop else "length" if at_length else None
+        return reason
 
     def _end(self, meta: dict) -> StepOutput:
         if self.error is not None:
@@ -213,7 +199,7 @@ class ChoiceStream:
             reason = "length"
         else:
             reason = _finish_reason(meta.get("finish_reason"))
-        delta, hit_stop = self.text.update(self.generated, True)
+        delta, hit_stop = self.finisher.close(self.generated)
         self.text_delta += delta
         return self.output("stop" if hit_stop else reason)
 
@@ -247,11 +233,11 @@ class SglangEngine:
         self.identity = base_model_identity(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.stop_ids = tuple(stop_token_ids(self.tokenizer))
-        self.max_context = min(config.max_context or 1 << 62, self.model_config.max_position_embeddings)
+        self.max_context = context_limit(self.model_config, config.max_context)
         # what the native engine's adapter check reads (max rank, groups); SGLang keeps its own buffers
         self._layout = slot_layout(self.model_config, config.max_lora_rank, tuple(config.lora_groups), torch.bfloat16)
-        self.adapters: OrderedDict[str, Adapter] = OrderedDict()
-        self._pinned: set[str] = set()
+        self._table = AdapterTable(config.max_loaded_adapters, self._in_use)
+        self.adapters = self._table.adapters
         self._choices: list[ChoiceStream] = []
         self._checkpoint = Path(tempfile.mkdtemp(prefix="inkwell-sglang-"))
         try:
@@ -278,36 +264,29 @@ class SglangEngine:
         pinning is not used: its tensor loading API takes no pin).
         """
         check_adapter(adapter, self.identity, self._layout)
-        if key in self.adapters:
-            raise EngineError("adapter_exists", f"adapter {key!r} is already loaded; unload it or use a new key")
+        self._table.check_new(key)
         try:
             tensors, adapter_config = to_sglang(adapter, self.model_config)
         except SglangLayoutError as exc:
             raise AdapterIncompatibleError(str(exc)) from exc
-        self._make_room()
+        self._table.make_room(self.unload_adapter)
         # host copies: SGLang caches adapters in host memory, and a worker's adapter may be a view of
         # the loader's staging ring on the GPU, which is reused once this call returns
         tensors = {name: tensor.cpu() for name, tensor in tensors.items()}
         result = self._sgl.load_lora_adapter_from_tensors(key, tensors, adapter_config)
         if not result.success:
             raise AdapterIncompatibleError(f"SGLang refused adapter {key!r}: {result.error_message}")
-        self.adapters[key] = adapter
-        if pinned:
-            self._pinned.add(key)
+        self._table.add(key, adapter, pinned)
 
     def _in_use(self, key: str) -> bool:
         return any(c.request.adapter == key for c in self._choices)
 
-    def _make_room(self) -> None:
-        make_room(self.adapters, self.config.max_loaded_adapters, self._pinned, self._in_use, self.unload_adapter)
-
     def unload_adapter(self, key: str) -> None:
-        check_unload(self.adapters, key, self._in_use)
+        self._table.check_unload(key)
         result = self._sgl.unload_lora_adapter(key)
         if not result.success:
             raise EngineError("adapter_unload_failed", f"SGLang could not unload {key!r}: {result.error_message}")
-        self._pinned.discard(key)
-        del self.adapters[key]
+        self._table.remove(key)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -316,14 +295,12 @@ class SglangEngine:
         params = request.params
         validate_request(request, self.adapters, self.model_config.vocab_size, self.max_context, self.config.max_seqs)
         if request.adapter is not None:
-            self.adapters.move_to_end(request.adapter)  # evicted least recently used first
+            self._table.touch(request.adapter)  # evicted least recently used first
         for index in range(params.n):
             choice = ChoiceStream(
                 request,
                 index,
-                TextTracker(self.tokenizer, params.stop),
-                self.stop_ids,
-                self.max_context,
+                Finisher(self.tokenizer, params, len(request.prompt_ids), self.stop_ids, self.max_context),
                 rid=f"{request.request_id}-{index}-{uuid.uuid4().hex[:8]}",
             )
             choice.task = self._loop.create_task(self._stream(choice))
@@ -331,7 +308,7 @@ class SglangEngine:
 
     async def _stream(self, choice: ChoiceStream) -> None:
         params = choice.request.params
-        sampling = sglang_sampling_params(params, choice.index, choice.num_prompt, self.max_context, self.stop_ids)
+        sampling = sglang_sampling_params(params, choice.index, choice.finisher)
         try:
             stream = await self._sgl.async_generate(
                 input_ids=list(choice.request.prompt_ids),

@@ -4,7 +4,7 @@ Fetching and parsing (S3 downloads, safetensors, layout conversion, manifest che
 off the worker's decode loop. The loader also pads each adapter into the engine's slot image (the
 same `slot_layout` the engine's `LoraSlots` use) in a staging ring on the engine's device, so the
 worker's part of a swap is one copy into a slot between two steps (see `transfer`). Loads wait for
-a free ring row; the worker frees one with "release" once it has copied the image out.
+a free ring row; the worker frees one with `Release` once it has copied the image out.
 """
 
 import multiprocessing
@@ -18,17 +18,17 @@ import torch
 
 from inkwell.adapters.io import load_adapter
 from inkwell.models import base_model_identity, load_base_config
-from inkwell.service.engine.engine import EngineConfig
-from inkwell.service.engine.lora import AdapterIncompatibleError, check_adapter
-from inkwell.service.engine.slot_copy import slot_layout
-from inkwell.service.serving.transfer import RING_SIZE, ImageReceiver, StagingRing
+from inkwell.serving.contract import AdapterIncompatibleError, EngineConfig
+from inkwell.serving.messages import Failure, Load, Release, Staged, StageFailed, Stop
+from inkwell.serving.slot_copy import check_adapter, slot_layout
+from inkwell.serving.transfer import RING_SIZE, ImageReceiver, StagingRing
 
 
 def stop_loader(process, inbox, receiver: ImageReceiver, timeout: float = 30.0) -> None:
     """Stop a loader process: unmap its staging ring first (the ring is the loader's memory), then ask it
     to stop and wait; one that does not stop in `timeout` seconds is killed."""
     receiver.close()
-    inbox.put(("stop",))
+    inbox.put(Stop())
     process.join(timeout)
     if process.is_alive():
         process.kill()
@@ -36,11 +36,11 @@ def stop_loader(process, inbox, receiver: ImageReceiver, timeout: float = 30.0) 
 
 
 def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_size: int = RING_SIZE) -> None:
-    """Serve ("load", key, source, pinned), ("release", row, event) and ("stop",) messages until stopped.
+    """Serve `Load`, `Release` and `Stop` messages (`messages.ToLoader`) until stopped.
 
-    A load answers ("adapter", key, StagedAdapter, pinned) or ("adapter_failed", key, code, message)
-    on `worker_inbox`. The loader also stops when its worker is gone: a worker killed with SIGKILL
-    never sends "stop", and an orphaned loader would otherwise wait on its queue forever.
+    A load answers `Staged` or `StageFailed` on `worker_inbox`. The loader also stops when its worker is
+    gone: a worker killed with SIGKILL never sends `Stop`, and an orphaned loader would otherwise wait on
+    its queue forever.
     """
     torch.set_num_threads(1)
     worker = multiprocessing.parent_process()
@@ -48,7 +48,7 @@ def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_
     identity = base_model_identity(model_dir)
     layout = slot_layout(config, engine.max_lora_rank, engine.lora_groups, getattr(torch, engine.dtype))
     ring = StagingRing(layout, engine.device, ring_size)
-    waiting: deque[tuple] = deque()
+    waiting: deque[Load] = deque()
     scratch = Path(tempfile.mkdtemp(prefix="inkwell-loader-"))
     try:
         while True:
@@ -58,23 +58,25 @@ def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_
                 if worker is not None and not worker.is_alive():
                     return
                 continue
-            if msg[0] == "stop":
-                return
-            if msg[0] == "release":
-                ring.release(msg[1], msg[2])
-            else:
-                waiting.append(msg)
+            match msg:
+                case Stop():
+                    return
+                case Release(row=row, copied=copied):
+                    ring.release(row, copied)
+                case Load():
+                    waiting.append(msg)
             while waiting and ring.free:
-                _, key, source, pinned = waiting.popleft()
+                load = waiting.popleft()
                 try:
-                    adapter = load_adapter(source.fetch(scratch), config)
+                    adapter = load_adapter(load.source.fetch(scratch), config)
                     check_adapter(adapter, identity, layout)
                     staged = ring.stage(adapter)
                 except AdapterIncompatibleError as exc:
-                    worker_inbox.put(("adapter_failed", key, "adapter_incompatible", str(exc)))
+                    worker_inbox.put(StageFailed(load.key, Failure("adapter_incompatible", str(exc))))
                 except Exception as exc:  # every failure goes back to the request that asked for the load
-                    worker_inbox.put(("adapter_failed", key, "adapter_load_failed", f"{type(exc).__name__}: {exc}"))
+                    failure = Failure("adapter_load_failed", f"{type(exc).__name__}: {exc}")
+                    worker_inbox.put(StageFailed(load.key, failure))
                 else:
-                    worker_inbox.put(("adapter", key, staged, pinned))
+                    worker_inbox.put(Staged(load.key, staged, load.pinned))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from inkwell.service.engine import SamplingParams, TokenLogprob
+from inkwell.serving.contract import SamplingParams, TokenLogprob
 
 
 class StreamOptions(BaseModel):

@@ -1,13 +1,13 @@
 """Adapters cross from the loader to its worker as slot images in a staging ring the worker maps once.
 
-The loader builds each adapter's slot image (see `inkwell.service.engine.slot_copy`: the exact bytes
+The loader builds each adapter's slot image (see `inkwell.serving.slot_copy`: the exact bytes
 of one LoRA slot) in a row of a small ring of buffers it allocates once, on the engine's device. The
 first staged adapter carries the ring itself through torch.multiprocessing (a CUDA IPC handle on GPU,
 a shared-memory file descriptor on CPU), so the worker opens it once and keeps the mapping; every
 later message carries only the row index and the adapter's metadata. A swap on the worker is then
 one copy of the row into a slot, with no handle to open and no per-tensor views.
 
-Rows are handed back with a "release" message once the worker has copied its image out. On GPU
+Rows are handed back with a `Release` message once the worker has copied its image out. On GPU
 that copy is asynchronous: the worker records a CUDA IPC event after it (the event object crosses
 once per row), and the loader waits on that event before it overwrites the row.
 """
@@ -20,7 +20,8 @@ import torch
 from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models.base import BaseModelIdentity
-from inkwell.service.engine.slot_copy import ImageAdapter, SlotLayout
+from inkwell.serving.messages import Release
+from inkwell.serving.slot_copy import ImageAdapter, SlotLayout
 
 RING_SIZE = 2  # one row for the worker to copy from while the loader fills the next
 
@@ -107,7 +108,7 @@ class ImageReceiver:
             spec = self._specs[staged.spec] = LoraSpec.model_validate_json(staged.spec)
         return ImageAdapter(spec, staged.base, staged.metadata, self.layout, self._rows[staged.index])
 
-    def release(self, staged: StagedAdapter, kept: ImageAdapter | None) -> tuple:
+    def release(self, staged: StagedAdapter, kept: ImageAdapter | None) -> Release:
         """The message that hands `staged`'s row back, after `kept` (an adapter the engine keeps) owns its image."""
         if kept is not None:
             kept.own()
@@ -118,7 +119,7 @@ class ImageReceiver:
                 self._events[row] = torch.cuda.Event(interprocess=True)
             self._events[row].record(torch.cuda.current_stream(self.ring.flat.device))
             event = self._events[row] if first else None
-        return ("release", row, event)
+        return Release(row, event)
 
     def close(self) -> None:
         """Drop the ring mapping (before the loader that owns it exits)."""

@@ -29,6 +29,7 @@ from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import MAX_RANK, LoraSpec
 from inkwell.adapters.targets import model_targets
 from inkwell.models.base import BaseModelIdentity
+from inkwell.serving.contract import AdapterIncompatibleError
 
 # Every A and B starts at a multiple of this many elements (128 bytes in bf16), and so does every
 # slot: the kernels' base pointers keep the alignment they had with one allocation per buffer.
@@ -256,3 +257,22 @@ class ImageAdapter(Adapter):
         """Copy the image into memory of our own (on its device), so its source can be reused."""
         self.flat = self.flat.clone()
         self._tensors = None
+
+
+def check_adapter(adapter: Adapter, identity: BaseModelIdentity, layout: SlotLayout) -> None:
+    """Raise AdapterIncompatibleError saying why `adapter` cannot go into slots of `layout` on `identity`."""
+    if adapter.base.config_sha256 != identity.config_sha256:
+        raise AdapterIncompatibleError(
+            f"adapter was trained on base {adapter.base.name!r} (config {adapter.base.config_sha256[:12]}), "
+            f"this engine serves {identity.name!r} (config {identity.config_sha256[:12]})"
+        )
+    if adapter.spec.max_rank > layout.max_rank:
+        raise AdapterIncompatibleError(
+            f"adapter rank {adapter.spec.max_rank} exceeds the engine's max_lora_rank {layout.max_rank}; "
+            "start the engine with a larger max_lora_rank"
+        )
+    extra = sorted(set(adapter.spec.targets) - set(layout.groups))
+    if extra:
+        raise AdapterIncompatibleError(
+            f"adapter targets {extra} are not enabled in this engine (enabled: {list(layout.groups)})"
+        )

@@ -1,65 +1,21 @@
-"""From a request's `model` string to a base-model directory and an adapter version to load.
+"""The service's side of model resolution: base models and adapter versions from its registry.
 
-`model` is "<base>" (no adapter) or "<base>:<adapter>[@<version>|@<alias>]" (no ref: the latest
-version). The registry resolver looks both up for the caller's tenant: another tenant's adapter
-is not found, exactly like a missing one, so names never leak. An adapter is served only on
-the base it was trained on.
+The serving tier asks a `ModelResolver` (`inkwell.serving.resolve`) where a base model lives and which adapter
+version a request names; this one answers from the service's database, and points the worker's loader at the
+version's objects in the service's S3 store.
 """
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from inkwell.service import registry
 from inkwell.service.db import repo
 from inkwell.service.errors import APIError
-from inkwell.service.serving.router import AdapterRef
-from inkwell.service.serving.sources import S3Source
 from inkwell.service.storage import ObjectStore
-
-SERVING_LAYOUT = "sglang"
-
-
-class ModelNotFoundError(LookupError):
-    """No such base model, or no such adapter/version/alias for this tenant (HTTP 404)."""
-
-
-class ModelMismatchError(ValueError):
-    """The adapter exists but was trained on another base model (HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class ModelName:
-    base: str
-    adapter: str | None = None
-    ref: str | None = None
-
-    @classmethod
-    def parse(cls, model: str) -> "ModelName":
-        base, sep, rest = model.partition(":")
-        if not base or (sep and not rest):
-            raise ModelNotFoundError(f"model {model!r} is not '<base>' or '<base>:<adapter>[@<version>|@<alias>]'")
-        if not sep:
-            return cls(base)
-        adapter, at, ref = rest.partition("@")
-        if not adapter or (at and not ref):
-            raise ModelNotFoundError(f"model {model!r}: the adapter name or the reference after '@' is empty")
-        return cls(base, adapter, ref or None)
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    base: str
-    model_dir: Path
-    adapter: AdapterRef | None
-
-
-class ModelResolver(Protocol):
-    def base_dir(self, base: str) -> Path: ...
-
-    def resolve(self, tenant_id: str, name: ModelName) -> ResolvedModel: ...
+from inkwell.serving.resolve import SERVING_LAYOUT, ModelMismatchError, ModelName, ModelNotFoundError, ResolvedModel
+from inkwell.serving.router import AdapterRef
+from inkwell.serving.sources import S3Source
 
 
 class RegistryResolver:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import Dispatch, InklingModel, expert_gemm, rms_norm
-from inkwell.service.engine.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
+from inkwell.serving.native.lora import LoraSlots
+from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, rms_norm
+from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
 
 
 def grouped_mm_capturable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -95,13 +95,13 @@ class DecodeForward:
             out = self._attention(x, layer, inputs, context, lora)
             h, x = self._sconv_add_norm(out, h, layer, ATTN_SITE, seq, f"{p}.post_attention_layernorm.weight")
             if cfg.mlp_layer_types[layer] == "dense":
-                out = m._dense_mlp(x, layer, slots, lora)
+                out = m.dense_mlp(x, layer, slots, lora)
             else:
                 out = self._moe(x, layer, slots, lora)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
             h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, seq, norm)
-        logits = m._linear(x / cfg.logits_mup_width_multiplier, "lm_head", slots, lora)
+        logits = m.linear(x / cfg.logits_mup_width_multiplier, "lm_head", slots, lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]
         return logits.float()
@@ -166,8 +166,8 @@ class DecodeForward:
             else:
                 keys, values = state.keys[layer][seq, :context], state.values[layer][seq, :context]
                 k_pos = self.key_positions[None, :context].expand(rows, -1)
-            out = m._attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)[:, 0]
-        return m._linear(out.reshape(rows, -1), f"{p}.o_proj", slots, lora)
+            out = m.attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)[:, 0]
+        return m.linear(out.reshape(rows, -1), f"{p}.o_proj", slots, lora)
 
     def _attend_kernel(
         self,
@@ -179,7 +179,7 @@ class DecodeForward:
         entries: int,
         sliding: bool,
     ) -> torch.Tensor:
-        """`InklingModel._attend` of one query per row as one Triton kernel over the cache in place (CUDA)."""
+        """`InklingModel.attend` of one query per row as one Triton kernel over the cache in place (CUDA)."""
         from inkwell.kernels.triton_decode_attention import decode_attention
 
         cfg = self.model.config
@@ -201,7 +201,7 @@ class DecodeForward:
         else:
             with side.fork():
                 shrunk = m.expert_shrink(x, slots, experts)
-        rows = Dispatch.of(*m._route(x, layer), slots, m.expert_ids)
+        rows = Dispatch.of(*m.route(x, layer), slots, m.expert_ids)
         gate_up_w, down_w = m.w[f"{p}.gate_up_proj"], m.w[f"{p}.down_proj"]
         if self.grouped_mm:
             gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, None)

@@ -13,133 +13,22 @@ its logits on the host (logprobs), the next step is queued before this one's tok
 """
 
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from inkwell.adapters.adapter import Adapter
-from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.models import base_model_identity, load_base_config, load_base_weights, load_tokenizer, stop_token_ids
-from inkwell.service.engine.graphs import CudaGraphDecoder
-from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import ForwardBatch, InklingModel, Segment
-from inkwell.service.engine.sampling import SamplingParams, make_generator, sample_rows, token_logprobs
-from inkwell.service.engine.state import StatePool
-from inkwell.service.engine.streams import SideStream
-from inkwell.service.engine.text import TextTracker
-
-
-class EngineError(ValueError):
-    """A request the engine refuses; `code` is machine-readable, `param` names the offending field."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-
-def context_error(prompt_len: int, max_tokens: int | None, max_context: int) -> EngineError | None:
-    """Why a prompt and max_tokens do not fit the context (None: they fit; max_tokens None takes the rest)."""
-    needed = prompt_len + (1 if max_tokens is None else max_tokens)
-    if needed <= max_context and prompt_len <= max_context:
-        return None
-    prompt_alone = prompt_len + (0 if max_tokens == 0 else 1) > max_context
-    return EngineError(
-        "context_length_exceeded",
-        f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}; together they must fit the "
-        f"model's context of {max_context} tokens (shorten the prompt or lower max_tokens)",
-        "prompt" if prompt_alone else "max_tokens",
-    )
-
-
-def validate_request(request: "Request", adapters, vocab: int, max_context: int, max_seqs: int) -> None:
-    """Every engine's checks of a request before any work: sampling params, adapter, prompt, context, n."""
-    params = request.params
-    params.validate()
-    if request.adapter is not None and request.adapter not in adapters:
-        raise EngineError("adapter_not_loaded", f"adapter {request.adapter!r} is not loaded", "model")
-    if not request.prompt_ids:
-        raise EngineError("empty_prompt", "the prompt has no tokens", "prompt")
-    if any(not 0 <= t < vocab for t in request.prompt_ids):
-        raise EngineError("invalid_token", f"prompt token ids must be in [0, {vocab})", "prompt")
-    error = context_error(len(request.prompt_ids), params.max_tokens, max_context)
-    if error is not None:
-        raise error
-    if params.n > max_seqs:
-        raise EngineError("invalid_n", f"n must be at most {max_seqs} on this engine", "n")
-
-
-def make_room(adapters, limit: int, pinned: set[str], in_use, unload) -> None:
-    """Unload idle (unpinned, unused) adapters in `adapters` order, least recently used first, until fewer
-    than `limit` remain; EngineError too_many_adapters when every one is pinned or in use."""
-    while len(adapters) >= limit:
-        idle = [k for k in adapters if k not in pinned and not in_use(k)]
-        if not idle:
-            raise EngineError(
-                "too_many_adapters",
-                f"{len(adapters)} adapters are loaded and all are pinned or in use (raise max_loaded_adapters)",
-            )
-        unload(idle[0])
-
-
-def check_unload(adapters, key: str, in_use) -> None:
-    """EngineError unless `key` is loaded and no queued or running request uses it."""
-    if key not in adapters:
-        raise EngineError("adapter_not_loaded", f"adapter {key!r} is not loaded")
-    if in_use(key):
-        raise EngineError("adapter_busy", f"adapter {key!r} has queued or running requests")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_loras_per_batch: int = 4
-    max_lora_rank: int = 64
-    max_loaded_adapters: int = 16
-    lora_groups: tuple[str, ...] = TARGET_GROUPS
-    max_seqs: int = 16
-    max_batch_tokens: int = 256
-    max_context: int | None = None  # default: the model's max_position_embeddings
-    dtype: str = "float32"
-    device: str = "cpu"
-    cuda_graphs: bool = True  # CUDA only: pure decode steps replay captured graphs
-    # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: since decode projections take
-    # one launch each (lora_linear), its forks and joins cost graph decode more than they hide (docs/benchmarks.md)
-    lora_side_stream: bool = False
-    # Queue the next decode step before reading this one's tokens on the host (see `Engine.step`).
-    overlap_decode: bool = True
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    adapter: str | None = None  # key of an adapter added with `load_adapter`; None = base model
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class StepOutput:
-    """What one choice of a request produced in one step (deltas), and how it ended if it did."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_logprobs: list[float | None] | None = None  # first output only; [0] is None (no context)
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # with SamplingParams.logprobs = k
+from inkwell.serving.contract import Choice, EngineConfig, EngineError, Request, StepOutput, TokenLogprob, generate
+from inkwell.serving.native.graphs import CudaGraphDecoder
+from inkwell.serving.native.lora import LoraSlots
+from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment
+from inkwell.serving.native.sampling import make_generator, sample_rows, token_logprobs
+from inkwell.serving.native.state import StatePool
+from inkwell.serving.native.streams import SideStream
+from inkwell.serving.rules import AdapterTable, Finisher, context_limit, validate_request
 
 
 @dataclass(eq=False)  # a sequence is itself: `in` and `remove` compare identities
@@ -148,7 +37,7 @@ class _Sequence:
     index: int
     tokens: list[int]
     generator: torch.Generator
-    text: TextTracker
+    finisher: Finisher
     computed: int = 0
     seq_slot: int = -1
     lora_slot: int = -1
@@ -209,7 +98,7 @@ class Engine:
         self.stop_ids = tuple(stop_token_ids(self.tokenizer))
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
-        self.max_context = min(config.max_context or 1 << 62, self.model_config.max_position_embeddings)
+        self.max_context = context_limit(self.model_config, config.max_context)
         self.model = InklingModel(self.model_config, load_base_weights(model_dir), dtype=dtype, device=device)
         graphs = config.cuda_graphs and device.type == "cuda"
         if config.lora_side_stream and device.type == "cuda":
@@ -227,8 +116,8 @@ class Engine:
         )
         self.decoder = CudaGraphDecoder(self.model, self.state, self.lora, config.max_seqs) if graphs else None
         self.device = device
-        self.adapters: OrderedDict[str, Adapter] = OrderedDict()
-        self._pinned: set[str] = set()
+        self._table = AdapterTable(config.max_loaded_adapters, self._in_use)
+        self.adapters = self._table.adapters
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self._queued: _Launched | None = None  # the next step, already on the device (see `step`)
@@ -239,33 +128,27 @@ class Engine:
     def load_adapter(self, key: str, adapter: Adapter, pinned: bool = False) -> None:
         """Make `adapter` servable under `key` (a new key per version); pinned adapters keep their slot."""
         self.lora.check(adapter)
-        if key in self.adapters:
-            raise EngineError("adapter_exists", f"adapter {key!r} is already loaded; unload it or use a new key")
+        self._table.check_new(key)
         if pinned and not self.lora.can_place(key):
             raise EngineError(
                 "no_free_slot",
                 f"all {self.config.max_loras_per_batch} adapter slots are pinned or in use, so {key!r} cannot be "
                 "pinned (unpin or unload an adapter, or raise max_loras_per_batch)",
             )
-        self._make_room()
-        self.adapters[key] = adapter
+        self._table.make_room(self.unload_adapter)
+        self._table.add(key, adapter, pinned)
         if pinned:
             self.lora.place(key, adapter)
             self.lora.pin(key)
-            self._pinned.add(key)
 
     def _in_use(self, key: str) -> bool:
         return any(s.request.adapter == key for s in itertools.chain(self.waiting, self.running))
 
-    def _make_room(self) -> None:
-        make_room(self.adapters, self.config.max_loaded_adapters, self._pinned, self._in_use, self.unload_adapter)
-
     def unload_adapter(self, key: str) -> None:
-        check_unload(self.adapters, key, self._in_use)
+        self._table.check_unload(key)
         if self.lora.slot_of(key) is not None:
             self.lora.evict(key)
-        self._pinned.discard(key)
-        del self.adapters[key]
+        self._table.remove(key)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -279,8 +162,8 @@ class Engine:
                     request=request,
                     index=index,
                     tokens=list(request.prompt_ids),
-                    generator=make_generator(params.seed, index),
-                    text=TextTracker(self.tokenizer, params.stop),
+                    generator=make_generator(params.choice_seed(index)),
+                    finisher=Finisher(self.tokenizer, params, len(request.prompt_ids), self.stop_ids, self.max_context),
                     prompt_logprobs=[None] if params.prompt_logprobs else None,
                 )
             )
@@ -316,7 +199,7 @@ class Engine:
                     continue
                 self.lora.place(key, self.adapters[key])
                 seq.lora_slot = self.lora.acquire(key)
-                self.adapters.move_to_end(key)  # host copies are evicted least recently used first
+                self._table.touch(key)  # host copies are evicted least recently used first
             seq.seq_slot = self.state.acquire()
             self.running.append(seq)
         self.waiting.extendleft(reversed(blocked))
@@ -391,7 +274,7 @@ class Engine:
             seq, end = c.seq, c.start + c.length
             if not c.yields or seq not in self.running:
                 return None  # a prompt still prefilling in chunks, or a sequence aborted since
-            if self._ends_by_length(seq, end + 1):  # with the token `current` gives it
+            if seq.finisher.ends_by_length(end + 1):  # with the token `current` gives it
                 continue
             chunks.append(_Chunk(seq, len(chunks), end, 1, True))
             sources.append(current.row_of[c.last_row])
@@ -492,11 +375,6 @@ class Engine:
                 seq.prompt_logprobs.append(chosen)
                 seq.prompt_top_logprobs.append(best)
 
-    def _ends_by_length(self, seq: _Sequence, tokens: int) -> bool:
-        """Whether `seq` holding `tokens` tokens (prompt included) has reached max_tokens or the context."""
-        max_tokens = seq.request.params.max_tokens
-        return tokens >= self.max_context or (max_tokens is not None and tokens - seq.num_prompt >= max_tokens)
-
     def _advance(self, seq: _Sequence, token: int, logits: torch.Tensor | None) -> StepOutput | None:
         """Append the sequence's next token (its logprobs from the host `logits` where the request asks)."""
         params = seq.request.params
@@ -505,13 +383,7 @@ class Engine:
             seq.pending_logprobs.append(TokenLogprob(token, chosen, top))
         seq.tokens.append(token)
         seq.pending.append(token)
-        is_stop_token = token in self.stop_ids and not params.ignore_eos
-        is_stop_token |= token in params.stop_token_ids
-        generated = seq.generated[:-1] if is_stop_token else seq.generated
-        at_length = self._ends_by_length(seq, len(seq.tokens))
-        final = is_stop_token or at_length
-        seq.text_delta, hit_stop = seq.text.update(generated, final)
-        reason = "stop" if is_stop_token or hit_stop else "length" if at_length else None
+        seq.text_delta, reason = seq.finisher.advance(seq.generated)
         if reason is not None:
             self._finish(seq)
             return self._output(seq, reason)
@@ -538,35 +410,6 @@ class Engine:
 
     # ---- convenience -------------------------------------------------------------------------
 
-    def generate(self, requests: list[Request]) -> dict[str, list["Choice"]]:
+    def generate(self, requests: list[Request]) -> dict[str, list[Choice]]:
         """Add `requests`, step until all finish, and gather each request's choices (by index)."""
-        for request in requests:
-            self.add_request(request)
-        choices: dict[str, dict[int, Choice]] = {r.request_id: {} for r in requests}
-        while self.has_work():
-            for out in self.step():
-                if out.request_id in choices:
-                    choices[out.request_id].setdefault(out.index, Choice()).extend(out)
-        return {rid: [c[i] for i in sorted(c)] for rid, c in choices.items()}
-
-
-@dataclass
-class Choice:
-    """A finished choice: all its tokens, text, logprobs and why it ended."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-
-    def extend(self, out: StepOutput) -> None:
-        self.token_ids += out.token_ids
-        self.text += out.text
-        self.logprobs += out.logprobs
-        self.finish_reason = out.finish_reason or self.finish_reason
-        self.prompt_tokens = out.prompt_tokens
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+        return generate(self, requests)

@@ -21,19 +21,15 @@ from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.kernels import ExpertGroups
 from inkwell.models.base import BaseModelIdentity
-from inkwell.service.engine.slot_copy import (
+from inkwell.serving.slot_copy import (
     EXPERT_DOWN_STACK,
     EXPERT_GATE_UP_STACK,
     ImageAdapter,
-    SlotLayout,
+    check_adapter,
     slot_layout,
 )
 
 EXPERT_GROUPS = ("experts", "shared_experts")  # routed ids first, then shared: the order of the id space
-
-
-class AdapterIncompatibleError(ValueError):
-    """An adapter this engine cannot serve (other base, rank too high, group not enabled)."""
 
 
 class NoFreeSlotError(RuntimeError):
@@ -74,25 +70,6 @@ class ExpertLora:
     groups: ExpertGroups
     gate_up: StackedBuffer
     down: StackedBuffer
-
-
-def check_adapter(adapter: Adapter, identity: BaseModelIdentity, layout: SlotLayout) -> None:
-    """Raise AdapterIncompatibleError saying why `adapter` cannot go into slots of `layout` on `identity`."""
-    if adapter.base.config_sha256 != identity.config_sha256:
-        raise AdapterIncompatibleError(
-            f"adapter was trained on base {adapter.base.name!r} (config {adapter.base.config_sha256[:12]}), "
-            f"this engine serves {identity.name!r} (config {identity.config_sha256[:12]})"
-        )
-    if adapter.spec.max_rank > layout.max_rank:
-        raise AdapterIncompatibleError(
-            f"adapter rank {adapter.spec.max_rank} exceeds the engine's max_lora_rank {layout.max_rank}; "
-            "start the engine with a larger max_lora_rank"
-        )
-    extra = sorted(set(adapter.spec.targets) - set(layout.groups))
-    if extra:
-        raise AdapterIncompatibleError(
-            f"adapter targets {extra} are not enabled in this engine (enabled: {list(layout.groups)})"
-        )
 
 
 class LoraSlots:

@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import torch
 
-from inkwell.service.engine.decode import DecodeForward, DecodeInputs
-from inkwell.service.engine.lora import LoraSlots
-from inkwell.service.engine.model import InklingModel
-from inkwell.service.engine.state import StatePool
+from inkwell.serving.native.decode import DecodeForward, DecodeInputs
+from inkwell.serving.native.lora import LoraSlots
+from inkwell.serving.native.model import InklingModel
+from inkwell.serving.native.state import StatePool
 
 MIN_CONTEXT_BUCKET = 256
 

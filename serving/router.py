@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inkwell.service.engine import SamplingParams
-from inkwell.service.serving.sources import AdapterSource
-from inkwell.service.serving.worker import RequestStream, WorkerDiedError, WorkerHandle
+from inkwell.serving.contract import SamplingParams
+from inkwell.serving.handle import RequestStream, WorkerDiedError, WorkerHandle
+from inkwell.serving.sources import AdapterSource
 
 
 class QueueFullError(RuntimeError):

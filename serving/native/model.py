@@ -26,10 +26,10 @@ from inkwell.kernels import (
     one_launch_projection,
 )
 from inkwell.models import canonical_weight_names
-from inkwell.service.engine.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
-from inkwell.service.engine.slot_copy import QKVR_STACK
-from inkwell.service.engine.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
-from inkwell.service.engine.streams import SideStream
+from inkwell.serving.native.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
+from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
+from inkwell.serving.native.streams import SideStream
+from inkwell.serving.slot_copy import QKVR_STACK
 
 CONV_NAMES = ("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv")
 # The weights of the ShortConv sites, in `StatePool.conv`'s order (KV_SITE, ATTN_SITE, MLP_SITE); k and v sit
@@ -250,7 +250,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class InklingModel:
-    """Base weights of one Inkling model and its forward over a `ForwardBatch`."""
+    """Base weights of one Inkling model and its forward over a `ForwardBatch`.
+
+    Its per-layer parts (`linear`, `qkvr`, `attend`, `dense_mlp`, `route`, the experts' LoRA steps, `sconv_weight`)
+    are public: the eager `forward` and the capturable decode forward (`decode.DecodeForward`) are both built
+    from them."""
 
     def __init__(
         self,
@@ -294,12 +298,12 @@ class InklingModel:
         # The experts' gate/up and down as one grouped GEMM each over the dispatched rows, where rows are 16-byte
         # aligned as torch._grouped_mm wants; otherwise one GEMM per expert.
         self.grouped_mm = config.hidden_size % 8 == 0 and config.moe_intermediate_size % 8 == 0
-        # CUDA only: where set, each projection's LoRA runs beside its base GEMM (see `_linear`).
+        # CUDA only: where set, each projection's LoRA runs beside its base GEMM (see `linear`).
         self.lora_stream: SideStream | None = None
 
     # ---- projections with LoRA -------------------------------------------------------------
 
-    def _linear(self, x: torch.Tensor, module: str, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, module: str, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         """x @ W^T plus each token's LoRA delta."""
         buf = lora.buffers.get(module) if lora is not None else None
         return self._project(x, self.w[f"{module}.weight"], slots, buf)
@@ -383,7 +387,7 @@ class InklingModel:
             saved[chunks.slots] = seq.gather(-1, tail)
         return (out + xf).to(x.dtype)
 
-    def _attend(
+    def attend(
         self,
         layer: int,
         q: torch.Tensor,
@@ -440,7 +444,7 @@ class InklingModel:
             length = singles.max_position + 1
             keys, values = state.keys[layer][slots, :length], state.values[layer][slots, :length]
             k_pos = torch.arange(length, device=pos.device)[None].expand(len(pos), -1)
-        out = self._attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)
+        out = self.attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)
         return out[:, 0]
 
     def _attention(
@@ -473,21 +477,21 @@ class InklingModel:
                 keys = torch.cat([state.keys[layer][seqs, places], keys], dim=1)
                 values = torch.cat([state.values[layer][seqs, places], values], dim=1)
                 k_pos = torch.cat([past_pos, k_pos], dim=1)
-            chunks.scatter(self._attend(layer, q_b, keys, values, r_b, chunks.positions, k_pos), out)
+            chunks.scatter(self.attend(layer, q_b, keys, values, r_b, chunks.positions, k_pos), out)
             rows, seq_slots, positions = chunks.stored(window)  # after the history is read
             state.store(layer, seq_slots, positions, k[rows], v[rows])
-        return self._linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
+        return self.linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
 
     # ---- MLPs --------------------------------------------------------------------------------
 
-    def _dense_mlp(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+    def dense_mlp(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp"
-        gate = self._linear(x, f"{p}.gate_proj", slots, lora)
-        up = self._linear(x, f"{p}.up_proj", slots, lora)
-        out = self._linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
+        gate = self.linear(x, f"{p}.gate_proj", slots, lora)
+        up = self.linear(x, f"{p}.up_proj", slots, lora)
+        out = self.linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
         return out * self.w[f"{p}.global_scale"]
 
-    def _route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
         sink) weighted by their gammas."""
         cfg = self.config
@@ -508,7 +512,7 @@ class InklingModel:
         """Routed and shared experts on their dispatched rows."""
         p = f"model.layers.{layer}.mlp.all_experts"
         experts = lora.experts.get(layer) if lora is not None else None
-        index, weights = self._route(x, layer)
+        index, weights = self.route(x, layer)
         rows = Dispatch.of(index, weights, slots, self.expert_ids)  # grouped by expert
         xs = x[rows.tokens]
         bounds = None if self.grouped_mm else rows.ends.tolist()
@@ -538,19 +542,14 @@ class InklingModel:
             h = h + self._sconv(x, layer, ATTN_SITE, batch, state)
             x = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps)
             if cfg.mlp_layer_types[layer] == "dense":
-                x = self._dense_mlp(x, layer, slots, lora)
+                x = self.dense_mlp(x, layer, slots, lora)
             else:
                 x = self._moe(x, layer, slots, lora)
             h = h + self._sconv(x, layer, MLP_SITE, batch, state)
         h = rms_norm(h, self.w["model.norm.weight"], self.eps)
         h = h[batch.logit_rows] / cfg.logits_mup_width_multiplier
-        logits = self._linear(h, "lm_head", slots[batch.logit_rows], lora)
+        logits = self.linear(h, "lm_head", slots[batch.logit_rows], lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]
         return logits.float()
 
-
-def context_limit(config: InklingTextConfig, requested: int | None) -> int:
-    """The engine's context length: the request, capped by the model's position limit."""
-    limit = config.max_position_embeddings
-    return limit if requested is None else min(limit, requested)

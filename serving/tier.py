@@ -1,17 +1,24 @@
-"""The serving tier as the service holds it: resolver, router and per-base tokenizers and limits."""
+"""The serving tier as the service holds it: the one interface between the web app and the workers.
+
+The service resolves a request's model, tokenizes for its base, checks the request against that base's
+limits and submits it; everything behind `submit` (workers per device, adapter loads, routing, the engines)
+is the tier's own.
+"""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
 from inkwell.models import load_base_config, load_tokenizer
-from inkwell.service.serving.resolve import ModelName, ModelResolver, ResolvedModel
-from inkwell.service.serving.router import ServingRouter
-from inkwell.service.serving.settings import ServingSettings
-from inkwell.service.serving.worker import WorkerConfig, WorkerHandle
+from inkwell.serving.contract import SamplingParams
+from inkwell.serving.handle import RequestStream, WorkerHandle
+from inkwell.serving.resolve import ModelName, ModelResolver, ResolvedModel
+from inkwell.serving.router import ServingRouter
+from inkwell.serving.rules import check_prompt, context_limit
+from inkwell.serving.settings import ServingSettings
+from inkwell.serving.worker import WorkerConfig
 
 
 class ServingTier:
@@ -49,12 +56,19 @@ class ServingTier:
     async def resolve(self, tenant_id: str, model: str) -> ResolvedModel:
         return await asyncio.to_thread(self.resolver.resolve, tenant_id, ModelName.parse(model))
 
-    def tokenizer(self, model_dir: Path) -> PreTrainedTokenizerFast:
-        return _tokenizer(str(model_dir))
+    def tokenizer(self, resolved: ResolvedModel) -> PreTrainedTokenizerFast:
+        return _tokenizer(str(resolved.model_dir))
 
-    def max_context(self, model_dir: Path) -> int:
-        limit = _config(str(model_dir)).max_position_embeddings
-        return min(limit, self.settings.max_context or limit)
+    def check(self, resolved: ResolvedModel, prompt_ids: list[int], params: SamplingParams) -> None:
+        """EngineError where the workers would refuse the request (sampling, prompt, context): raised here, a
+        bad request gets its answer before any stream starts."""
+        config = _config(str(resolved.model_dir))
+        vocab = len(self.tokenizer(resolved))  # token ids the tokenizer can also turn back into text
+        check_prompt(prompt_ids, params, vocab, context_limit(config, self.settings.max_context))
+
+    async def submit(self, resolved: ResolvedModel, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Start one request on a worker of its base (loading its adapter there first); iterate for outputs."""
+        return await self.router.submit(resolved.base, prompt_ids, params, resolved.adapter)
 
     def close(self) -> None:
         self.router.close()

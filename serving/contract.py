@@ -1,0 +1,198 @@
+"""The engine contract: what a serving worker asks of an engine, and the types that cross it.
+
+Every engine (the native one in `inkwell.serving.native`, SGLang's in `inkwell.serving.sglang`) takes an
+`EngineConfig`, accepts `Request`s and returns `StepOutput`s; a worker picks one by name from `ENGINES`. This
+module imports no engine: the names in `ENGINES` are resolved only when a worker starts one.
+"""
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from transformers import InklingTextConfig
+
+from inkwell.adapters.adapter import Adapter
+from inkwell.adapters.spec import TARGET_GROUPS
+from inkwell.models.base import BaseModelIdentity
+
+# engine kind -> "module:Class"; the class takes (model_dir, EngineConfig)
+ENGINES: dict[str, str] = {
+    "native": "inkwell.serving.native.engine:Engine",
+    "sglang": "inkwell.serving.sglang.engine:SglangEngine",  # extra inkwell[sglang], CUDA only
+}
+
+
+class EngineError(ValueError):
+    """A request or an order the engine refuses; `code` is machine-readable, `param` names the offending field."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class SamplingError(EngineError):
+    """A sampling parameter outside its legal range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__("invalid_parameter", message, param)
+
+
+class AdapterIncompatibleError(ValueError):
+    """An adapter this engine cannot serve (other base, rank too high, group not enabled)."""
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and ends. Logprobs are those of the model's distribution (before temperature and
+    top_p), as OpenAI reports."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k
+    prompt_logprobs: bool = False
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs else 1):
+            raise SamplingError(
+                "max_tokens",
+                f"max_tokens must be at least 1, got {self.max_tokens} (0 only scores the prompt: echo with logprobs)",
+            )
+        if not 0.0 <= self.temperature <= 2.0:
+            raise SamplingError("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not 1 <= self.n <= 16:
+            raise SamplingError("n", f"n must be between 1 and 16, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if len(self.stop) > 4 or any(not s for s in self.stop):
+            raise SamplingError("stop", "stop takes at most 4 non-empty strings")
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index` (None: unseeded), so the choices of one seeded request draw apart."""
+        return None if self.seed is None else self.seed * 1009 + index
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_loras_per_batch: int = 4
+    max_lora_rank: int = 64
+    max_loaded_adapters: int = 16
+    lora_groups: tuple[str, ...] = TARGET_GROUPS
+    max_seqs: int = 16
+    max_batch_tokens: int = 256
+    max_context: int | None = None  # default: the model's max_position_embeddings
+    dtype: str = "float32"
+    device: str = "cpu"
+    cuda_graphs: bool = True  # CUDA only: pure decode steps replay captured graphs
+    # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: since decode projections take
+    # one launch each (lora_linear), its forks and joins cost graph decode more than they hide (docs/benchmarks.md)
+    lora_side_stream: bool = False
+    # Queue the next decode step before reading this one's tokens on the host (see `native.Engine.step`).
+    overlap_decode: bool = True
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None  # key of an adapter added with `load_adapter`; None = base model
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class StepOutput:
+    """What one choice of a request produced in one step (deltas), and how it ended if it did."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_logprobs: list[float | None] | None = None  # first output only; [0] is None (no context)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # with SamplingParams.logprobs = k
+
+
+@dataclass
+class Choice:
+    """One choice's outputs added up: all its tokens, text, logprobs and why it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    def extend(self, out: StepOutput) -> None:
+        self.token_ids += out.token_ids
+        self.text += out.text
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason or self.finish_reason
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+
+
+class ServingEngine(Protocol):
+    identity: BaseModelIdentity
+    model_config: InklingTextConfig
+    max_context: int
+    adapters: Mapping[str, Adapter]
+
+    def load_adapter(self, key: str, adapter: Adapter, pinned: bool = False) -> None: ...
+
+    def unload_adapter(self, key: str) -> None: ...
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort(self, request_id: str) -> list[StepOutput]: ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def has_work(self) -> bool: ...
+
+
+def make_engine(kind: str, model_dir: str | Path, config: EngineConfig) -> ServingEngine:
+    """Instantiate the engine registered as `kind` (ValueError naming the known kinds otherwise)."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine {kind!r}; known engines: {', '.join(sorted(ENGINES))}")
+    module, _, name = ENGINES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)(model_dir, config)
+
+
+def generate(engine: ServingEngine, requests: list[Request]) -> dict[str, list[Choice]]:
+    """Add `requests` to `engine`, step until all finish, and gather each request's choices (by index)."""
+    for request in requests:
+        engine.add_request(request)
+    choices: dict[str, dict[int, Choice]] = {r.request_id: {} for r in requests}
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id in choices:
+                choices[out.request_id].setdefault(out.index, Choice()).extend(out)
+    return {rid: [c[i] for i in sorted(c)] for rid, c in choices.items()}

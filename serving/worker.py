@@ -1,0 +1,151 @@
+"""The serving worker: one process per device running the engine loop beside its colocated loader.
+
+Between engine steps the worker drains its inbox (`messages.ToWorker`): new requests, aborts, load/unload
+orders and staged adapters arriving from the loader. A new adapter arrives as a slot image in the loader's
+staging ring (mapped once, see `transfer`); it is registered between two steps (a pinned one is copied into its
+slot right away, in one copy) and the worker keeps its own copy of the image, so requests on other adapters keep
+decoding while it is fetched and verified, and an evicted adapter can come back later. `handle.WorkerHandle` is
+the service's end of this process.
+"""
+
+import queue
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+from inkwell.serving.contract import AdapterIncompatibleError, EngineConfig, EngineError, Request, make_engine
+from inkwell.serving.loader import loader_main, stop_loader
+from inkwell.serving.messages import (
+    Abort,
+    Evicted,
+    Failure,
+    Generate,
+    Load,
+    Loaded,
+    Outputs,
+    Ready,
+    RequestFailed,
+    Staged,
+    StageFailed,
+    StartFailed,
+    Stop,
+    Stopped,
+    ToWorker,
+    Unload,
+    Unloaded,
+    WorkerInfo,
+)
+from inkwell.serving.slot_copy import slot_layout
+from inkwell.serving.transfer import ImageReceiver
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    threads: int = 1
+    name: str = "worker"
+    engine_kind: str = "native"  # a key of inkwell.serving.contract.ENGINES
+
+
+class ServingWorker:
+    """The engine, its loader process and the loop that feeds the engine from the inbox."""
+
+    def __init__(self, config: WorkerConfig, inbox, outbox):
+        self.engine = make_engine(config.engine_kind, config.model_dir, config.engine)
+        self.inbox, self.outbox = inbox, outbox
+        lora = config.engine
+        layout = slot_layout(self.engine.model_config, lora.max_lora_rank, lora.lora_groups, getattr(torch, lora.dtype))
+        self.receiver = ImageReceiver(layout)
+        ctx = mp.get_context("spawn")
+        self.loader_inbox = ctx.Queue()
+        self.loader = ctx.Process(
+            target=loader_main,
+            args=(config.model_dir, config.engine, self.loader_inbox, inbox),
+            name=f"{config.name}-loader",
+            daemon=True,
+        )
+        self.loader.start()
+
+    def run(self) -> None:
+        engine = self.engine
+        identity = engine.identity
+        info = WorkerInfo(identity.name, identity.config_sha256, engine.max_context, engine.model_config.vocab_size)
+        self.outbox.put(Ready(info))
+        while True:
+            try:
+                msg = self.inbox.get_nowait() if engine.has_work() else self.inbox.get()
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                if isinstance(msg, Stop):
+                    stop_loader(self.loader, self.loader_inbox, self.receiver, timeout=5)
+                    self.outbox.put(Stopped())
+                    return
+                self.handle(msg)
+                try:
+                    msg = self.inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if engine.has_work():
+                outputs = engine.step()
+                if outputs:
+                    self.outbox.put(Outputs(outputs))
+
+    def handle(self, msg: ToWorker) -> None:
+        engine = self.engine
+        match msg:
+            case Generate(request_id=rid, prompt_ids=prompt_ids, params=params, adapter=key):
+                try:
+                    engine.add_request(Request(rid, prompt_ids, params, key))
+                except EngineError as exc:
+                    self.outbox.put(RequestFailed(rid, exc.code, str(exc), exc.param))
+            case Abort(request_id=rid):
+                outputs = engine.abort(rid)
+                if outputs:
+                    self.outbox.put(Outputs(outputs))
+            case Load(key=key):
+                if key in engine.adapters:
+                    self.outbox.put(Loaded(key))
+                else:
+                    self.loader_inbox.put(msg)
+            case Staged():
+                self._register(msg)
+            case StageFailed(key=key, failure=failure):
+                self.outbox.put(Loaded(key, failure))
+            case Unload(key=key):
+                try:
+                    engine.unload_adapter(key)
+                    self.outbox.put(Unloaded(key))
+                except EngineError as exc:
+                    self.outbox.put(Unloaded(key, Failure(exc.code, str(exc))))
+
+    def _register(self, msg: Staged) -> None:
+        """Load a staged adapter (a pinned one is written into its slot straight from the ring row),
+        then keep its image in worker memory and hand the row back."""
+        adapter = self.receiver.adapter(msg.staged)
+        before = set(self.engine.adapters)
+        failure = None
+        try:
+            self.engine.load_adapter(msg.key, adapter, pinned=msg.pinned)
+        except AdapterIncompatibleError as exc:
+            failure = Failure("adapter_incompatible", str(exc))
+        except EngineError as exc:
+            failure = Failure(exc.code, str(exc))
+        self.loader_inbox.put(self.receiver.release(msg.staged, adapter if failure is None else None))
+        evicted = sorted(before - set(self.engine.adapters))
+        if evicted:
+            self.outbox.put(Evicted(evicted))
+        self.outbox.put(Loaded(msg.key, failure))
+
+
+def worker_main(config: WorkerConfig, inbox, outbox) -> None:
+    """The worker process's entry point."""
+    torch.set_num_threads(config.threads)
+    try:
+        worker = ServingWorker(config, inbox, outbox)
+    except Exception as exc:  # report a bad model directory or config instead of dying silently
+        outbox.put(StartFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    worker.run()
