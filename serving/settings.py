@@ -10,7 +10,7 @@ from inkwell.serving.contract import EngineConfig
 class ServingSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INKWELL_SERVING_", extra="ignore")
 
-    engine: str = Field("native", description="engine kind (a key of inkwell.serving.native.ENGINES)")
+    engine: str = Field("native", description="engine kind (a key of inkwell.serving.contract.ENGINES)")
     devices: list[str] | None = Field(None, description="one worker per device; default: every GPU, else the CPU")
     dtype: str = Field("auto", description="float32 | bfloat16 | auto (bfloat16 on GPUs, float32 on the CPU)")
     threads: int = Field(1, ge=1, description="torch threads per CPU worker")
