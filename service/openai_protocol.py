@@ -1,9 +1,12 @@
-"""OpenAI wire format: the request bodies we accept and the responses and stream chunks we send."""
+"""OpenAI wire format: the request bodies we accept and the responses and stream chunks we send, as pydantic models.
 
-import time
-from typing import Any, Literal
+Responses dump with every field present (null where unset, as OpenAI sends them), except the fields a model names
+in `omit_if_none`, which OpenAI leaves out when they are empty (a chunk's usage, a delta's role or content).
+"""
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from transformers import PreTrainedTokenizerBase
 
 from inkwell.serving.contract import SamplingParams, TokenLogprob
@@ -92,62 +95,180 @@ class ChatCompletionRequest(OpenAIRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# ---- responses ------------------------------------------------------------------------------------
+
+
+class Wire(BaseModel):
+    """A response object: dumped with its nulls, but without the `omit_if_none` fields that are None."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def omit_empty(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        for name in self.omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class Usage(Wire):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogprobs(Wire):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+    def __add__(self, other: "CompletionLogprobs") -> "CompletionLogprobs":
+        return CompletionLogprobs(
+            tokens=self.tokens + other.tokens,
+            token_logprobs=self.token_logprobs + other.token_logprobs,
+            top_logprobs=self.top_logprobs + other.top_logprobs,
+            text_offset=self.text_offset + other.text_offset,
+        )
+
+
+class CompletionChoice(Wire):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(Wire):
+    """A /v1/completions response, or (streaming) one chunk of it."""
+
+    omit_if_none = ("usage",)
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTokenLogprob(Wire):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprobs(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob]
+
+
+class ChatLogprobs(Wire):
+    content: list[ChatTokenLogprobs]
+
+
+class ChatMessageOut(Wire):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Wire):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(Wire):
+    omit_if_none = ("usage",)
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(Wire):
+    omit_if_none = ("role", "content")
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Wire):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(Wire):
+    omit_if_none = ("usage",)
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
 def completion_logprobs(
-    tokenizer, ids: list[int], logprobs: list, tops: list[list[tuple[int, float]] | None], offset: int
-) -> dict:
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    logprobs: list[float | None],
+    tops: list[list[tuple[int, float]] | None],
+    offset: int,
+) -> CompletionLogprobs:
     """The completions `logprobs` object for these tokens; their text starts at character `offset`."""
     tokens, offsets = [], []
     for token_id in ids:
         offsets.append(offset)
         tokens.append(token_text(tokenizer, token_id))
         offset += len(tokenizer.decode([token_id], skip_special_tokens=True))
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": [None if top is None else {token_text(tokenizer, t): lp for t, lp in top} for top in tops],
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=list(logprobs),
+        top_logprobs=[None if top is None else {token_text(tokenizer, t): lp for t, lp in top} for top in tops],
+        text_offset=offsets,
+    )
 
 
-def step_logprobs(tokenizer, steps: list[TokenLogprob], offset: int) -> dict:
+def step_logprobs(tokenizer: PreTrainedTokenizerBase, steps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
     return completion_logprobs(
         tokenizer, [s.token_id for s in steps], [s.logprob for s in steps], [s.top for s in steps], offset
     )
 
 
-def join_logprobs(first: dict, second: dict) -> dict:
-    return {key: first[key] + second[key] for key in first}
-
-
-def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:
+def _chat_token(tokenizer: PreTrainedTokenizerBase, token_id: int, logprob: float) -> dict:
     text = token_text(tokenizer, token_id)
-    raw = None if "\ufffd" in text else list(text.encode())
-    return {"token": text, "logprob": logprob, "bytes": raw}
+    return {"token": text, "logprob": logprob, "bytes": None if "\ufffd" in text else list(text.encode())}
 
 
-def chat_logprobs(tokenizer, steps: list[TokenLogprob]) -> dict:
-    content = []
-    for s in steps:
-        entry = _chat_token(tokenizer, s.token_id, s.logprob)
-        entry["top_logprobs"] = [_chat_token(tokenizer, t, lp) for t, lp in s.top]
-        content.append(entry)
-    return {"content": content}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def envelope(kind: str, rid: str, model: str, choices: list[dict], created: int | None = None) -> dict:
-    return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model, "choices": choices}
+def chat_logprobs(tokenizer: PreTrainedTokenizerBase, steps: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprobs(
+                **_chat_token(tokenizer, s.token_id, s.logprob),
+                top_logprobs=[ChatTokenLogprob(**_chat_token(tokenizer, t, lp)) for t, lp in s.top],
+            )
+            for s in steps
+        ]
+    )
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None, **details) -> dict:

@@ -26,18 +26,26 @@ from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
 from inkwell.service.model_resolver import RegistryResolver
 from inkwell.service.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     OpenAIRequest,
+    Usage,
+    Wire,
     chat_logprobs,
     completion_logprobs,
-    envelope,
     error_body,
-    join_logprobs,
     step_logprobs,
-    usage,
 )
-from inkwell.serving.contract import Choice, EngineError, SamplingParams
+from inkwell.serving.contract import Choice, EngineError, SamplingParams, StepOutput
 from inkwell.serving.handle import AdapterLoadError, RequestStream, WorkerDiedError
 from inkwell.serving.resolve import ModelMismatchError, ModelNotFoundError, ResolvedModel
 from inkwell.serving.router import QueueFullError
@@ -105,6 +113,24 @@ async def _resolve(request: Request, tenant: str, model: str) -> tuple[ServingTi
         raise OpenAIError(400, "model_mismatch", str(exc), "model") from exc
 
 
+def _refusal(exc: Exception, prompt_param: str = "prompt") -> OpenAIError | None:
+    """The OpenAI error for what the serving tier refused or lost (None: not the tier's to answer).
+
+    The one translation of the tier's errors, whether they come before a stream starts or in it."""
+    match exc:
+        case EngineError(param="prompt"):
+            return OpenAIError(400, exc.code, str(exc), prompt_param)
+        case EngineError():
+            return OpenAIError(400, exc.code, str(exc), exc.param)
+        case QueueFullError():
+            return OpenAIError(429, "server_busy", str(exc), headers={"Retry-After": str(exc.retry_after)})
+        case AdapterLoadError():
+            return OpenAIError(400 if exc.code == "adapter_incompatible" else 503, exc.code, str(exc), "model")
+        case WorkerDiedError():
+            return OpenAIError(503, "worker_unavailable", str(exc))
+    return None
+
+
 def _check(
     tier: ServingTier, resolved: ResolvedModel, prompts: list[list[int]], params: SamplingParams, prompt_param: str
 ) -> SamplingParams:
@@ -113,8 +139,7 @@ def _check(
         try:
             tier.check(resolved, prompt, params)
         except EngineError as exc:
-            param = prompt_param if exc.param == "prompt" else exc.param
-            raise OpenAIError(400, exc.code, str(exc), param) from exc
+            raise _refusal(exc, prompt_param) from exc
     return params
 
 
@@ -126,21 +151,11 @@ async def _start(tier: ServingTier, resolved: ResolvedModel, prompts: list[list[
     except BaseException as exc:
         for stream in streams:
             stream.cancel()
-        if isinstance(exc, QueueFullError):
-            raise OpenAIError(429, "server_busy", str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
-        if isinstance(exc, AdapterLoadError):
-            status = 400 if exc.code == "adapter_incompatible" else 503
-            raise OpenAIError(status, exc.code, str(exc), "model") from exc
-        if isinstance(exc, WorkerDiedError):
-            raise OpenAIError(503, "worker_unavailable", str(exc)) from exc
-        raise
+        error = _refusal(exc) if isinstance(exc, Exception) else None
+        if error is None:
+            raise
+        raise error from exc
     return streams
-
-
-def _stream_error(exc: Exception) -> OpenAIError:
-    if isinstance(exc, EngineError):
-        return OpenAIError(400, exc.code, str(exc), exc.param)
-    return OpenAIError(503, "worker_unavailable", str(exc))
 
 
 async def _collect(streams: list[RequestStream], n: int) -> dict[int, Choice]:
@@ -151,21 +166,28 @@ async def _collect(streams: list[RequestStream], n: int) -> dict[int, Choice]:
             async for out in stream:
                 choices.setdefault(p * n + out.index, Choice()).extend(out)
     except (EngineError, WorkerDiedError) as exc:
-        raise _stream_error(exc) from exc
+        raise _refusal(exc) from exc
     finally:
         for stream in streams:
             stream.cancel()
     return choices
 
 
-def _sse(data: dict | str) -> str:
+def _sse(data: Wire | dict | str) -> str:
+    if isinstance(data, Wire):
+        data = data.model_dump_json()
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 async def _events(
-    streams: list[RequestStream], n: int, chunk: Callable, final_usage: dict | None, prompt_tokens: int
+    streams: list[RequestStream],
+    n: int,
+    chunk: Callable[[int, StepOutput], Wire],
+    final: Callable[[Usage], Wire] | None,
+    prompt_tokens: int,
 ) -> AsyncIterator[str]:
-    """SSE lines: `chunk(index, output)` per output, then usage if asked, then [DONE]; aborts on disconnect."""
+    """SSE lines: `chunk(index, output)` per output, then `final(usage)` if asked, then [DONE]; aborts on
+    disconnect."""
     completion_tokens = 0
     try:
         for p, stream in enumerate(streams):
@@ -173,15 +195,19 @@ async def _events(
                 yield _sse(chunk(p * n + out.index, out))
                 if out.finish_reason is not None:
                     completion_tokens += out.completion_tokens
-        if final_usage is not None:
-            yield _sse({**final_usage, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        if final is not None:
+            yield _sse(final(Usage.of(prompt_tokens, completion_tokens)))
     except (EngineError, WorkerDiedError) as exc:
-        err = _stream_error(exc)
+        err = _refusal(exc)
         yield _sse(error_body(err.status, err.code, err.message, err.param))
     finally:
         for stream in streams:
             stream.cancel()
     yield _sse("[DONE]")
+
+
+def _json(response: Wire) -> JSONResponse:
+    return JSONResponse(response.model_dump(mode="json"))
 
 
 async def _guard(handler) -> JSONResponse | StreamingResponse:
@@ -216,7 +242,7 @@ async def _completions(request: Request, tenant: str):
     rid, created, n = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.n
     prompt_tokens = sum(len(p) for p in prompts)
 
-    def echoed(index: int, chosen: list[float | None] | None, tops) -> tuple[str, dict | None]:
+    def echoed(index: int, chosen: list[float | None] | None, tops) -> tuple[str, CompletionLogprobs | None]:
         """The prompt's text and, with logprobs, its logprobs object (first token: no context, null)."""
         if not body.echo:
             return "", None
@@ -225,35 +251,37 @@ async def _completions(request: Request, tenant: str):
             lps = completion_logprobs(tokenizer, prompts[index // n], chosen, [None, *tops[1:]], 0)
         return texts[index // n], lps
 
+    def choice(index: int, text: str, lps: CompletionLogprobs | None, generated: str, steps, offset: int, finish):
+        """One choice: echoed text and logprobs (if any) followed by the generated ones from character `offset`."""
+        if body.logprobs is not None:
+            mine = step_logprobs(tokenizer, steps, offset)
+            lps = mine if lps is None else lps + mine
+        return CompletionChoice(index=index, text=text + generated, logprobs=lps, finish_reason=finish)
+
+    def completion(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(id=rid, created=created, model=body.model, choices=choices, usage=usage)
+
     if body.stream:
         offsets: dict[int, int] = {}
 
-        def chunk(index: int, out) -> dict:
+        def chunk(index: int, out: StepOutput) -> Completion:
             text, lps = "", None
             if index not in offsets:
                 text, lps = echoed(index, out.prompt_logprobs, out.prompt_top_logprobs)
                 offsets[index] = len(text)
-            if body.logprobs is not None:
-                mine = step_logprobs(tokenizer, out.logprobs, offsets[index])
-                lps = mine if lps is None else join_logprobs(lps, mine)
+            part = choice(index, text, lps, out.text, out.logprobs, offsets[index], out.finish_reason)
             offsets[index] += len(out.text)
-            choice = {"index": index, "text": text + out.text, "logprobs": lps, "finish_reason": out.finish_reason}
-            return envelope("text_completion", rid, body.model, [choice], created)
+            return completion([part])
 
-        head = envelope("text_completion", rid, body.model, [], created) if body.include_usage else None
-        return StreamingResponse(_events(streams, n, chunk, head, prompt_tokens), media_type="text/event-stream")
+        final = (lambda usage: completion([], usage)) if body.include_usage else None
+        return StreamingResponse(_events(streams, n, chunk, final, prompt_tokens), media_type="text/event-stream")
     choices = await _collect(streams, n)
     data = []
     for index in sorted(choices):
         c = choices[index]
         text, lps = echoed(index, c.prompt_logprobs, c.prompt_top_logprobs)
-        if body.logprobs is not None:
-            mine = step_logprobs(tokenizer, c.logprobs, len(text))
-            lps = mine if lps is None else join_logprobs(lps, mine)
-        data.append({"index": index, "text": text + c.text, "logprobs": lps, "finish_reason": c.finish_reason})
-    result = envelope("text_completion", rid, body.model, data, created)
-    result["usage"] = usage(prompt_tokens, sum(c.completion_tokens for c in choices.values()))
-    return JSONResponse(result)
+        data.append(choice(index, text, lps, c.text, c.logprobs, len(text), c.finish_reason))
+    return _json(completion(data, Usage.of(prompt_tokens, sum(c.completion_tokens for c in choices.values()))))
 
 
 @router.post("/chat/completions", response_model=None)
@@ -274,36 +302,36 @@ async def _chat(request: Request, tenant: str):
     streams = await _start(tier, resolved, [prompt], params)
     rid, created, n = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.n
 
+    def logprobs(steps):
+        return chat_logprobs(tokenizer, steps) if body.logprobs else None
+
     if body.stream:
         started: set[int] = set()
 
-        def chunk(index: int, out) -> dict:
-            delta: dict = {"content": out.text} if out.text or out.finish_reason is None else {}
+        def chunk(index: int, out: StepOutput) -> ChatCompletionChunk:
+            delta = ChatDelta(content=out.text if out.text or out.finish_reason is None else None)
             if index not in started:
                 started.add(index)
-                delta = {"role": "assistant", **delta, "content": out.text}
-            choice = {
-                "index": index,
-                "delta": delta,
-                "logprobs": chat_logprobs(tokenizer, out.logprobs) if body.logprobs else None,
-                "finish_reason": out.finish_reason,
-            }
-            return envelope("chat.completion.chunk", rid, body.model, [choice], created)
+                delta = ChatDelta(role="assistant", content=out.text)
+            part = ChatChunkChoice(
+                index=index, delta=delta, logprobs=logprobs(out.logprobs), finish_reason=out.finish_reason
+            )
+            return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[part])
 
-        head = envelope("chat.completion.chunk", rid, body.model, [], created) if body.include_usage else None
-        return StreamingResponse(_events(streams, n, chunk, head, len(prompt)), media_type="text/event-stream")
+        def final(usage: Usage) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[], usage=usage)
+
+        events = _events(streams, n, chunk, final if body.include_usage else None, len(prompt))
+        return StreamingResponse(events, media_type="text/event-stream")
     choices = await _collect(streams, n)
-    data = []
-    for index in sorted(choices):
-        c = choices[index]
-        data.append(
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tokenizer, c.logprobs) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
+    data = [
+        ChatChoice(
+            index=index,
+            message=ChatMessageOut(content=c.text),
+            logprobs=logprobs(c.logprobs),
+            finish_reason=c.finish_reason,
         )
-    result = envelope("chat.completion", rid, body.model, data, created)
-    result["usage"] = usage(len(prompt), sum(c.completion_tokens for c in choices.values()))
-    return JSONResponse(result)
+        for index, c in sorted(choices.items())
+    ]
+    usage = Usage.of(len(prompt), sum(c.completion_tokens for c in choices.values()))
+    return _json(ChatCompletion(id=rid, created=created, model=body.model, choices=data, usage=usage))
