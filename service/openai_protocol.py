@@ -148,17 +148,22 @@ class CompletionChoice(Wire):
     finish_reason: str | None
 
 
-class Completion(Wire):
-    """A /v1/completions response, or (streaming) one chunk of it."""
+class Envelope(Wire):
+    """What every response and stream chunk carries around its choices (usage: on the last one, if at all)."""
 
     omit_if_none = ("usage",)
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class Completion(Envelope):
+    """A /v1/completions response, or (streaming) one chunk of it."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ChatTokenLogprob(Wire):
@@ -187,15 +192,9 @@ class ChatChoice(Wire):
     finish_reason: str | None
 
 
-class ChatCompletion(Wire):
-    omit_if_none = ("usage",)
-
-    id: str
+class ChatCompletion(Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ChatDelta(Wire):
@@ -212,15 +211,9 @@ class ChatChunkChoice(Wire):
     finish_reason: str | None
 
 
-class ChatCompletionChunk(Wire):
-    omit_if_none = ("usage",)
-
-    id: str
+class ChatCompletionChunk(Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:

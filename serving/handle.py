@@ -13,24 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp
 
+from inkwell.serving import messages
 from inkwell.serving.contract import EngineError, SamplingParams, StepOutput
-from inkwell.serving.messages import (
-    Abort,
-    Evicted,
-    Generate,
-    Load,
-    Loaded,
-    Outputs,
-    Ready,
-    RequestFailed,
-    StartFailed,
-    Stop,
-    Stopped,
-    ToHandle,
-    Unload,
-    Unloaded,
-    WorkerInfo,
-)
 from inkwell.serving.worker import WorkerConfig, worker_main
 
 if TYPE_CHECKING:  # sources import boto3, which a GPU worker that never reads S3 need not have
@@ -90,7 +74,7 @@ class WorkerHandle:
         self.inbox = ctx.Queue()
         self.outbox = ctx.Queue()
         self.process = ctx.Process(target=worker_main, args=(config, self.inbox, self.outbox), name=config.name)
-        self.info: WorkerInfo | None = None
+        self.info: messages.WorkerInfo | None = None
         self.adapters: set[str] = set()
         self.inflight = 0
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -99,7 +83,7 @@ class WorkerHandle:
         self._reader: threading.Thread | None = None
         self._closed = False
 
-    def start(self, timeout: float = 300.0) -> WorkerInfo:
+    def start(self, timeout: float = 300.0) -> messages.WorkerInfo:
         """Start the process and wait until its engine is up (blocking)."""
         self.process.start()
         try:
@@ -107,9 +91,9 @@ class WorkerHandle:
         except queue.Empty as exc:
             self.close()
             raise WorkerDiedError(f"worker {self.config.name} did not start within {timeout:.0f}s") from exc
-        if not isinstance(msg, Ready):
+        if not isinstance(msg, messages.Ready):
             self.close()
-            reason = msg.reason if isinstance(msg, StartFailed) else msg
+            reason = msg.reason if isinstance(msg, messages.StartFailed) else msg
             raise WorkerDiedError(f"worker {self.config.name} failed to start: {reason}")
         self.info = msg.info
         self._reader = threading.Thread(target=self._read, name=f"{self.config.name}-reader", daemon=True)
@@ -131,7 +115,7 @@ class WorkerHandle:
         with self._lock:
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self.inflight += 1
-        self.inbox.put(Generate(rid, list(prompt_ids), params, adapter_key))
+        self.inbox.put(messages.Generate(rid, list(prompt_ids), params, adapter_key))
         return RequestStream(self, rid, params.n, q)
 
     def _done(self, rid: str, aborted: bool) -> None:
@@ -139,7 +123,7 @@ class WorkerHandle:
             self._streams.pop(rid, None)
         self.inflight -= 1
         if aborted and self.alive:
-            self.inbox.put(Abort(rid))
+            self.inbox.put(messages.Abort(rid))
 
     # -- adapters --
 
@@ -152,14 +136,14 @@ class WorkerHandle:
             first = key not in self._loads
             self._loads.setdefault(key, []).append((asyncio.get_running_loop(), future))
         if first:
-            self.inbox.put(Load(key, source, pinned))
+            self.inbox.put(messages.Load(key, source, pinned))
         await future
 
     async def unload_adapter(self, key: str) -> None:
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._loads.setdefault(f"unload:{key}", []).append((asyncio.get_running_loop(), future))
-        self.inbox.put(Unload(key))
+        self.inbox.put(messages.Unload(key))
         await future
 
     # -- the reader thread --
@@ -175,27 +159,27 @@ class WorkerHandle:
                 continue
             except (EOFError, OSError):
                 return
-            if isinstance(msg, Stopped):
+            if isinstance(msg, messages.Stopped):
                 self._fail_all(WorkerDiedError(f"worker {self.config.name} was stopped"))
                 return
             self._dispatch(msg)
 
-    def _dispatch(self, msg: ToHandle) -> None:
+    def _dispatch(self, msg: messages.ToHandle) -> None:
         match msg:
-            case Outputs(outputs=outputs):
+            case messages.Outputs(outputs=outputs):
                 for out in outputs:
                     self._deliver(out.request_id, out)
-            case RequestFailed(request_id=rid, code=code, message=message, param=param):
+            case messages.RequestFailed(request_id=rid, code=code, message=message, param=param):
                 self._deliver(rid, EngineError(code, message, param))
-            case Loaded(key=key, failure=failure):
+            case messages.Loaded(key=key, failure=failure):
                 if failure is None:
                     self.adapters.add(key)
                 self._settle(key, failure)
-            case Unloaded(key=key, failure=failure):
+            case messages.Unloaded(key=key, failure=failure):
                 if failure is None:
                     self.adapters.discard(key)
                 self._settle(f"unload:{key}", failure)
-            case Evicted(keys=keys):
+            case messages.Evicted(keys=keys):
                 self.adapters.difference_update(keys)
 
     def _settle(self, waiting_key: str, failure) -> None:
@@ -228,7 +212,7 @@ class WorkerHandle:
             return
         self._closed = True
         if self.process.is_alive():
-            self.inbox.put(Stop())
+            self.inbox.put(messages.Stop())
             self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()

@@ -18,8 +18,8 @@ import torch
 
 from inkwell.adapters.io import load_adapter
 from inkwell.models import base_model_identity, load_base_config
+from inkwell.serving import messages
 from inkwell.serving.contract import AdapterIncompatibleError, EngineConfig
-from inkwell.serving.messages import Failure, Load, Release, Staged, StageFailed, Stop
 from inkwell.serving.slot_copy import check_adapter, slot_layout
 from inkwell.serving.transfer import RING_SIZE, ImageReceiver, StagingRing
 
@@ -28,7 +28,7 @@ def stop_loader(process, inbox, receiver: ImageReceiver, timeout: float = 30.0) 
     """Stop a loader process: unmap its staging ring first (the ring is the loader's memory), then ask it
     to stop and wait; one that does not stop in `timeout` seconds is killed."""
     receiver.close()
-    inbox.put(Stop())
+    inbox.put(messages.Stop())
     process.join(timeout)
     if process.is_alive():
         process.kill()
@@ -48,7 +48,7 @@ def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_
     identity = base_model_identity(model_dir)
     layout = slot_layout(config, engine.max_lora_rank, engine.lora_groups, getattr(torch, engine.dtype))
     ring = StagingRing(layout, engine.device, ring_size)
-    waiting: deque[Load] = deque()
+    waiting: deque[messages.Load] = deque()
     scratch = Path(tempfile.mkdtemp(prefix="inkwell-loader-"))
     try:
         while True:
@@ -59,11 +59,11 @@ def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_
                     return
                 continue
             match msg:
-                case Stop():
+                case messages.Stop():
                     return
-                case Release(row=row, copied=copied):
+                case messages.Release(row=row, copied=copied):
                     ring.release(row, copied)
-                case Load():
+                case messages.Load():
                     waiting.append(msg)
             while waiting and ring.free:
                 load = waiting.popleft()
@@ -72,11 +72,11 @@ def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_
                     check_adapter(adapter, identity, layout)
                     staged = ring.stage(adapter)
                 except AdapterIncompatibleError as exc:
-                    worker_inbox.put(StageFailed(load.key, Failure("adapter_incompatible", str(exc))))
+                    worker_inbox.put(messages.StageFailed(load.key, messages.Failure("adapter_incompatible", str(exc))))
                 except Exception as exc:  # every failure goes back to the request that asked for the load
-                    failure = Failure("adapter_load_failed", f"{type(exc).__name__}: {exc}")
-                    worker_inbox.put(StageFailed(load.key, failure))
+                    failure = messages.Failure("adapter_load_failed", f"{type(exc).__name__}: {exc}")
+                    worker_inbox.put(messages.StageFailed(load.key, failure))
                 else:
-                    worker_inbox.put(Staged(load.key, staged, load.pinned))
+                    worker_inbox.put(messages.Staged(load.key, staged, load.pinned))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -14,28 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+from inkwell.serving import messages
 from inkwell.serving.contract import AdapterIncompatibleError, EngineConfig, EngineError, Request, make_engine
 from inkwell.serving.loader import loader_main, stop_loader
-from inkwell.serving.messages import (
-    Abort,
-    Evicted,
-    Failure,
-    Generate,
-    Load,
-    Loaded,
-    Outputs,
-    Ready,
-    RequestFailed,
-    Staged,
-    StageFailed,
-    StartFailed,
-    Stop,
-    Stopped,
-    ToWorker,
-    Unload,
-    Unloaded,
-    WorkerInfo,
-)
 from inkwell.serving.slot_copy import slot_layout
 from inkwell.serving.transfer import ImageReceiver
 
@@ -71,17 +52,19 @@ class ServingWorker:
     def run(self) -> None:
         engine = self.engine
         identity = engine.identity
-        info = WorkerInfo(identity.name, identity.config_sha256, engine.max_context, engine.model_config.vocab_size)
-        self.outbox.put(Ready(info))
+        info = messages.WorkerInfo(
+            identity.name, identity.config_sha256, engine.max_context, engine.model_config.vocab_size
+        )
+        self.outbox.put(messages.Ready(info))
         while True:
             try:
                 msg = self.inbox.get_nowait() if engine.has_work() else self.inbox.get()
             except queue.Empty:
                 msg = None
             while msg is not None:
-                if isinstance(msg, Stop):
+                if isinstance(msg, messages.Stop):
                     stop_loader(self.loader, self.loader_inbox, self.receiver, timeout=5)
-                    self.outbox.put(Stopped())
+                    self.outbox.put(messages.Stopped())
                     return
                 self.handle(msg)
                 try:
@@ -91,37 +74,37 @@ class ServingWorker:
             if engine.has_work():
                 outputs = engine.step()
                 if outputs:
-                    self.outbox.put(Outputs(outputs))
+                    self.outbox.put(messages.Outputs(outputs))
 
-    def handle(self, msg: ToWorker) -> None:
+    def handle(self, msg: messages.ToWorker) -> None:
         engine = self.engine
         match msg:
-            case Generate(request_id=rid, prompt_ids=prompt_ids, params=params, adapter=key):
+            case messages.Generate(request_id=rid, prompt_ids=prompt_ids, params=params, adapter=key):
                 try:
                     engine.add_request(Request(rid, prompt_ids, params, key))
                 except EngineError as exc:
-                    self.outbox.put(RequestFailed(rid, exc.code, str(exc), exc.param))
-            case Abort(request_id=rid):
+                    self.outbox.put(messages.RequestFailed(rid, exc.code, str(exc), exc.param))
+            case messages.Abort(request_id=rid):
                 outputs = engine.abort(rid)
                 if outputs:
-                    self.outbox.put(Outputs(outputs))
-            case Load(key=key):
+                    self.outbox.put(messages.Outputs(outputs))
+            case messages.Load(key=key):
                 if key in engine.adapters:
-                    self.outbox.put(Loaded(key))
+                    self.outbox.put(messages.Loaded(key))
                 else:
                     self.loader_inbox.put(msg)
-            case Staged():
+            case messages.Staged():
                 self._register(msg)
-            case StageFailed(key=key, failure=failure):
-                self.outbox.put(Loaded(key, failure))
-            case Unload(key=key):
+            case messages.StageFailed(key=key, failure=failure):
+                self.outbox.put(messages.Loaded(key, failure))
+            case messages.Unload(key=key):
                 try:
                     engine.unload_adapter(key)
-                    self.outbox.put(Unloaded(key))
+                    self.outbox.put(messages.Unloaded(key))
                 except EngineError as exc:
-                    self.outbox.put(Unloaded(key, Failure(exc.code, str(exc))))
+                    self.outbox.put(messages.Unloaded(key, messages.Failure(exc.code, str(exc))))
 
-    def _register(self, msg: Staged) -> None:
+    def _register(self, msg: messages.Staged) -> None:
         """Load a staged adapter (a pinned one is written into its slot straight from the ring row),
         then keep its image in worker memory and hand the row back."""
         adapter = self.receiver.adapter(msg.staged)
@@ -130,14 +113,14 @@ class ServingWorker:
         try:
             self.engine.load_adapter(msg.key, adapter, pinned=msg.pinned)
         except AdapterIncompatibleError as exc:
-            failure = Failure("adapter_incompatible", str(exc))
+            failure = messages.Failure("adapter_incompatible", str(exc))
         except EngineError as exc:
-            failure = Failure(exc.code, str(exc))
+            failure = messages.Failure(exc.code, str(exc))
         self.loader_inbox.put(self.receiver.release(msg.staged, adapter if failure is None else None))
         evicted = sorted(before - set(self.engine.adapters))
         if evicted:
-            self.outbox.put(Evicted(evicted))
-        self.outbox.put(Loaded(msg.key, failure))
+            self.outbox.put(messages.Evicted(evicted))
+        self.outbox.put(messages.Loaded(msg.key, failure))
 
 
 def worker_main(config: WorkerConfig, inbox, outbox) -> None:
@@ -146,6 +129,6 @@ def worker_main(config: WorkerConfig, inbox, outbox) -> None:
     try:
         worker = ServingWorker(config, inbox, outbox)
     except Exception as exc:  # report a bad model directory or config instead of dying silently
-        outbox.put(StartFailed(f"{type(exc).__name__}: {exc}"))
+        outbox.put(messages.StartFailed(f"{type(exc).__name__}: {exc}"))
         return
     worker.run()

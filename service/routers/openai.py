@@ -16,11 +16,12 @@ import dataclasses
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from transformers import PreTrainedTokenizerBase
 
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
@@ -210,25 +211,38 @@ def _json(response: Wire) -> JSONResponse:
     return JSONResponse(response.model_dump(mode="json"))
 
 
-async def _guard(handler) -> JSONResponse | StreamingResponse:
-    try:
-        return await handler
-    except OpenAIError as exc:
-        return exc.response()
+async def _open[T: OpenAIRequest](
+    request: Request, tenant: str, model: type[T]
+) -> tuple[T, ServingTier, ResolvedModel, PreTrainedTokenizerBase]:
+    """A route's start: its body parsed, its model resolved for the tenant, and that base's tokenizer."""
+    body = await _parse(request, model)
+    tier, resolved = await _resolve(request, tenant, body.model)
+    return body, tier, resolved, tier.tokenizer(resolved)
+
+
+def _answers_errors(
+    route: Callable[[Request, str], Awaitable[Response]],
+) -> Callable[[Request, str], Awaitable[Response]]:
+    """The route, taking its tenant from the API key, answers an OpenAIError raised anywhere in it with its JSON
+    error body. (No `functools.wraps`: FastAPI would read the inner signature and ask for `tenant` in the query.)"""
+
+    async def answered(request: Request, tenant: str = Depends(tenant_id)) -> Response:
+        try:
+            return await route(request, tenant)
+        except OpenAIError as exc:
+            return exc.response()
+
+    answered.__name__, answered.__doc__ = route.__name__, route.__doc__
+    return answered
 
 
 # ---- routes ----------------------------------------------------------------------------------------
 
 
 @router.post("/completions", response_model=None)
-async def completions(request: Request, tenant: str = Depends(tenant_id)):
-    return await _guard(_completions(request, tenant))
-
-
-async def _completions(request: Request, tenant: str):
-    body = await _parse(request, CompletionRequest)
-    tier, resolved = await _resolve(request, tenant, body.model)
-    tokenizer = tier.tokenizer(resolved)
+@_answers_errors
+async def completions(request: Request, tenant: str) -> Response:
+    body, tier, resolved, tokenizer = await _open(request, tenant, CompletionRequest)
     given = body.prompts()
     if not given:
         raise OpenAIError(400, "invalid_parameter", "prompt is empty", "prompt")
@@ -285,14 +299,9 @@ async def _completions(request: Request, tenant: str):
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(request: Request, tenant: str = Depends(tenant_id)):
-    return await _guard(_chat(request, tenant))
-
-
-async def _chat(request: Request, tenant: str):
-    body = await _parse(request, ChatCompletionRequest)
-    tier, resolved = await _resolve(request, tenant, body.model)
-    tokenizer = tier.tokenizer(resolved)
+@_answers_errors
+async def chat_completions(request: Request, tenant: str) -> Response:
+    body, tier, resolved, tokenizer = await _open(request, tenant, ChatCompletionRequest)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt = encode_chat(tokenizer, messages, add_generation_prompt=True)[0]
     top = body.top_logprobs or 0

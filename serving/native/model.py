@@ -552,4 +552,3 @@ class InklingModel:
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]
         return logits.float()
-
