@@ -5,7 +5,7 @@ space, rank 16, 8 adapter slots, bf16. Each token's 6 dispatched rows are sorted
 them; token i uses adapter i mod n. Two ops, as a decode step runs them:
   gate_up  expert_in_lora_expand: per-expert B over the tokens' shared-A shrink, added to the gate/up output
   down     expert_down_lora: per-expert A then the group's shared B, added to the down output
-Paths (the kernel tests' EXPERT_PATHS):
+Paths (`inkwell.kernels.triton_lora.expert_paths.EXPERT_PATHS`, which the kernel tests run too):
   per row      one program per (row, column tile); the decode default (rows <= ROW_MAX_ROWS)
   segments     one program per (expert, slot, column tile) over the rows' segment ends (the default before)
   token tiles  token tiles walking their (slot, expert) groups (no segment ends)
@@ -24,7 +24,7 @@ from bench_lora_kernels import SETS, time_graph
 
 from inkwell.kernels import dispatch
 from inkwell.kernels.torch_ops import ExpertGroups
-from inkwell.tests.kernels.test_triton_interpret import EXPERT_PATHS, expert_path
+from inkwell.kernels.triton_lora.expert_paths import EXPERT_PATHS, expert_path
 
 HIDDEN, WIDTH, ROUTED, SHARED, TOP_K, RANK, SLOTS = 2048, 512, 16, 2, 4, 16, 8
 GROUPS = ExpertGroups(0, ROUTED + SHARED, split=ROUTED)

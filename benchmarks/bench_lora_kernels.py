@@ -189,7 +189,7 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
             measure(
                 row,
                 "fused_bn{}_bk{}_w{}_s{}".format(*cfg),
-                lambda i, c=cfg: dense._fused(
+                lambda i, c=cfg: dense.launch_fused(
                     x, a[i], b[i], slots, scal, out, None, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3]
                 ),
             )

@@ -7,6 +7,7 @@ smaller rank is zero-padded, so padding rows contribute nothing. Signatures are 
 Triton twins in this package match.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,15 @@ def _expert_keys(slots: torch.Tensor, expert_ids: torch.Tensor, groups: ExpertGr
     return torch.where(covered, slots * groups.count + local, torch.full_like(slots, -1))
 
 
+def _expert_row_groups(
+    slots: torch.Tensor, expert_ids: torch.Tensor, groups: ExpertGroups
+) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    """(slot, expert - first, its group, row indices) of each (slot, covered expert) pair, in key order."""
+    for key, rows in _groups(_expert_keys(slots, expert_ids, groups)):
+        slot, local = divmod(key, groups.count)
+        yield slot, local, groups.group_of(groups.first + local), rows
+
+
 def expert_lora_shrink(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -85,8 +95,8 @@ def expert_lora_shrink(
     """Dispatched rows x[M,K] @ A[slot, expert - first]^T -> [M,R] (A: [S,E,R,K]); uncovered rows are zero."""
     groups = groups or ExpertGroups(0, lora_a.shape[1])
     out = x.new_zeros(x.shape[0], lora_a.shape[2])
-    for key, rows in _groups(_expert_keys(slots, expert_ids, groups)):
-        out[rows] = x[rows] @ lora_a[key // groups.count, key % groups.count].to(x.dtype).t()
+    for slot, local, _, rows in _expert_row_groups(slots, expert_ids, groups):
+        out[rows] = x[rows] @ lora_a[slot, local].to(x.dtype).t()
     return out
 
 
@@ -108,12 +118,10 @@ def expert_in_lora_expand(
     to its columns p*N .. (p+1)*N.
     """
     _, parts, _, n, rank = lora_b.shape
-    for key, rows in _groups(_expert_keys(slots, expert_ids, groups)):
-        slot, local = divmod(key, groups.count)
-        block0 = groups.group_of(groups.first + local)
+    for slot, local, g, rows in _expert_row_groups(slots, expert_ids, groups):
         src = y[token_of_row[rows]].float()
         for p in range(parts):
-            block = p * groups.groups + block0
+            block = p * groups.groups + g
             delta = src[:, block * rank : (block + 1) * rank] @ lora_b[slot, p, local].float().t()
             out[rows, p * n : (p + 1) * n] += (delta * scalings[slot, block]).to(out.dtype)
     return out
@@ -130,9 +138,7 @@ def expert_out_lora_expand(
 ) -> torch.Tensor:
     """Each group's shared B of a down projection, in place: out[M,N] += scaling[slot, g] * y[M,R] @ B[slot, g]^T
     (lora_b [S, G, N, R], scalings [S, G]) for rows whose expert the groups cover."""
-    for key, rows in _groups(_expert_keys(slots, expert_ids, groups)):
-        slot, local = divmod(key, groups.count)
-        g = groups.group_of(groups.first + local)
+    for slot, _, g, rows in _expert_row_groups(slots, expert_ids, groups):
         delta = (y[rows].float() @ lora_b[slot, g].float().t()) * scalings[slot, g]
         out.index_add_(0, rows, delta.to(out.dtype))
     return out

@@ -4,7 +4,8 @@ Twins of `inkwell.kernels.torch_ops` (same signatures, same results up to summat
 sliced variants for fused projections (q/k/v/r, gate/up) and a fused shrink+expand for decode.
 `dense` holds the dense projections' ops and `expert` the routed experts'; both launch the kernels of
 `shrink` and `expand`, and `common` holds what they all share. `inkwell.kernels.dispatch` imports them
-when the first CUDA tensor arrives.
+when the first CUDA tensor arrives. `expert_paths` forces each of the expert kernels' program shapes in turn,
+for the tests and benchmarks that run them all.
 
 Every kernel gives one program a tile of BLOCK_T consecutive tokens and one slot: it masks the tile
 down to that slot's tokens (and for routed experts walks the experts those tokens went to), so mixed

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from inkwell.kernels.torch_ops import ExpertGroups
 
-_NONE = tl.constexpr(2**30)  # sentinel expert id: "no row left"
+SENTINEL = tl.constexpr(2**30)  # above every group key and local expert id: "no row left", "no second group"
 MAX_SLICES = 4
 SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
 # Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
@@ -25,19 +25,19 @@ ROW_TILE_ELEMENTS = 8192  # elements of a per-row program's A block ([R, K]); it
 
 
 @triton.jit
-def _slice_of(n, o1, o2, o3):
+def slice_of(n, o1, o2, o3):
     """Slice index of output column(s) n, given the slice starts o1 <= o2 <= o3 (N where unused)."""
     return (n >= o1).to(tl.int32) + (n >= o2).to(tl.int32) + (n >= o3).to(tl.int32)
 
 
 @triton.jit
-def _slice_start(part, o1, o2, o3):
+def slice_start(part, o1, o2, o3):
     """First output column of slice(s) `part`."""
     return tl.where(part >= 1, o1, 0) + tl.where(part >= 2, o2 - o1, 0) + tl.where(part >= 3, o3 - o2, 0)
 
 
 @triton.jit
-def _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS: tl.constexpr):
+def row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS: tl.constexpr):
     """Each row's slot and expert - first; rows of experts outside first .. first+E-1 get slot -1."""
     slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
     if HAS_EXPERTS:
@@ -49,13 +49,13 @@ def _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS: tl.constex
 
 
 @triton.jit
-def _row_keys(rows, slots, local, E):
-    """Group key slot * E + local expert of each selected row; _NONE elsewhere."""
-    return tl.where(rows, slots.to(tl.int32) * E + local, _NONE)
+def row_keys(rows, slots, local, E):
+    """Group key slot * E + local expert of each selected row; SENTINEL elsewhere."""
+    return tl.where(rows, slots.to(tl.int32) * E + local, SENTINEL)
 
 
 @triton.jit
-def _expand_acc(
+def expand_acc(
     y_ptr,
     y_rows,
     sel,
@@ -101,30 +101,30 @@ def _expand_acc(
 
 
 @triton.jit
-def _plus_delta(old, acc, scale, dtype: tl.constexpr):
+def plus_delta(old, acc, scale, dtype: tl.constexpr):
     """old + acc * scale in `dtype`, the delta rounded to it first, as the torch twins add it."""
     delta = (acc * scale).to(dtype).to(tl.float32)
     return (old.to(tl.float32) + delta).to(dtype)
 
 
 @triton.jit
-def _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale):
-    """out[rows, columns] += acc * scale (see `_plus_delta`)."""
+def add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale):
+    """out[rows, columns] += acc * scale (see `plus_delta`)."""
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
     m = sel[:, None] & in_n[None, :]
     old = tl.load(out_ptrs, mask=m, other=0.0)
-    tl.store(out_ptrs, _plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptrs, plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _segment(ends_ptr, expert):
+def expert_segment(ends_ptr, expert):
     """Rows start .. end-1 of `expert` among dispatched rows sorted by expert (ends: cumulative row counts)."""
     start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
     return start, tl.load(ends_ptr + expert)
 
 
 @triton.jit
-def _row_expert(slot_ptr, expert_ptr, first, count, split):
+def row_expert(slot_ptr, expert_ptr, first, count, split):
     """Dispatched row program_id(0)'s slot, its expert counted from `first`, its group, and whether a LoRA
     covers it (a slot, and an expert among the `count` covered)."""
     row = tl.program_id(0)
@@ -136,59 +136,66 @@ def _row_expert(slot_ptr, expert_ptr, first, count, split):
 # ---- host side: tile sizes and shape checks -------------------------------------------------------
 
 
-def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
+def pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
     p = max(lo, triton.next_power_of_2(max(n, 1)))
     return p if hi is None else min(p, hi)
 
 
-def _per_row(rows: int) -> bool:
+def runs_per_row(rows: int) -> bool:
     """Whether `rows` dispatched rows run the per-row expert kernels; one reader of ROW_MAX_ROWS, which tests lower."""
     return rows <= ROW_MAX_ROWS
 
 
-def _row_block_n(n: int, block_r: int) -> int:
+def row_block_n(n: int, block_r: int) -> int:
     """Column tile of the per-row expert kernels: [BLOCK_N, BLOCK_R] factor tiles of ROW_TILE_ELEMENTS / 2."""
-    return min(_pow2(n, 2), max(16, ROW_TILE_ELEMENTS // 2 // block_r))
+    return min(pow2(n, 2), max(16, ROW_TILE_ELEMENTS // 2 // block_r))
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """Full fp32 products for fp32 operands (the torch twins do not use TF32); tensor-core default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _block_t(tokens: int) -> int:
-    return _pow2(tokens, 16, 64)
+def dot_operands(a_dtype: torch.dtype, b_dtype: torch.dtype) -> dict[str, bool | str]:
+    """The tl.dot kernels' DOT_FP32 and PRECISION for operands of these dtypes: both in fp32 with full fp32
+    products where either is fp32 or the dtypes differ, else both in their own dtype."""
+    fp32 = a_dtype == torch.float32 or a_dtype != b_dtype
+    return {"DOT_FP32": fp32, "PRECISION": "ieee" if fp32 else "tf32"}
 
 
-def _check(cond: bool, message: str) -> None:
+def token_block(tokens: int) -> int:
+    return pow2(tokens, 16, 64)
+
+
+def require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
 
 
-def _slices(slice_offsets: tuple[int, ...] | None, n: int) -> tuple[int, int, int, int]:
+def parse_slices(slice_offsets: tuple[int, ...] | None, n: int) -> tuple[int, int, int, int]:
     """(P, o1, o2, o3) from slice start offsets (0, ..., N); unused starts are N."""
     offsets = (0, n) if slice_offsets is None else tuple(int(o) for o in slice_offsets)
     p = len(offsets) - 1
-    _check(
+    require(
         1 <= p <= MAX_SLICES and offsets[0] == 0 and offsets[-1] == n,
         f"slice_offsets must run from 0 to N={n} with 1..{MAX_SLICES} slices, got {offsets}",
     )
-    _check(all(a < b for a, b in zip(offsets, offsets[1:], strict=False)), f"slice_offsets must increase: {offsets}")
+    require(all(a < b for a, b in zip(offsets, offsets[1:], strict=False)), f"slice_offsets must increase: {offsets}")
     starts = list(offsets[1:-1]) + [n] * (MAX_SLICES - p)
     return p, starts[0], starts[1], starts[2]
 
 
-def _local_split(groups: ExpertGroups) -> int:
-    """The kernels' `split`: the second group's first expert counted from `first`; _NONE with one group."""
-    return _NONE.value if groups.split is None else groups.split - groups.first
+def local_split(groups: ExpertGroups) -> int:
+    """The kernels' `split`: the second group's first expert counted from `first`; SENTINEL with one group."""
+    return SENTINEL.value if groups.split is None else groups.split - groups.first
 
 
-def _scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int, int]:
+def scale_strides(scalings: torch.Tensor, slots: int, parts: int) -> tuple[int, int]:
+    """The slot and part strides of scalings [S] (part stride 0) or [S, parts]."""
+    shape = tuple(scalings.shape)
+    message = f"scalings must be [S={slots}] or [S, {parts}], got {shape}"
     if scalings.dim() == 1:
-        _check(scalings.shape[0] == slots, f"scalings must be [S={slots}] or [S, {parts}], got {tuple(scalings.shape)}")
+        require(shape[0] == slots, message)
         return scalings.stride(0), 0
-    _check(
-        tuple(scalings.shape) == (slots, parts),
-        f"scalings must be [S={slots}] or [S, {parts}], got {tuple(scalings.shape)}",
-    )
+    require(shape == (slots, parts), message)
     return scalings.stride(0), scalings.stride(1)

@@ -11,17 +11,18 @@ from triton.language.extra.cuda import gdc_wait
 
 from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS
 from inkwell.kernels.triton_lora.common import (
-    _add_delta,
-    _block_t,
-    _check,
-    _pow2,
-    _precision,
-    _scale_strides,
-    _slice_of,
-    _slices,
+    add_delta,
+    dot_operands,
+    dot_precision,
+    parse_slices,
+    pow2,
+    require,
+    scale_strides,
+    slice_of,
+    token_block,
 )
-from inkwell.kernels.triton_lora.expand import _expand
-from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, _shrink
+from inkwell.kernels.triton_lora.expand import launch_expand
+from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, launch_shrink
 
 
 @triton.jit
@@ -69,9 +70,9 @@ def _fused_kernel(
     n0 = tl.program_id(2) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
-    part = _slice_of(rn, o1, o2, o3)
-    r_lo = _slice_of(n0, o1, o2, o3) * R
-    r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    part = slice_of(rn, o1, o2, o3)
+    r_lo = slice_of(n0, o1, o2, o3) * R
+    r_hi = (slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
     scale = tl.load(scale_ptr + slot * stride_ss + part * stride_sp, mask=in_n, other=0.0).to(tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * stride_as
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
@@ -103,7 +104,7 @@ def _fused_kernel(
             acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
-    _add_delta(out_ptr, rt, rn, stride_ot, stride_on, rows, in_n, acc, scale[None, :])
+    add_delta(out_ptr, rt, rn, stride_ot, stride_on, rows, in_n, acc, scale[None, :])
 
 
 @triton.jit
@@ -161,11 +162,11 @@ def _linear_kernel(
     slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
     adapted = (slots >= 0)[:, None] & in_n[None, :]
     if ONE_SLICE_PER_TILE:
-        part = _slice_of(n0, o1, o2, o3)
+        part = slice_of(n0, o1, o2, o3)
         scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
         y_rows = y_ptr + rt[:, None] * stride_yt + (part * R) * stride_yr  # [BLOCK_T, 1]
     else:
-        part = _slice_of(rn, o1, o2, o3)
+        part = slice_of(rn, o1, o2, o3)
         scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
         y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr  # [BLOCK_T, BLOCK_N, 1]
     b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
@@ -204,6 +205,12 @@ def _linear_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_n[None, :])
 
 
+def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> None:
+    """A [S, R, K] reads x [T, K]'s K, and each of the T tokens has a slot."""
+    require(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
+    require(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
+
+
 def _check_sliced_lora(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -212,17 +219,16 @@ def _check_sliced_lora(
     slice_offsets: tuple[int, ...] | None,
 ) -> None:
     """x [T,K], A stacked [S, P*R, K] and B stacked [S, N, R] of one sliced projection, and [T] slots."""
-    _check(x.dim() == 2 and lora_a.dim() == 3 and lora_b.dim() == 3, "need x [T,K], lora_a [S,P*R,K], lora_b [S,N,R]")
-    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
-    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
-    parts = _slices(slice_offsets, lora_b.shape[1])[0]
-    _check(
+    require(x.dim() == 2 and lora_a.dim() == 3 and lora_b.dim() == 3, "need x [T,K], lora_a [S,P*R,K], lora_b [S,N,R]")
+    _check_shrink(x, lora_a, token_slots)
+    parts = parse_slices(slice_offsets, lora_b.shape[1])[0]
+    require(
         lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == parts * lora_b.shape[2],
         f"lora_a {tuple(lora_a.shape)} must be [S, {parts}*R, K] for lora_b {tuple(lora_b.shape)}",
     )
 
 
-def _fused(
+def launch_fused(
     x: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
@@ -235,17 +241,17 @@ def _fused(
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
-    """One launch, one program per (token tile, slot, column tile); the bench sweeps the tile knobs."""
+    """The fused shrink+expand: one launch, one program per (token tile, slot, column tile); the bench sweeps
+    the tile knobs."""
     tokens, k = x.shape
     num_slots, n, rank = b.shape
-    parts, o1, o2, o3 = _slices(slice_offsets, n)
-    ss, sp = _scale_strides(scalings, num_slots, parts)
+    parts, o1, o2, o3 = parse_slices(slice_offsets, n)
+    ss, sp = scale_strides(scalings, num_slots, parts)
     if tokens == 0 or rank == 0 or n == 0:
         return out
-    block_t = _block_t(tokens)
+    block_t = token_block(tokens)
     block_n = block_n or (128 if tokens > 16 and n <= 2048 else 256)
-    block_k = block_k or _pow2(k, 16, 256 if x.element_size() <= 2 else 64)
-    dot_fp32 = x.dtype == torch.float32 or x.dtype != b.dtype
+    block_k = block_k or pow2(k, 16, 256 if x.element_size() <= 2 else 64)
     grid = (triton.cdiv(tokens, block_t), num_slots, triton.cdiv(n, block_n))
     _fused_kernel[grid](
         x,
@@ -267,12 +273,11 @@ def _fused(
         *out.stride(),
         ss,
         sp,
-        DOT_FP32=dot_fp32,
-        PRECISION="ieee" if dot_fp32 else "tf32",
+        **dot_operands(x.dtype, b.dtype),
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=_pow2(rank, 16, 64),
+        BLOCK_R=pow2(rank, 16, 64),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -286,11 +291,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks.
 
     Up to FUSED_MAX_TOKENS tokens (decode) the K loop is split over SHRINK_SPLIT_K programs per slot."""
-    _check(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
-    _check(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
-    _check(token_slots.shape == (x.shape[0],), f"token_slots must be [T={x.shape[0]}]")
+    require(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
+    _check_shrink(x, lora_a, token_slots)
     split_k = SHRINK_SPLIT_K if x.shape[0] <= FUSED_MAX_TOKENS else 1
-    return _shrink(x, lora_a.unsqueeze(1), token_slots, None, split_k=split_k)
+    return launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, split_k=split_k)
 
 
 def lora_expand(
@@ -313,10 +317,10 @@ def lora_expand_sliced(
     y [T, P*R] is the shrink over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
     slice_offsets (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P].
     """
-    _check(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
-    _check(token_slots.shape == (y.shape[0],), f"token_slots must be [T={y.shape[0]}]")
-    _check(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
-    return _expand(y, lora_b[:, None, None], token_slots, scalings, out, slice_offsets)
+    require(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
+    require(token_slots.shape == (y.shape[0],), f"token_slots must be [T={y.shape[0]}]")
+    require(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
+    return launch_expand(y, lora_b[:, None, None], token_slots, scalings, out, slice_offsets)
 
 
 def lora_shrink_expand(
@@ -334,9 +338,9 @@ def lora_shrink_expand(
     result stays in registers.
     """
     _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
-    _check(tuple(out.shape) == (x.shape[0], lora_b.shape[1]), f"out must be [T, N={lora_b.shape[1]}]")
+    require(tuple(out.shape) == (x.shape[0], lora_b.shape[1]), f"out must be [T, N={lora_b.shape[1]}]")
     if x.shape[0] <= FUSED_MAX_TOKENS and lora_b.shape[1] <= FUSED_MAX_N:
-        return _fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
+        return launch_fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     return lora_expand_sliced(lora_shrink(x, lora_a, token_slots), lora_b, token_slots, scalings, out, slice_offsets)
 
 
@@ -356,24 +360,24 @@ def lora_linear(
     loop runs beside it, and the expand is the GEMM tiles' epilogue. Otherwise the base GEMM, then
     `lora_shrink_expand`.
     """
-    _check(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
-    _check(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
+    require(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
+    require(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
     _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
     (tokens, k), n = x.shape, weight.shape[0]
-    _check(lora_b.shape[1] == n, f"lora_b's N={lora_b.shape[1]} differs from weight's N={n}")
+    require(lora_b.shape[1] == n, f"lora_b's N={lora_b.shape[1]} differs from weight's N={n}")
     num_slots, rank = lora_a.shape[0], lora_b.shape[2]
     one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
     # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
     if tokens > FUSED_MAX_TOKENS or not one_dtype or rank == 0:
         out = torch.nn.functional.linear(x, weight)
         return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
-    parts, o1, o2, o3 = _slices(slice_offsets, n)
-    ss, sp = _scale_strides(scalings, num_slots, parts)
+    parts, o1, o2, o3 = parse_slices(slice_offsets, n)
+    ss, sp = scale_strides(scalings, num_slots, parts)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens == 0 or n == 0:
         return out
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
-    y = _shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl)
+    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl)
     block_n = 32
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -399,10 +403,10 @@ def lora_linear(
         sp,
         WAIT_FOR_SHRINK=pdl,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
-        PRECISION=_precision(x.dtype),
-        BLOCK_T=_block_t(tokens),
+        PRECISION=dot_precision(x.dtype),
+        BLOCK_T=token_block(tokens),
         BLOCK_N=block_n,
-        BLOCK_K=_pow2(k, 16, 256 if x.element_size() <= 2 else 64),
+        BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
         PREFETCH_B=rank <= 16,  # a larger block of B would not fit in registers beside the K loop
         BLOCK_R=16,
         num_stages=4 if x.element_size() <= 2 else 2,

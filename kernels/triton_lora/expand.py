@@ -1,4 +1,4 @@
-"""The expand kernels, out += scaling * y @ B^T in place, and `_expand`, the launcher that picks one.
+"""The expand kernels, out += scaling * y @ B^T in place, and `launch_expand`, the launcher that picks one.
 
 Token tiles serve every case, dense and expert. The experts' gate/up expand has two more program shapes: one
 program per (expert, slot) over rows sorted by expert, and at decode one program per dispatched row, which reads
@@ -13,26 +13,27 @@ import triton.language as tl
 
 from inkwell.kernels.torch_ops import ExpertGroups
 from inkwell.kernels.triton_lora.common import (
-    _NONE,
     SEGMENT_MAX_ROWS,
+    SENTINEL,
     SLOT_LOOP_MIN_TOKENS,
-    _add_delta,
-    _block_t,
-    _check,
-    _expand_acc,
-    _local_split,
-    _per_row,
-    _plus_delta,
-    _pow2,
-    _row_block_n,
-    _row_expert,
-    _row_keys,
-    _row_slots,
-    _scale_strides,
-    _segment,
-    _slice_of,
-    _slice_start,
-    _slices,
+    add_delta,
+    dot_operands,
+    expand_acc,
+    expert_segment,
+    local_split,
+    parse_slices,
+    plus_delta,
+    pow2,
+    require,
+    row_block_n,
+    row_expert,
+    row_keys,
+    row_slots,
+    runs_per_row,
+    scale_strides,
+    slice_of,
+    slice_start,
+    token_block,
 )
 
 
@@ -85,34 +86,34 @@ def _expand_kernel(
     """
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
-    slots, local_e = _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
+    slots, local_e = row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
     rows = in_t & (slots >= 0) if SLOT_LOOP else in_t & (slots == tl.program_id(1))
     if tl.max(rows.to(tl.int32), 0) == 0:
         return
-    keys = _row_keys(rows, slots, local_e, E)
+    keys = row_keys(rows, slots, local_e, E)
     y_rows = tl.load(yrow_ptr + rt, mask=in_t, other=0) if EXPERT_IN else rt
     n0 = tl.program_id(2) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
-    part = _slice_of(rn, o1, o2, o3)
-    r_lo = _slice_of(n0, o1, o2, o3) * R  # rank blocks this column tile reads
-    r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    part = slice_of(rn, o1, o2, o3)
+    r_lo = slice_of(n0, o1, o2, o3) * R  # rank blocks this column tile reads
+    r_hi = (slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
     # expert_in: slice p's B at p * stride_bp, by the column inside the slice; else B stacked along N
-    b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
+    b_cols = part * stride_bp + (rn - slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
     key = tl.min(keys, 0)
-    while key < _NONE:
+    while key < SENTINEL:
         sel = keys == key
         slot = key // E
         group = (key % E >= split).to(tl.int32)
         b_index = key % E if EXPERT_IN else group
         b_base = b_ptr + slot.to(tl.int64) * stride_bs + b_index.to(tl.int64) * stride_be
-        acc = _expand_acc(
+        acc = expand_acc(
             y_ptr, y_rows, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, G, group,
             in_n, EXPERT_IN, DOT_FP32, PRECISION, BLOCK_T, BLOCK_N, BLOCK_R,
         )  # fmt: skip
         scale = tl.load(scale_ptr + slot * stride_ss + (part * G + group) * stride_sp, mask=in_n, other=0.0)
-        _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale.to(tl.float32)[None, :])
-        keys = tl.where(sel, _NONE, keys)
+        add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale.to(tl.float32)[None, :])
+        keys = tl.where(sel, SENTINEL, keys)
         key = tl.min(keys, 0)
 
 
@@ -156,16 +157,16 @@ def _segment_expand_kernel(
     every (slot, expert) group of its rows one after another."""
     e = tl.program_id(0)
     slot = tl.program_id(1)
-    start, end = _segment(ends_ptr, first + e)
+    start, end = expert_segment(ends_ptr, first + e)
     group = (e >= split).to(tl.int32)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + (e if EXPERT_IN else group).to(tl.int64) * stride_be
     n0 = tl.program_id(2) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
-    part = _slice_of(rn, o1, o2, o3)
-    r_lo = _slice_of(n0, o1, o2, o3) * R
-    r_hi = (_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
-    b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
+    part = slice_of(rn, o1, o2, o3)
+    r_lo = slice_of(n0, o1, o2, o3) * R
+    r_hi = (slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
+    b_cols = part * stride_bp + (rn - slice_start(part, o1, o2, o3)) * stride_bn if EXPERT_IN else rn * stride_bn
     scale = tl.load(scale_ptr + slot * stride_ss + (part * G + group) * stride_sp, mask=in_n, other=0.0)
     scale = scale.to(tl.float32)[None, :]
     for t0 in range(start, end, BLOCK_T):
@@ -173,11 +174,11 @@ def _segment_expand_kernel(
         sel = (rt < end) & (tl.load(slot_ptr + rt, mask=rt < end, other=-1) == slot)
         if tl.max(sel.to(tl.int32), 0) > 0:
             y_rows = tl.load(yrow_ptr + rt, mask=sel, other=0) if EXPERT_IN else rt
-            acc = _expand_acc(
+            acc = expand_acc(
                 y_ptr, y_rows, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, G, group,
                 in_n, EXPERT_IN, DOT_FP32, PRECISION, BLOCK_T, BLOCK_N, BLOCK_R,
             )  # fmt: skip
-            _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
+            add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
 
 
 @triton.jit
@@ -214,17 +215,17 @@ def _row_in_expand_kernel(
 ):
     """The gate/up expand of one dispatched row's column tile: out[row, n] += scaling * y[token, block p(n)] .
     B[slot, p(n), expert, n], in fp32 elementwise products (a 1-row dot would pad to 16 rows)."""
-    row, slot, local, group, covered = _row_expert(slot_ptr, expert_ptr, first, count, split)
+    row, slot, local, group, covered = row_expert(slot_ptr, expert_ptr, first, count, split)
     if covered:
         token = tl.load(token_ptr + row)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = rn < N
         rr = tl.arange(0, BLOCK_R)
         in_b = in_n[:, None] & (rr < R)[None, :]
-        part = _slice_of(rn, o1, o2, o3)
+        part = slice_of(rn, o1, o2, o3)
         block = part * G + group  # the column's block of y and of the scalings
         b_base = b_ptr + slot * stride_bs + local.to(tl.int64) * stride_be
-        b_cols = part * stride_bp + (rn - _slice_start(part, o1, o2, o3)) * stride_bn
+        b_cols = part * stride_bp + (rn - slice_start(part, o1, o2, o3)) * stride_bn
         bt = tl.load(b_base + b_cols[:, None] + rr[None, :] * stride_br, mask=in_b, other=0.0)
         y_cols = block[:, None] * R + rr[None, :]
         yt = tl.load(y_ptr + token * stride_yt + y_cols * stride_yr, mask=in_b, other=0.0)
@@ -232,11 +233,11 @@ def _row_in_expand_kernel(
         out_ptrs = out_ptr + row * stride_ot + rn * stride_on
         old = tl.load(out_ptrs, mask=in_n, other=0.0)
         acc = tl.sum(yt.to(tl.float32) * bt.to(tl.float32), axis=1)
-        tl.store(out_ptrs, _plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=in_n)
+        tl.store(out_ptrs, plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=in_n)
 
 
 @dataclass(frozen=True)
-class _ExpertRows:
+class ExpertRows:
     """Dispatched rows for the expand kernel: each row's expert, the LoRA's groups, and for expert_in
     (gate/up) each row's token, whose row of the shrink result it reads."""
 
@@ -246,35 +247,35 @@ class _ExpertRows:
     ends: torch.Tensor | None = None  # rows sorted by expert: ends[e] = rows of experts <= e (segment kernels)
 
 
-def _expand(
+def launch_expand(
     y: torch.Tensor,
     b: torch.Tensor,
     slots: torch.Tensor,
     scalings: torch.Tensor,
     out: torch.Tensor,
     slice_offsets: tuple[int, ...] | None,
-    rows: _ExpertRows | None = None,
+    rows: ExpertRows | None = None,
 ) -> torch.Tensor:
     """out [M, N] += the expand of y's rank blocks over P slices of out's columns; b is [S, P_b, E_b, N_b, R]
     as `_expand_kernel` reads it (linears [S, 1, 1, N, R])."""
     num_slots, _, _, _, rank = b.shape
     tokens, n = out.shape
-    parts, o1, o2, o3 = _slices(slice_offsets, n)
+    parts, o1, o2, o3 = parse_slices(slice_offsets, n)
     groups = ExpertGroups(0, 1) if rows is None else rows.groups
     expert_in = rows is not None and rows.tokens is not None
     blocks = parts * groups.groups if expert_in else parts
-    _check(
+    require(
         y.shape[1] == blocks * rank,
         f"y has {y.shape[1]} columns; {blocks} block(s) of B's rank {rank} need {blocks * rank}",
     )
-    _check(expert_in or y.shape[0] == tokens, f"out must be [T={y.shape[0]}, N], got {tuple(out.shape)}")
-    ss, sp = _scale_strides(scalings, num_slots, parts * groups.groups)
+    require(expert_in or y.shape[0] == tokens, f"out must be [T={y.shape[0]}, N], got {tuple(out.shape)}")
+    ss, sp = scale_strides(scalings, num_slots, parts * groups.groups)
     if tokens == 0 or rank == 0 or n == 0:
         return out
-    split = _local_split(groups)
-    if expert_in and _per_row(tokens):
-        block_r = _pow2(rank, 2)
-        block_n = _row_block_n(n, block_r)
+    split = local_split(groups)
+    if expert_in and runs_per_row(tokens):
+        block_r = pow2(rank, 2)
+        block_n = row_block_n(n, block_r)
         _row_in_expand_kernel[(tokens, triton.cdiv(n, block_n))](
             y,
             b,
@@ -301,7 +302,7 @@ def _expand(
             BLOCK_R=block_r,
         )
         return out
-    dot_fp32 = y.dtype == torch.float32 or y.dtype != b.dtype  # the tl.dot kernels' operand precision
+    dot = dot_operands(y.dtype, b.dtype)
     if rows is not None and rows.ends is not None and tokens <= SEGMENT_MAX_ROWS:
         block_n = 256
         _segment_expand_kernel[(groups.count, num_slots, triton.cdiv(n, block_n))](
@@ -326,14 +327,13 @@ def _expand(
             ss,
             sp,
             EXPERT_IN=expert_in,
-            DOT_FP32=dot_fp32,
-            PRECISION="ieee" if dot_fp32 else "tf32",
+            **dot,
             BLOCK_T=16,
             BLOCK_N=block_n,
-            BLOCK_R=_pow2(rank * parts, 16, 64),
+            BLOCK_R=pow2(rank * parts, 16, 64),
         )
         return out
-    block_t = _block_t(tokens)
+    block_t = token_block(tokens)
     block_n = 256 if tokens <= 16 else 128
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots, triton.cdiv(n, block_n))
@@ -363,10 +363,9 @@ def _expand(
         HAS_EXPERTS=rows is not None,
         EXPERT_IN=expert_in,
         SLOT_LOOP=slot_loop,
-        DOT_FP32=dot_fp32,
-        PRECISION="ieee" if dot_fp32 else "tf32",
+        **dot,
         BLOCK_T=block_t,
         BLOCK_N=block_n,
-        BLOCK_R=_pow2(rank * parts, 16, 64),
+        BLOCK_R=pow2(rank * parts, 16, 64),
     )
     return out

@@ -12,19 +12,20 @@ from inkwell.kernels.torch_ops import ExpertGroups
 from inkwell.kernels.triton_lora.common import (
     ROW_TILE_ELEMENTS,
     SEGMENT_MAX_ROWS,
-    _add_delta,
-    _check,
-    _local_split,
-    _per_row,
-    _plus_delta,
-    _pow2,
-    _row_block_n,
-    _row_expert,
-    _scale_strides,
-    _segment,
+    add_delta,
+    dot_operands,
+    expert_segment,
+    local_split,
+    plus_delta,
+    pow2,
+    require,
+    row_block_n,
+    row_expert,
+    runs_per_row,
+    scale_strides,
 )
-from inkwell.kernels.triton_lora.expand import _expand, _ExpertRows
-from inkwell.kernels.triton_lora.shrink import _shrink
+from inkwell.kernels.triton_lora.expand import ExpertRows, launch_expand
+from inkwell.kernels.triton_lora.shrink import launch_shrink
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def _segment_down_kernel(
     segment: x @ A[slot, expert]^T stays in registers, then @ B[slot, group]^T is added to the column tile."""
     e = tl.program_id(0)
     slot = tl.program_id(1)
-    start, end = _segment(ends_ptr, first + e)
+    start, end = expert_segment(ends_ptr, first + e)
     group = (e >= split).to(tl.int32)
     a_base = a_ptr + slot.to(tl.int64) * stride_as + e.to(tl.int64) * stride_ae
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + group.to(tl.int64) * stride_bg
@@ -104,7 +105,7 @@ def _segment_down_kernel(
                 acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), input_precision=PRECISION)
             else:
                 acc = tl.dot(yt, bt.to(yt.dtype), input_precision=PRECISION)
-            _add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
+            add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
 
 
 @triton.jit
@@ -143,7 +144,7 @@ def _row_down_kernel(
     """The down LoRA of one dispatched row's column tile: y = x[row] @ A[slot, expert]^T (rounded to x's dtype,
     as the two-launch path stores it), then out[row, tile] += scaling * y @ B[slot, group, tile]^T. B, the
     output and the scaling load before the shrink's loop, so their latency hides behind it."""
-    row, slot, local, group, covered = _row_expert(slot_ptr, expert_ptr, first, count, split)
+    row, slot, local, group, covered = row_expert(slot_ptr, expert_ptr, first, count, split)
     if covered:
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = rn < N
@@ -166,19 +167,24 @@ def _row_down_kernel(
             y += tl.sum(at.to(tl.float32) * xk[None, :], axis=1)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         acc = tl.sum(bt.to(tl.float32) * y[None, :], axis=1)
-        tl.store(out_ptrs, _plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=in_n)
+        tl.store(out_ptrs, plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=in_n)
+
+
+def _check_rows(rows: int, slots: torch.Tensor, expert_ids: torch.Tensor) -> None:
+    """A slot and an expert id for each of the M dispatched rows."""
+    require(slots.shape == expert_ids.shape == (rows,), f"slots and expert_ids must be [M={rows}]")
 
 
 def _check_expert_a(x: torch.Tensor, lora_a: torch.Tensor, groups: ExpertGroups) -> None:
     """Per-expert A [S, E, R, K] for dispatched rows x [M, K], E the experts `groups` cover."""
-    _check(lora_a.shape[3] == x.shape[1], f"lora_a's K={lora_a.shape[3]} differs from x's K={x.shape[1]}")
-    _check(groups.count == lora_a.shape[1], f"groups cover {groups.count} experts, lora_a has {lora_a.shape[1]}")
+    require(lora_a.shape[3] == x.shape[1], f"lora_a's K={lora_a.shape[3]} differs from x's K={x.shape[1]}")
+    require(groups.count == lora_a.shape[1], f"groups cover {groups.count} experts, lora_a has {lora_a.shape[1]}")
 
 
 def _check_down_b(rows: int, lora_b: torch.Tensor, out: torch.Tensor, groups: ExpertGroups) -> None:
     """One B per group [S, G, N, R] adding into out [M, N]."""
-    _check(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
-    _check(tuple(out.shape) == (rows, lora_b.shape[2]), f"out must be [M={rows}, N={lora_b.shape[2]}]")
+    require(lora_b.shape[1] == groups.groups, f"lora_b has {lora_b.shape[1]} groups, the groups say {groups.groups}")
+    require(tuple(out.shape) == (rows, lora_b.shape[2]), f"out must be [M={rows}, N={lora_b.shape[2]}]")
 
 
 # ---- public ops: the torch twins' signatures --------------------------------------------------------
@@ -192,11 +198,11 @@ def expert_lora_shrink(
     groups: ExpertGroups | None = None,
 ) -> torch.Tensor:
     """Dispatched rows x[M,K] @ A[slot, expert - first]^T -> [M,R] (A: [S,E,R,K]); uncovered rows are zero."""
-    _check(x.dim() == 2 and lora_a.dim() == 4, "expert_lora_shrink needs x [M,K] and lora_a [S,E,R,K]")
-    _check(slots.shape == expert_ids.shape == (x.shape[0],), f"slots and expert_ids must be [M={x.shape[0]}]")
+    require(x.dim() == 2 and lora_a.dim() == 4, "expert_lora_shrink needs x [M,K] and lora_a [S,E,R,K]")
+    _check_rows(x.shape[0], slots, expert_ids)
     groups = groups or ExpertGroups(0, lora_a.shape[1])
     _check_expert_a(x, lora_a, groups)
-    return _shrink(x, lora_a, slots, expert_ids, groups.first)
+    return launch_shrink(x, lora_a, slots, expert_ids, groups.first)
 
 
 def expert_in_lora_expand(
@@ -214,18 +220,18 @@ def expert_in_lora_expand(
     torch twin. y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]. Up to ROW_MAX_ROWS rows,
     one program per row; past that, `expert_ends` (the rows sorted by expert, ends[e] counting those of experts
     <= e) gives one program per expert and slot."""
-    _check(y.dim() == 2 and lora_b.dim() == 5, "expert_in_lora_expand needs y [T, P*G*R] and lora_b [S,P,E,N,R]")
+    require(y.dim() == 2 and lora_b.dim() == 5, "expert_in_lora_expand needs y [T, P*G*R] and lora_b [S,P,E,N,R]")
     rows = out.shape[0]
-    _check(
+    require(
         slots.shape == expert_ids.shape == token_of_row.shape == (rows,),
         f"slots, expert_ids and token_of_row must be [M={rows}]",
     )
     _, parts, count, n, _ = lora_b.shape
-    _check(groups.count == count, f"groups cover {groups.count} experts, lora_b has {count}")
-    _check(out.shape[1] == parts * n, f"out must be [M, P*N={parts * n}], got {tuple(out.shape)}")
+    require(groups.count == count, f"groups cover {groups.count} experts, lora_b has {count}")
+    require(out.shape[1] == parts * n, f"out must be [M, P*N={parts * n}], got {tuple(out.shape)}")
     offsets = tuple(range(0, parts * n + 1, n))
-    rows_of = _ExpertRows(expert_ids, groups, token_of_row, expert_ends)
-    return _expand(y, lora_b, slots, scalings, out, offsets, rows_of)
+    rows_of = ExpertRows(expert_ids, groups, token_of_row, expert_ends)
+    return launch_expand(y, lora_b, slots, scalings, out, offsets, rows_of)
 
 
 def expert_out_lora_expand(
@@ -239,10 +245,10 @@ def expert_out_lora_expand(
 ) -> torch.Tensor:
     """out[M,N] += scaling[slot, g] * y[M,R] @ B[slot, g]^T for rows whose expert the groups cover (lora_b
     [S, G, N, R], one shared B per group: the down projection), in place."""
-    _check(y.dim() == 2 and lora_b.dim() == 4, "expert_out_lora_expand needs y [M,R] and lora_b [S,G,N,R]")
-    _check(slots.shape == expert_ids.shape == (y.shape[0],), f"slots and expert_ids must be [M={y.shape[0]}]")
+    require(y.dim() == 2 and lora_b.dim() == 4, "expert_out_lora_expand needs y [M,R] and lora_b [S,G,N,R]")
+    _check_rows(y.shape[0], slots, expert_ids)
     _check_down_b(y.shape[0], lora_b, out, groups)
-    return _expand(y, lora_b[:, None], slots, scalings, out, None, _ExpertRows(expert_ids, groups))
+    return launch_expand(y, lora_b[:, None], slots, scalings, out, None, ExpertRows(expert_ids, groups))
 
 
 def expert_down_lora(
@@ -261,23 +267,23 @@ def expert_down_lora(
     One launch, where the shrink result stays in registers: up to ROW_MAX_ROWS rows one program per (row, column
     tile), and with `expert_ends` (rows sorted by expert) up to SEGMENT_MAX_ROWS one per (expert, slot, column tile).
     """
-    _check(lora_a.dim() == 4 and lora_b.dim() == 4, "expert_down_lora needs lora_a [S,E,R,K] and lora_b [S,G,N,R]")
-    per_row = _per_row(x.shape[0])
+    require(lora_a.dim() == 4 and lora_b.dim() == 4, "expert_down_lora needs lora_a [S,E,R,K] and lora_b [S,G,N,R]")
+    per_row = runs_per_row(x.shape[0])
     if not per_row and (expert_ends is None or x.shape[0] > SEGMENT_MAX_ROWS):
         y = expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
         return expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
     rows, k = x.shape
     num_slots, count, rank, _ = lora_a.shape
-    _check(slots.shape == expert_ids.shape == (rows,), f"slots and expert_ids must be [M={rows}]")
+    _check_rows(rows, slots, expert_ids)
     _check_expert_a(x, lora_a, groups)
     _check_down_b(rows, lora_b, out, groups)
-    ss, sg = _scale_strides(scalings, num_slots, groups.groups)
+    ss, sg = scale_strides(scalings, num_slots, groups.groups)
     if rows == 0 or rank == 0:
         return out
     n = out.shape[1]
     if per_row:
-        block_r = _pow2(rank, 2)
-        block_n = _row_block_n(n, block_r)
+        block_r = pow2(rank, 2)
+        block_n = row_block_n(n, block_r)
         _row_down_kernel[(rows, triton.cdiv(n, block_n))](
             x,
             lora_a,
@@ -291,7 +297,7 @@ def expert_down_lora(
             rank,
             groups.first,
             count,
-            _local_split(groups),
+            local_split(groups),
             *x.stride(),
             *lora_a.stride(),
             *lora_b.stride(),
@@ -299,11 +305,10 @@ def expert_down_lora(
             ss,
             sg,
             BLOCK_N=block_n,
-            BLOCK_K=min(_pow2(k, 2), max(16, ROW_TILE_ELEMENTS // block_r)),
+            BLOCK_K=min(pow2(k, 2), max(16, ROW_TILE_ELEMENTS // block_r)),
             BLOCK_R=block_r,
         )
         return out
-    dot_fp32 = x.dtype == torch.float32 or x.dtype != lora_b.dtype
     block_n = 256
     _segment_down_kernel[(count, num_slots, triton.cdiv(n, block_n))](
         x,
@@ -317,18 +322,17 @@ def expert_down_lora(
         n,
         rank,
         groups.first,
-        _local_split(groups),
+        local_split(groups),
         *x.stride(),
         *lora_a.stride(),
         *lora_b.stride(),
         *out.stride(),
         ss,
         sg,
-        DOT_FP32=dot_fp32,
-        PRECISION="ieee" if dot_fp32 else "tf32",
+        **dot_operands(x.dtype, lora_b.dtype),
         BLOCK_T=16,
         BLOCK_N=block_n,
-        BLOCK_K=_pow2(k, 16, 256 if x.element_size() <= 2 else 64),
-        BLOCK_R=_pow2(rank, 16, 64),
+        BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
+        BLOCK_R=pow2(rank, 16, 64),
     )
     return out

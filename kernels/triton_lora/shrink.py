@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from inkwell.kernels.triton_lora.common import _NONE, SLOT_LOOP_MIN_TOKENS, _pow2, _precision, _row_keys, _row_slots
+from inkwell.kernels.triton_lora.common import SENTINEL, SLOT_LOOP_MIN_TOKENS, dot_precision, pow2, row_keys, row_slots
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _shrink_kernel(
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_t = rt < T
-    slots, local = _row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
+    slots, local = row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
     y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
     in_r = rr[None, :] < R
     zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
@@ -69,9 +69,9 @@ def _shrink_kernel(
             tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
             return
         rows = in_t & (slots == slot)
-    keys = _row_keys(rows, slots, local, E)
+    keys = row_keys(rows, slots, local, E)
     key = tl.min(keys, 0)
-    while key < _NONE:
+    while key < SENTINEL:
         sel = keys == key
         a_base = a_ptr + (key // E).to(tl.int64) * stride_as + (key % E).to(tl.int64) * stride_ae
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
@@ -86,7 +86,7 @@ def _shrink_kernel(
             )
             acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=sel[:, None] & in_r)
-        keys = tl.where(sel, _NONE, keys)
+        keys = tl.where(sel, SENTINEL, keys)
         key = tl.min(keys, 0)
 
 
@@ -178,7 +178,7 @@ def _counts(device: torch.device) -> torch.Tensor:
     return _split_counts[device]
 
 
-def _shrink(
+def launch_shrink(
     x: torch.Tensor,
     a: torch.Tensor,
     slots: torch.Tensor,
@@ -196,8 +196,8 @@ def _shrink(
     y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
     if tokens == 0 or rank == 0:
         return y
-    block_t, block_r = _pow2(tokens, 16, 32), _pow2(rank, 16, 64)
-    block_k = _pow2(k, 16, 256 if x.element_size() <= 2 else 128)
+    block_t, block_r = pow2(tokens, 16, 32), pow2(rank, 16, 64)
+    block_k = pow2(k, 16, 256 if x.element_size() <= 2 else 128)
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
     split_k = min(split_k, triton.cdiv(k, block_k))
@@ -220,7 +220,7 @@ def _shrink(
         *y.stride(),
         HAS_EXPERTS=experts is not None,
         SLOT_LOOP=slot_loop,
-        PRECISION=_precision(x.dtype),
+        PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
@@ -262,7 +262,7 @@ def _split_shrink(
         a.stride(3),
         *y.stride(),
         SPLIT_K=split_k,
-        PRECISION=_precision(x.dtype),
+        PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=block_r,

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from inkwell.tests.kernels.test_triton_interpret import assert_close, run_in_interpreter
+from inkwell.tests.kernels.helpers import assert_close, run_in_interpreter
 
 
 def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling):

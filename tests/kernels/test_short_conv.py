@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from inkwell.tests.kernels.test_triton_interpret import assert_close, run_in_interpreter
+from inkwell.tests.kernels.helpers import assert_close, run_in_interpreter
 
 
 def reference(x, state, seq_slots, weight, residual, norm_weight, eps):

@@ -1,0 +1,200 @@
+"""The Triton multi-LoRA ops against their pure-torch twins: the checks shared by the interpreter tests
+(`test_triton_interpret`) and the GPU tests (`test_triton_lora`), and the inputs they build.
+
+Every `check_*` runs one ops module (`dispatch`, or `triton_lora.dense` / `expert` directly) on a device and
+compares it with the torch twins computed in float64 on the same inputs.
+"""
+
+from types import ModuleType
+
+import torch
+
+from inkwell.kernels import torch_ops
+from inkwell.kernels.torch_ops import ExpertGroups
+from inkwell.kernels.triton_lora.expert_paths import EXPERT_PATHS, expert_path
+from inkwell.tests.kernels.helpers import assert_close
+
+
+def make_slots(tokens: int, num_slots: int, used: int, gen: torch.Generator) -> torch.Tensor:
+    """Slots in {-1} U [0, used) (slots used..S-1 stay empty), every value present when tokens allow."""
+    slots = torch.randint(-1, used, (tokens,), generator=gen)
+    present = torch.arange(-1, used)[:tokens]
+    slots[: present.numel()] = present
+    return slots[torch.randperm(tokens, generator=gen)]
+
+
+def padded_factors(
+    num_slots: int, rank: int, k: int, n: int, gen: torch.Generator, parts: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [S, P*R, K] and B [S, N, R] at the buffer rank R, each slot zero-padded to its own rank."""
+    a = torch.randn(num_slots, parts * rank, k, generator=gen, dtype=torch.float64) / k**0.5
+    b = torch.randn(num_slots, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    for s in range(num_slots):
+        own = int(torch.randint(1, rank + 1, (1,), generator=gen)) if s % 2 else rank
+        for p in range(parts):
+            a[s, p * rank + own : (p + 1) * rank] = 0
+        b[s, :, own:] = 0
+    return a, b
+
+
+def expert_groups(routed: int, shared: int, covered: str) -> ExpertGroups:
+    """The LoRA's expert groups when routed ids 0..routed-1 and shared ids after them share one id space."""
+    return {
+        "both": ExpertGroups(0, routed + shared, split=routed),
+        "routed": ExpertGroups(0, routed),
+        "shared": ExpertGroups(routed, shared),
+    }[covered]
+
+
+def check_linear(
+    ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, used: int, rank: int, k: int, n: int
+):
+    gen = torch.Generator().manual_seed(tokens * 7919 + num_slots * 31 + rank)
+    slots = make_slots(tokens, num_slots, used, gen)
+    x = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    a, b = padded_factors(num_slots, rank, k, n, gen)
+    scalings = torch.rand(num_slots, generator=gen) + 0.5
+    base = torch.randn(tokens, n, generator=gen, dtype=torch.float64)
+    ref_y = torch_ops.lora_shrink(x, a, slots)
+    ref_out = torch_ops.lora_expand(ref_y, b, slots, scalings.double(), base.clone())
+
+    dev = dict(device=device, dtype=dtype)
+    d_slots, d_scal = slots.to(device), scalings.to(device)
+    y = ops.lora_shrink(x.to(**dev), a.to(**dev), d_slots)
+    assert_close(y, ref_y, dtype, "lora_shrink")
+    base_rows = (slots < 0).to(device)
+    assert bool((y[base_rows] == 0).all()), "lora_shrink: base-model rows must be zero"
+    out = base.to(**dev)
+    before = out.clone()
+    assert ops.lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_scal, out) is out
+    assert_close(out, ref_out, dtype, "lora_expand")
+    assert torch.equal(out[base_rows], before[base_rows]), "lora_expand touched base-model rows"
+    fused = base.to(**dev)
+    ops.lora_shrink_expand(x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_scal, fused)
+    assert_close(fused, ref_out, dtype, "lora_shrink_expand")
+    assert torch.equal(fused[base_rows], before[base_rows]), "lora_shrink_expand touched base-model rows"
+
+
+def check_sliced(
+    ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, rank: int, k: int, offsets: tuple
+):
+    """A fused projection of len(offsets)-1 slices equals one reference expand per slice."""
+    gen = torch.Generator().manual_seed(tokens + 13 * len(offsets) + rank)
+    parts, n = len(offsets) - 1, offsets[-1]
+    slots = make_slots(tokens, num_slots, num_slots, gen)
+    x = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    a, b = padded_factors(num_slots, rank, k, n, gen, parts)
+    scalings = torch.rand(num_slots, parts, generator=gen) + 0.5
+    scalings[0, -1] = 0.0  # slot 0's adapter leaves the last slice alone
+    base = torch.randn(tokens, n, generator=gen, dtype=torch.float64)
+    ref = base.clone()
+    for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
+        y_p = torch_ops.lora_shrink(x, a[:, p * rank : (p + 1) * rank], slots)
+        torch_ops.lora_expand(y_p, b[:, lo:hi], slots, scalings[:, p].double(), ref[:, lo:hi])
+
+    dev = dict(device=device, dtype=dtype)
+    d_slots, d_scal = slots.to(device), scalings.to(device)
+    y = ops.lora_shrink(x.to(**dev), a.to(**dev), d_slots)
+    out = ops.lora_expand_sliced(y, b.to(**dev), d_slots, d_scal, base.to(**dev), offsets)
+    assert_close(out, ref, dtype, f"lora_expand_sliced {offsets}")
+    fused = ops.lora_shrink_expand(x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_scal, base.to(**dev), offsets)
+    assert_close(fused, ref, dtype, f"lora_shrink_expand {offsets}")
+
+
+def check_projection(
+    ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, rank: int, k: int, offsets: tuple
+):
+    """lora_linear (base GEMM and sliced LoRA in one op) equals F.linear plus one reference expand per slice,
+    and a second call gives the same output bit for bit."""
+    gen = torch.Generator().manual_seed(tokens * 3 + 17 * len(offsets) + rank)
+    parts, n = len(offsets) - 1, offsets[-1]
+    slots = make_slots(tokens, num_slots, num_slots - 1, gen)  # the last slot stays empty
+    x = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    weight = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+    a, b = padded_factors(num_slots, rank, k, n, gen, parts)
+    scalings = torch.rand(num_slots, parts, generator=gen) + 0.5
+    ref = x @ weight.t()
+    for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
+        y_p = torch_ops.lora_shrink(x, a[:, p * rank : (p + 1) * rank], slots)
+        torch_ops.lora_expand(y_p, b[:, lo:hi], slots, scalings[:, p].double(), ref[:, lo:hi])
+
+    dev = dict(device=device, dtype=dtype)
+    args = (x.to(**dev), weight.to(**dev), a.to(**dev), b.to(**dev), slots.to(device), scalings.to(device), offsets)
+    out = ops.lora_linear(*args)
+    assert_close(out, ref, dtype, f"lora_linear {tokens} tokens {offsets}")
+    assert torch.equal(ops.lora_linear(*args), out), "lora_linear: a second call differs"
+
+
+def check_experts(
+    ops: ModuleType,
+    device: str,
+    dtype: torch.dtype,
+    rows: int,
+    num_slots: int,
+    experts: int,
+    rank: int,
+    k: int,
+    n: int,
+    covered: str = "both",
+):
+    """The expert ops on dispatched rows of `experts` routed + 2 shared experts, of which `covered` have LoRA.
+
+    Rows are sorted by expert, as the engine dispatches them; the gate/up expand and the fused down run every
+    way in EXPERT_PATHS: one program per row, one per expert and slot (with the segment ends), and token tiles
+    walking their groups. Rows of uncovered experts and of slot -1 must stay untouched (zero after the shrink)."""
+    gen = torch.Generator().manual_seed(rows * 3 + experts + len(covered))
+    groups = expert_groups(experts, 2, covered)
+    tokens = max(rows // 3, 1)
+    token_slots = make_slots(tokens, num_slots, num_slots - 1, gen)
+    expert_ids, order = torch.randint(0, experts + 2, (rows,), generator=gen).sort(stable=True)
+    token_of_row = torch.randint(0, tokens, (rows,), generator=gen)[order]
+    slots = token_slots[token_of_row]
+    ends = torch.searchsorted(expert_ids, torch.arange(experts + 2), right=True).to(device)
+    scalings = torch.rand(num_slots, 2 * groups.groups, generator=gen) + 0.5
+    dev = dict(device=device, dtype=dtype)
+    d_slots, d_experts = slots.to(device), expert_ids.to(device)
+    local = expert_ids - groups.first
+    untouched = ((slots < 0) | (local < 0) | (local >= groups.count)).to(device)
+
+    # down: per-expert A, each group's shared B
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    a = torch.randn(num_slots, groups.count, rank, k, generator=gen, dtype=torch.float64) / k**0.5
+    a[1, :, rank // 2 :] = 0  # slot 1 holds a smaller rank
+    b = torch.randn(num_slots, groups.groups, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    b[1, :, :, rank // 2 :] = 0
+    base = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    ref_y = torch_ops.expert_lora_shrink(x, a, slots, expert_ids, groups)
+    down_scalings = scalings[:, : groups.groups].double()
+    ref_out = torch_ops.expert_out_lora_expand(ref_y, b, slots, expert_ids, down_scalings, base.clone(), groups)
+    y = ops.expert_lora_shrink(x.to(**dev), a.to(**dev), d_slots, d_experts, groups)
+    assert_close(y, ref_y, dtype, "expert_lora_shrink")
+    assert bool((y[untouched] == 0).all()), "expert_lora_shrink: uncovered rows must be zero"
+    out = base.to(**dev)
+    before = out.clone()
+    d_scal = scalings[:, : groups.groups].to(device)
+    ops.expert_out_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, out, groups)
+    assert_close(out, ref_out, dtype, "expert_out_lora_expand")
+    assert torch.equal(out[untouched], before[untouched]), "expert_out_lora_expand touched uncovered rows"
+    for path in EXPERT_PATHS:
+        with expert_path(path, ends) as segment_ends:
+            fused = ops.expert_down_lora(
+                x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, base.to(**dev), groups, segment_ends
+            )
+        assert_close(fused, ref_out, dtype, f"expert_down_lora ({path})")
+        assert torch.equal(fused[untouched], before[untouched]), f"expert_down_lora ({path}) touched uncovered rows"
+
+    # gate/up: each group's shared A (the tokens' shrink y_in), per-expert B per projection
+    y_in = torch.randn(tokens, 2 * groups.groups * rank, generator=gen, dtype=torch.float64)
+    b_in = torch.randn(num_slots, 2, groups.count, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    base = torch.randn(rows, 2 * n, generator=gen, dtype=torch.float64)
+    ref_out = torch_ops.expert_in_lora_expand(
+        y_in, b_in, slots, expert_ids, scalings.double(), base.clone(), token_of_row, groups
+    )
+    before = base.to(**dev)
+    d_tokens, d_y, d_b, d_scal = token_of_row.to(device), y_in.to(**dev), b_in.to(**dev), scalings.to(device)
+    for path in EXPERT_PATHS:
+        out = before.clone()
+        with expert_path(path, ends) as segment_ends:
+            ops.expert_in_lora_expand(d_y, d_b, d_slots, d_experts, d_scal, out, d_tokens, groups, segment_ends)
+        assert_close(out, ref_out, dtype, f"expert_in_lora_expand ({covered}, {path})")
+        assert torch.equal(out[untouched], before[untouched]), f"expert_in_lora_expand ({path}) touched uncovered rows"
