@@ -18,6 +18,7 @@ from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.errors import LayoutError, ManifestError
+from inkwell.adapters.layouts import LAYOUTS
 from inkwell.adapters.layouts import peft as peft_layout
 from inkwell.adapters.layouts import sglang as sglang_layout
 from inkwell.adapters.layouts.lora_config import plain_lora_problem
@@ -27,7 +28,6 @@ from inkwell.models.base import BaseModelIdentity
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-LAYOUTS = ("sglang", "peft")
 
 
 def _check_layout(layout: str) -> None:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pydantic
 
+from inkwell.adapters.layouts import LAYOUTS
 from inkwell.adapters.spec import LoraSpec
 from inkwell.sdk.calls import Call, FileSink, Op, Upload, parse_model, segment
 from inkwell.sdk.errors import ValidationError
 from inkwell.sdk.events import EventFollower, Page
 from inkwell.service.schemas import (
-    LAYOUTS,
     Adapter,
     AdapterFile,
     AdapterVersion,
@@ -31,9 +31,9 @@ from inkwell.service.schemas import (
     Hyperparameters,
     JobEvent,
     ModelList,
-    name_problem,
 )
 from inkwell.service.schemas import Job as JobInfo
+from inkwell.trainer.config import name_problem
 
 if TYPE_CHECKING:
     from inkwell.sdk.client import Client

@@ -18,11 +18,12 @@ from pathlib import Path
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from inkwell.adapters.layouts import LAYOUTS
 from inkwell.service.db import repo
 from inkwell.service.db.models import AdapterVersionRow, utcnow
 from inkwell.service.errors import APIError, not_found
-from inkwell.service.schemas import LAYOUTS, name_problem
 from inkwell.service.storage import ObjectExists, ObjectStore
+from inkwell.trainer.config import name_problem
 
 log = logging.getLogger("inkwell.service.registry")
 MARKER = "_publish.json"

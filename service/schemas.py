@@ -3,37 +3,19 @@
 The SDK and the CLI are written against these models, so they change only by adding fields.
 """
 
-import re
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from inkwell.adapters.layouts import Layout
 from inkwell.adapters.spec import LoraSpec
+from inkwell.trainer.config import NAME_RULE, TrainingHyperparameters
+from inkwell.trainer.records import DatasetFormat
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_STATES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 EventType = Literal["state", "progress", "checkpoint", "eval", "log", "published"]
-Layout = Literal["sglang", "peft"]
-LAYOUTS: tuple[str, ...] = ("sglang", "peft")
-DatasetFormat = Literal["chat", "prompt_completion"]
-
-# Adapter, alias and dataset names: a path segment that is safe in S3 keys, URLs and file names.
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-NAME_RULE = "1-64 characters from letters, digits, '.', '_' and '-', starting with a letter or digit, no '..'"
-
-
-def name_problem(name: str) -> str | None:
-    """Why `name` cannot name an adapter or alias, or None when it can."""
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "it contains control characters"
-    if "/" in name or "\\" in name:
-        return "it contains a path separator"
-    if ".." in name:
-        return "it contains '..'"
-    if not NAME_PATTERN.match(name):
-        return f"it must be {NAME_RULE}"
-    return None
 
 
 class Schema(BaseModel):
@@ -95,24 +77,15 @@ class Dataset(Schema):
 # ---- jobs -------------------------------------------------------------------------------------
 
 
-class Hyperparameters(Schema):
-    """Training knobs passed to the trainer; defaults suit inkling-tiny on a CPU."""
+class Hyperparameters(TrainingHyperparameters):
+    """A job body's `hyperparameters`: the trainer's own knobs, defaults and bounds, plus one rule of the service."""
 
-    model_config = ConfigDict(extra="forbid", from_attributes=True)
-
-    learning_rate: float = Field(1e-3, gt=0, le=1.0)
-    max_steps: int = Field(20, ge=1, le=1_000_000)
-    batch_size: int = Field(4, ge=1, le=4096)
-    seq_len: int = Field(256, ge=8, le=131072)
-    grad_accum: int = Field(1, ge=1, le=1024)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: str = Field("cosine", description="a schedule the trainer knows, e.g. constant, linear, cosine")
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    seed: int = 0
-    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints uploaded to S3")
-    eval_fraction: float = Field(0.0, ge=0, lt=1, description="held out for eval when no eval dataset")
-    eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = at start and end only")
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _resumable(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1: a job whose worker is lost resumes from its last checkpoint")
+        return value
 
 
 class JobCreate(Schema):

@@ -1,6 +1,12 @@
-"""The contract between the service's job worker and the trainer: job config, events, result."""
+"""The contract between the service's job worker and the trainer: job config, events, result.
+
+A job's training knobs are defined once, in `TrainingHyperparameters`: `TrainJobConfig` (what the trainer and
+`inkwell train --config` read) extends it with paths, LoRA and placement, and the HTTP API's job body takes it as
+`hyperparameters` (`inkwell.service.schemas.Hyperparameters`), so both get the same defaults and bounds.
+"""
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -9,14 +15,37 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from inkwell.adapters.spec import LoraSpec
 
+# Adapter, alias and dataset names: a path segment that is safe in S3 keys, URLs and file names.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RULE = "1-64 characters from letters, digits, '.', '_' and '-', starting with a letter or digit, no '..'"
+LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter, alias or dataset, or None when it can."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it contains control characters"
+    if "/" in name or "\\" in name:
+        return "it contains a path separator"
+    if ".." in name:
+        return "it contains '..'"
+    if not NAME_PATTERN.match(name):
+        return f"it must be {NAME_RULE}"
+    return None
+
 
 class TrainConfigError(ValueError):
-    """Bad input found before training starts; `field` names the config field, `line` the dataset line."""
+    """Bad input found before training starts; `field` names the config field, `line` the dataset line.
 
-    def __init__(self, message: str, field: str | None = None, line: int | None = None):
+    `reason` is what is wrong without the field's name in front (the API reports the two apart); it defaults
+    to the whole message.
+    """
+
+    def __init__(self, message: str, field: str | None = None, line: int | None = None, reason: str | None = None):
         super().__init__(message)
         self.field = field
         self.line = line
+        self.reason = reason or message
 
 
 class TrainingCancelled(RuntimeError):
@@ -27,29 +56,40 @@ class TrainingCancelled(RuntimeError):
         self.step = step
 
 
-class TrainJobConfig(BaseModel):
-    """One SFT job: data, LoRA, optimisation, checkpoints and parallel layout."""
+class TrainingHyperparameters(BaseModel):
+    """A job's training knobs, with the one set of defaults (sized for inkling-tiny on a CPU) and bounds.
+
+    The API's job body takes them as `hyperparameters`; a `TrainJobConfig` (a config file) at its top level.
+    """
 
     model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(1e-3, gt=0, le=1.0)
+    max_steps: int = Field(20, ge=1, le=1_000_000)
+    batch_size: int = Field(4, ge=1, le=4096, description="packed sequences per optimizer step (global)")
+    seq_len: int = Field(256, ge=8, le=131072, description="packing length in tokens")
+    grad_accum: int = Field(1, ge=1, le=1024)
+    warmup_steps: int = Field(0, ge=0)
+    # A string here and checked by TrainJobConfig: an unknown schedule is a job the trainer refuses (the API's
+    # 422 invalid_job), not a malformed request body.
+    lr_schedule: str = Field("cosine", description=f"one of {', '.join(LR_SCHEDULES)}")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    seed: int = 0
+    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0 = never")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held out from the dataset when no eval set")
+    eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = only at start and end")
+
+
+class TrainJobConfig(TrainingHyperparameters):
+    """One SFT job: the training knobs plus data and output paths, LoRA, resume point and parallel layout."""
 
     base_model_dir: Path
     dataset_path: Path = Field(description='JSONL; each line {"messages": [...]} or {"prompt": ..., "completion": ...}')
     eval_dataset_path: Path | None = None
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="held out from the dataset when no eval set")
     output_dir: Path
     lora: LoraSpec = Field(default_factory=LoraSpec)
     method: Literal["sft"] = "sft"
-    learning_rate: float = Field(1e-3, gt=0)
-    max_steps: int = Field(100, ge=1)
-    batch_size: int = Field(8, ge=1, description="packed sequences per optimizer step (global)")
-    seq_len: int = Field(512, ge=8, description="packing length in tokens")
-    grad_accum: int = Field(1, ge=1)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    seed: int = 0
-    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = never")
     resume_from: Path | None = None
     tp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
@@ -67,8 +107,7 @@ class TrainJobConfig(BaseModel):
         "reduce-overhead also replays each layer as a CUDA graph; auto = reduce-overhead for one process "
         "without gradient accumulation, default for one process with it, none for several processes",
     )
-    adapter_name: str = Field("adapter", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = only at start and end")
+    adapter_name: str = Field("adapter", description=f"the name in the exported adapter's metadata; {NAME_RULE}")
 
     @property
     def compile_mode(self) -> str | None:
@@ -80,6 +119,21 @@ class TrainJobConfig(BaseModel):
                 return None
             return "reduce-overhead" if self.grad_accum == 1 else "default"
         return self.compile
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _known_schedule(cls, value: str) -> str:
+        if value not in LR_SCHEDULES:
+            raise ValueError(f"unknown schedule {value!r}; use one of {', '.join(LR_SCHEDULES)}")
+        return value
+
+    @field_validator("adapter_name")
+    @classmethod
+    def _adapter_name(cls, value: str) -> str:
+        problem = name_problem(value)
+        if problem:
+            raise ValueError(f"{value!r} is not allowed: {problem}")
+        return value
 
     @field_validator("sequence_parallel")
     @classmethod
@@ -163,7 +217,7 @@ def parse_config(data: TrainJobConfig | dict) -> TrainJobConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
-        raise TrainConfigError(f"{field or 'config'}: {first['msg']}", field=field) from exc
+        raise TrainConfigError(f"{field or 'config'}: {first['msg']}", field=field, reason=first["msg"]) from exc
 
 
 def load_job_config(path: Path) -> TrainJobConfig:

@@ -1,4 +1,5 @@
-"""SFT data: validate and tokenize JSONL lines, split off an eval set, pack into fixed-length rows.
+"""SFT data: tokenize the JSONL examples (parsed by `inkwell.trainer.records`), split off an eval set, pack into
+fixed-length rows.
 
 Tokenization goes through inkwell.models (`encode_chat` / `encode_prompt_completion`), the
 same code the serving engine uses, so the adapter sees identical token layouts. A packed row
@@ -7,7 +8,6 @@ and blocks attention at each boundary. Row order is a pure function of (seed, ep
 resumed run reads exactly the rows the uninterrupted run would have read.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.trainer.config import TrainConfigError
+from inkwell.trainer.records import Chat, JsonlError, Record, parse_jsonl
 
 BUNDLED = Path(__file__).parent / "data"
 
@@ -36,64 +37,42 @@ class Example:
     line: int
 
 
-def _encode_line(tokenizer: PreTrainedTokenizerFast, record, where: str) -> tuple[list[int], list[int]]:
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ValueError(f'{where}: "messages" must be a list of {{"role", "content"}} objects')
-        if not any(m.get("role") == "assistant" and m.get("content") for m in messages):
-            raise ValueError(f"{where}: no assistant turn with content; add one, it is what the model learns")
-        try:
-            return encode_chat(tokenizer, messages)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from exc
-    if "prompt" in record or "completion" in record:
-        prompt, completion = record.get("prompt", ""), record.get("completion")
-        if not isinstance(completion, str) or not completion:
-            raise ValueError(f'{where}: "completion" is missing or empty; every prompt needs a completion to learn')
-        if not isinstance(prompt, str):
-            raise ValueError(f'{where}: "prompt" must be a string')
-        return encode_prompt_completion(tokenizer, prompt, completion)
-    raise ValueError(f'{where}: needs "messages" (chat) or "prompt" and "completion"; found keys {sorted(record)}')
+def _encode(tokenizer: PreTrainedTokenizerFast, record: Record) -> tuple[list[int], list[int]]:
+    if isinstance(record, Chat):
+        return encode_chat(tokenizer, list(record.messages))
+    return encode_prompt_completion(tokenizer, record.prompt, record.completion)
 
 
 def load_examples(
     path: Path, tokenizer: PreTrainedTokenizerFast, seq_len: int, max_positions: int, field: str
 ) -> list[Example]:
-    """Every non-empty line of `path`, tokenized; the first bad line raises TrainConfigError."""
+    """Every example of `path`, parsed by the upload's rules and tokenized; the first bad line raises
+    TrainConfigError."""
     if not path.is_file():
         raise TrainConfigError(f"{field}: {path} does not exist", field=field)
+    try:
+        lines = parse_jsonl(path.read_bytes())
+    except JsonlError as exc:
+        raise TrainConfigError(f"{path.name} {exc}", field=field, line=exc.line) from exc
     examples = []
-    with path.open(encoding="utf-8") as fh:
-        for n, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            where = f"{path.name} line {n}"
-            try:
-                ids, mask = _encode_line(tokenizer, json.loads(text), where)
-            except json.JSONDecodeError as exc:
-                raise TrainConfigError(f"{where}: not valid JSON ({exc.msg})", field=field, line=n) from exc
-            except ValueError as exc:
-                raise TrainConfigError(str(exc), field=field, line=n) from exc
-            if len(ids) > max_positions:
-                raise TrainConfigError(
-                    f"{where}: {len(ids)} tokens, longer than the model's max_position_embeddings ({max_positions}); "
-                    "shorten or drop the sample",
-                    field=field,
-                    line=n,
-                )
-            if len(ids) > seq_len:
-                raise TrainConfigError(
-                    f"{where}: {len(ids)} tokens, longer than seq_len ({seq_len}); raise seq_len "
-                    f"(up to {max_positions}) or shorten the sample",
-                    field=field,
-                    line=n,
-                )
-            examples.append(Example(ids, mask, n))
-    if not examples:
-        raise TrainConfigError(f"{field}: {path} holds no samples", field=field)
+    for n, record in lines:
+        ids, mask = _encode(tokenizer, record)
+        where = f"{path.name} line {n}"
+        if len(ids) > max_positions:
+            raise TrainConfigError(
+                f"{where}: {len(ids)} tokens, longer than the model's max_position_embeddings ({max_positions}); "
+                "shorten or drop the sample",
+                field=field,
+                line=n,
+            )
+        if len(ids) > seq_len:
+            raise TrainConfigError(
+                f"{where}: {len(ids)} tokens, longer than seq_len ({seq_len}); raise seq_len "
+                f"(up to {max_positions}) or shorten the sample",
+                field=field,
+                line=n,
+            )
+        examples.append(Example(ids, mask, n))
     return examples
 
 

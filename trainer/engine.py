@@ -19,7 +19,8 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from inkwell.adapters.adapter import Adapter, init_adapter
-from inkwell.adapters.io import LAYOUTS, save_adapter
+from inkwell.adapters.io import save_adapter
+from inkwell.adapters.layouts import LAYOUTS
 from inkwell.models import load_base_weights
 from inkwell.trainer import checkpoint as ckpt
 from inkwell.trainer.bridge import gather_state, is_lora, load_state

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, File, Form, UploadFile
 from sqlalchemy.orm import Session
 
 from inkwell.service.auth import Principal, current_principal
-from inkwell.service.datasets import DatasetError, validate_jsonl
+from inkwell.service.datasets import validate_jsonl
 from inkwell.service.db import repo
 from inkwell.service.deps import Paging, get_session, get_settings, get_store
 from inkwell.service.errors import APIError, not_found
@@ -14,6 +14,7 @@ from inkwell.service.registry import check_name
 from inkwell.service.schemas import Dataset, ErrorResponse, Page
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
+from inkwell.trainer.records import JsonlError
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -49,7 +50,7 @@ def upload_dataset(
     data = read_limited(file, settings.max_upload_bytes)
     try:
         summary = validate_jsonl(data)
-    except DatasetError as exc:
+    except JsonlError as exc:
         raise APIError(422, "invalid_dataset", f"{name}: {exc}", line=exc.line, reason=exc.reason) from exc
     dataset_id = repo.new_id("ds")
     key = f"datasets/{who.tenant_id}/{dataset_id}.jsonl"

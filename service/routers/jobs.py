@@ -8,14 +8,14 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from inkwell.service.auth import Principal, current_principal
 from inkwell.service.db import repo
 from inkwell.service.db.models import JobEventRow, JobRow
-from inkwell.service.deps import Paging, get_session
+from inkwell.service.deps import Paging, get_session, get_settings
 from inkwell.service.errors import APIError, not_found
+from inkwell.service.jobs import train_config
 from inkwell.service.registry import check_name
 from inkwell.service.routers.models import require_base_model
 from inkwell.service.schemas import (
@@ -28,7 +28,8 @@ from inkwell.service.schemas import (
     JobState,
     Page,
 )
-from inkwell.trainer.config import TrainJobConfig
+from inkwell.service.settings import Settings
+from inkwell.trainer.config import TrainConfigError
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 KEEPALIVE_SECONDS = 15.0
@@ -62,23 +63,15 @@ def event_view(row: JobEventRow) -> JobEvent:
     return JobEvent.model_validate(row)
 
 
-def check_trainable(body: JobCreate) -> None:
-    """Ask the trainer's own config model whether it would accept this job (e.g. batch_size
-    divisible by grad_accum) so a bad job fails now with 422 instead of later on a worker."""
+def check_trainable(body: JobCreate, settings: Settings) -> None:
+    """Build the job's trainer config as the worker will, so a job the trainer would refuse (e.g. batch_size
+    not divisible by grad_accum) fails now with 422 instead of later on a worker. Building it reads no file,
+    so the base model and work directory only have to be some paths."""
     try:
-        TrainJobConfig(
-            base_model_dir=Path("."),
-            dataset_path=Path("train.jsonl"),
-            output_dir=Path("out"),
-            lora=body.lora,
-            method=body.method,
-            adapter_name=body.adapter_name,
-            **body.hyperparameters.model_dump(),
-        )
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "hyperparameters"
-        raise APIError(422, "invalid_job", f"{where}: {first['msg']}", reason=first["msg"]) from exc
+        train_config(body, Path("."), Path("."), settings)
+    except TrainConfigError as exc:
+        where = exc.field or "hyperparameters"
+        raise APIError(422, "invalid_job", f"{where}: {exc.reason}", reason=exc.reason) from exc
 
 
 def _own_job(s: Session, who: Principal, job_id: str) -> JobRow:
@@ -89,9 +82,14 @@ def _own_job(s: Session, who: Principal, job_id: str) -> JobRow:
 
 
 @router.post("", status_code=201, response_model=Job)
-def create_job(body: JobCreate, who: Principal = Depends(current_principal), s: Session = Depends(get_session)) -> Job:
+def create_job(
+    body: JobCreate,
+    who: Principal = Depends(current_principal),
+    s: Session = Depends(get_session),
+    settings: Settings = Depends(get_settings),
+) -> Job:
     check_name(body.adapter_name)
-    check_trainable(body)
+    check_trainable(body, settings)
     require_base_model(s, body.base_model)
     for dataset_id in filter(None, (body.dataset_id, body.eval_dataset_id)):
         if repo.get_dataset(s, who.tenant_id, dataset_id) is None:

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from inkwell.service.db import repo
 from inkwell.service.db.models import JobRow, utcnow
 from inkwell.service.db.session import make_engine, make_sessionmaker
+from inkwell.service.jobs import train_config
 from inkwell.service.registry import Publication, publish
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore, StorageUnavailable
@@ -236,37 +237,22 @@ class JobWorker:
             shutil.rmtree(work, ignore_errors=True)
 
     def _prepare(self, job: _Job, work: Path) -> TrainJobConfig:
+        """The job's trainer config, with its datasets (and its last checkpoint, to resume) downloaded into `work`."""
         row = job.row
         with self.sm() as s:
             base = repo.get_base_model(s, row.base_model)
             dataset = repo.get_dataset(s, row.tenant_id, row.dataset_id)
             eval_ds = repo.get_dataset(s, row.tenant_id, row.eval_dataset_id) if row.eval_dataset_id else None
-        self.store.download_file(dataset.s3_key, work / "data" / "train.jsonl")
+        checkpoint = row.last_checkpoint_key
+        resume_from = work / "resume" / checkpoint.rstrip("/").rsplit("/", 1)[-1] if checkpoint else None
+        config = train_config(row, Path(base.path), work, self.settings, resume_from)
+        self.store.download_file(dataset.s3_key, config.dataset_path)
         if eval_ds is not None:
-            self.store.download_file(eval_ds.s3_key, work / "data" / "eval.jsonl")
-        resume_from = None
-        if row.last_checkpoint_key:
-            name = row.last_checkpoint_key.rstrip("/").rsplit("/", 1)[-1]
-            resume_from = work / "resume" / name
-            for obj in self.store.list_objects(row.last_checkpoint_key):
-                self.store.download_file(obj.key, resume_from / obj.key[len(row.last_checkpoint_key) :])
-        hp = dict(row.hyperparameters)
-        return TrainJobConfig(
-            base_model_dir=Path(base.path),
-            dataset_path=work / "data" / "train.jsonl",
-            eval_dataset_path=work / "data" / "eval.jsonl" if eval_ds else None,
-            output_dir=work / "out",
-            lora=row.lora,
-            method=row.method,
-            resume_from=resume_from,
-            device=self.settings.train_device,
-            dtype=self.settings.train_dtype,
-            nproc=self.settings.train_nproc,
-            tp=self.settings.train_tp,
-            ep=self.settings.train_ep,
-            adapter_name=row.adapter_name,
-            **hp,
-        )
+            self.store.download_file(eval_ds.s3_key, config.eval_dataset_path)
+        if resume_from is not None:
+            for obj in self.store.list_objects(checkpoint):
+                self.store.download_file(obj.key, resume_from / obj.key[len(checkpoint) :])
+        return config
 
     def _publish(self, job: _Job, result: TrainResult) -> None:
         row = job.row

@@ -31,6 +31,7 @@ def test_bf16_sft_on_gpu_tracks_fp32_on_cpu(tmp_path, tiny_model_dir, grad_accum
         "seq_len": 128,
         "warmup_steps": 4,
         "grad_accum": grad_accum,
+        "eval_fraction": 0.1,
     }
     runs = {}
     for name, extra in {"cpu-fp32": {}, "cuda-bf16": {"device": "cuda", "dtype": "bfloat16"}}.items():

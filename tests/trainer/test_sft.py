@@ -55,6 +55,7 @@ def test_sft_on_bundled_data_learns(tmp_path, tiny_model_dir):
             "batch_size": 8,
             "seq_len": 128,
             "warmup_steps": 3,
+            "eval_fraction": 0.1,
             "eval_every": 8,
         },
         recorder,
