@@ -6,7 +6,7 @@ tree, so `sdk/` installs as `inkwell.sdk`, `service/` as `inkwell.service`, and 
 
 from setuptools import find_packages, setup
 
-FOLDERS = ["sdk", "service", "serving", "adapters", "trainer", "kernels", "models", "tests"]
+FOLDERS = ["sdk", "service", "serving", "adapters", "trainer", "kernels", "models"]  # tests/ is not installed
 
 packages = ["inkwell"]
 package_dir = {"inkwell": "inkwell"}

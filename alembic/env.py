@@ -2,7 +2,7 @@
 
 from alembic import context
 from inkwell.service.db.models import Base
-from inkwell.service.db.session import make_engine
+from inkwell.service.db.session import make_db_engine
 from inkwell.service.settings import Settings
 
 config = context.config
@@ -30,7 +30,7 @@ def run_migrations_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    engine = make_engine(_url())
+    engine = make_db_engine(_url())
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
         with context.begin_transaction():

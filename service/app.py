@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import inkwell
 from inkwell.service.bootstrap import ensure_preset_models
 from inkwell.service.db.migrate import upgrade_database
-from inkwell.service.db.session import make_engine, make_sessionmaker
+from inkwell.service.db.session import make_db_engine, make_sessionmaker
 from inkwell.service.errors import error_response, install_error_handlers
 from inkwell.service.metrics import Metrics, MetricsMiddleware
 from inkwell.service.registry import cleanup_orphans
@@ -90,9 +90,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
     await asyncio.to_thread(upgrade_database, url)
-    engine = make_engine(url)
-    read_engine = make_engine(url, write_intent=False) if url.startswith("sqlite") else engine
-    sm, read_sm = make_sessionmaker(engine), make_sessionmaker(read_engine)
+    db_engine = make_db_engine(url)
+    read_db_engine = make_db_engine(url, write_intent=False) if url.startswith("sqlite") else db_engine
+    sm, read_sm = make_sessionmaker(db_engine), make_sessionmaker(read_db_engine)
     seaweed = None
     endpoint = settings.s3_endpoint
     if not endpoint:
@@ -100,7 +100,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         endpoint = await asyncio.to_thread(seaweed.start)
         log.info("embedded SeaweedFS serving S3 at %s", endpoint)
     store = ObjectStore(endpoint, settings.bucket, settings.s3_region, settings.s3_access_key, settings.s3_secret_key)
-    app.state.engine, app.state.sessionmaker, app.state.read_sessionmaker = engine, sm, read_sm
+    app.state.sessionmaker, app.state.read_sessionmaker = sm, read_sm
     app.state.store, app.state.s3_endpoint = store, endpoint
     app.state.metrics = Metrics(read_sm)
     cleanup = None
@@ -118,8 +118,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             cleanup.cancel()
         if seaweed is not None:
             await asyncio.to_thread(seaweed.stop)
-        engine.dispose()
-        read_engine.dispose()
+        db_engine.dispose()
+        read_db_engine.dispose()
 
 
 def create_app(settings: Settings | None = None, extension_modules: Sequence[str] = EXTENSION_MODULES) -> FastAPI:

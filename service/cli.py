@@ -18,7 +18,7 @@ from inkwell.models import BaseModelError
 from inkwell.service.bootstrap import LOCAL_TENANT, ensure_local_key, register_base_model
 from inkwell.service.db import repo
 from inkwell.service.db.migrate import upgrade_database
-from inkwell.service.db.session import make_engine, make_sessionmaker
+from inkwell.service.db.session import make_db_engine, make_sessionmaker
 from inkwell.service.registry import cleanup_orphans
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
@@ -41,7 +41,7 @@ def _settings(data_dir: Path | None) -> Settings:
 def _sessionmaker(settings: Settings):
     url = settings.resolved_database_url
     upgrade_database(url)
-    return make_sessionmaker(make_engine(url))
+    return make_sessionmaker(make_db_engine(url))
 
 
 def _worker_env(settings: Settings) -> dict[str, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("inkwell", "sdk", "service", "serving", "adapters", "trainer", "kernels", "models")
-SCRIPTS = ("benchmarks", "demo")
+SCRIPTS = ("benchmarks", "demo", "alembic")
 
 
 def _files(folders: tuple[str, ...]) -> list[Path]:

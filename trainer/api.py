@@ -3,8 +3,8 @@
 import os
 
 from inkwell.trainer.config import TrainCallbacks, TrainJobConfig, TrainResult, parse_config
-from inkwell.trainer.engine import Trainer
 from inkwell.trainer.launch import launch
+from inkwell.trainer.loop import Trainer
 from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.prepare import prepare
 

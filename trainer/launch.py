@@ -18,7 +18,7 @@ POLL_S = 0.2
 
 
 class FileCallbacks(TrainCallbacks):
-    """The worker side: events to a JSONL file, stop when the stop file appears."""
+    """A rank's side: events to a JSONL file, stop when the stop file appears."""
 
     def __init__(self, events: Path, stop: Path):
         self.events, self.stop = events, stop
@@ -69,7 +69,7 @@ def launch(config: TrainJobConfig, callbacks: TrainCallbacks) -> TrainResult:
     job.write_text(config.model_dump_json(indent=2))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.nproc}",
-        "-m", "inkwell.trainer.worker", str(job), str(events), str(stop), str(result),
+        "-m", "inkwell.trainer.rank", str(job), str(events), str(stop), str(result),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

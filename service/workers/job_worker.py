@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from inkwell.service.db import repo
 from inkwell.service.db.models import JobRow, utcnow
-from inkwell.service.db.session import make_engine, make_sessionmaker
+from inkwell.service.db.session import make_db_engine, make_sessionmaker
 from inkwell.service.jobs import train_config
 from inkwell.service.registry import Publication, publish
 from inkwell.service.settings import Settings
@@ -147,8 +147,8 @@ class JobWorker:
         self.settings = settings
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.stopping = stopping or threading.Event()
-        self.engine = make_engine(settings.resolved_database_url)
-        self.sm: sessionmaker[Session] = make_sessionmaker(self.engine)
+        self.db_engine = make_db_engine(settings.resolved_database_url)
+        self.sm: sessionmaker[Session] = make_sessionmaker(self.db_engine)
         self.store = ObjectStore(
             settings.s3_endpoint, settings.bucket, settings.s3_region, settings.s3_access_key, settings.s3_secret_key
         )
@@ -165,7 +165,7 @@ class JobWorker:
                 ran = False
             if not ran:
                 self.stopping.wait(self.settings.worker_poll_seconds)
-        self.engine.dispose()
+        self.db_engine.dispose()
 
     def claim(self) -> JobRow | None:
         with self.sm() as s:

@@ -20,7 +20,7 @@ from inkwell.adapters.layouts.sglang import SglangLayoutError, from_sglang, sgla
 from inkwell.adapters.spec import TARGET_GROUPS, LoraSpec
 from inkwell.models import base_model_identity, load_base_config, preset_config
 from inkwell.models.presets import PRESETS
-from inkwell.tests.sglang_import import import_sglang
+from tests.sglang_import import import_sglang
 
 ALL = LoraSpec(rank=8, alpha=16, targets=TARGET_GROUPS)
 

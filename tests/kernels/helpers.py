@@ -4,6 +4,7 @@ interpreted cases in a child process with Triton's CPU interpreter."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ def run_in_interpreter(module: str) -> None:
     """Run `module`'s `run_interpreted_cases()` in a child process with TRITON_INTERPRET=1; fail with its output."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     code = f"from {module} import run_interpreted_cases; run_interpreted_cases()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parents[2]  # where `tests` is importable from
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "interpreted cases passed" in proc.stdout

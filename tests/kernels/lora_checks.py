@@ -12,7 +12,7 @@ import torch
 from inkwell.kernels import torch_ops
 from inkwell.kernels.torch_ops import ExpertGroups
 from inkwell.kernels.triton_lora.expert_paths import EXPERT_PATHS, expert_path
-from inkwell.tests.kernels.helpers import assert_close
+from tests.kernels.helpers import assert_close
 
 
 def make_slots(tokens: int, num_slots: int, used: int, gen: torch.Generator) -> torch.Tensor:

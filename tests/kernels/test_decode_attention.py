@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from inkwell.tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import assert_close, run_in_interpreter
 
 
 def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling):
@@ -80,7 +80,7 @@ def run_interpreted_cases() -> None:
 
 
 def test_decode_attention_matches_reference_in_interpreter():
-    run_in_interpreter("inkwell.tests.kernels.test_decode_attention")
+    run_in_interpreter("tests.kernels.test_decode_attention")
 
 
 def test_decode_attention_rejects_mismatched_shapes():

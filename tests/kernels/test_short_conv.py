@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from inkwell.tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import assert_close, run_in_interpreter
 
 
 def reference(x, state, seq_slots, weight, residual, norm_weight, eps):
@@ -78,7 +78,7 @@ def run_interpreted_cases() -> None:
 
 
 def test_short_conv_step_matches_reference_in_interpreter():
-    run_in_interpreter("inkwell.tests.kernels.test_short_conv")
+    run_in_interpreter("tests.kernels.test_short_conv")
 
 
 def test_short_conv_step_rejects_mismatched_state():

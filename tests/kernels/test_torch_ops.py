@@ -10,7 +10,7 @@ from inkwell.kernels import (
     lora_expand,
     lora_shrink,
 )
-from inkwell.tests.kernels.lora_checks import expert_groups
+from tests.kernels.lora_checks import expert_groups
 
 
 def _slots(t: int, s: int, gen: torch.Generator) -> torch.Tensor:

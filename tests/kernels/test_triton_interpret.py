@@ -10,8 +10,8 @@ import os
 import torch
 
 from inkwell.kernels import dispatch
-from inkwell.tests.kernels.helpers import run_in_interpreter
-from inkwell.tests.kernels.lora_checks import check_experts, check_linear, check_projection, check_sliced
+from tests.kernels.helpers import run_in_interpreter
+from tests.kernels.lora_checks import check_experts, check_linear, check_projection, check_sliced
 
 
 def run_interpreted_cases() -> None:
@@ -42,7 +42,7 @@ def run_interpreted_cases() -> None:
 
 
 def test_triton_kernels_match_torch_twins_in_interpreter():
-    run_in_interpreter("inkwell.tests.kernels.test_triton_interpret")
+    run_in_interpreter("tests.kernels.test_triton_interpret")
 
 
 def test_dispatch_torch_path_of_sliced_and_fused_ops():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from inkwell.kernels import dispatch, torch_ops
-from inkwell.tests.kernels.helpers import assert_close
-from inkwell.tests.kernels.lora_checks import (
+from tests.kernels.helpers import assert_close
+from tests.kernels.lora_checks import (
     check_experts,
     check_linear,
     check_projection,

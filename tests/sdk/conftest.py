@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from inkwell import sdk
-from inkwell.tests.service.conftest import (  # noqa: F401  (seaweed, sqlite_service: fixtures)
+from tests.service.conftest import (  # noqa: F401  (seaweed, sqlite_service: fixtures)
     Service,
     make_settings,
     seaweed,
@@ -42,7 +42,7 @@ def adapter_dir(sqlite_service, tmp_path_factory) -> Path:  # noqa: F811
 @pytest.fixture(scope="module")
 def training_service(seaweed, tmp_path_factory) -> Iterator[Service]:  # noqa: F811
     """A service of its own with one real job worker process, so the worker sees only this module's jobs."""
-    from inkwell.tests.service.test_jobs_e2e import start_worker, stop_worker
+    from tests.service.test_jobs_e2e import start_worker, stop_worker
 
     data_dir = tmp_path_factory.mktemp("svc-training")
     svc = start_service(make_settings(data_dir, None, seaweed.endpoint))

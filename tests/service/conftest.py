@@ -9,7 +9,7 @@ import psycopg2
 import pytest
 
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
-from inkwell.tests.service.helpers import Service, make_settings, pg_connect, start_service
+from tests.service.helpers import Service, make_settings, pg_connect, start_service
 
 
 @pytest.fixture(scope="session")

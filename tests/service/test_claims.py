@@ -10,7 +10,7 @@ from sqlalchemy import update
 
 from inkwell.service.db import repo
 from inkwell.service.db.models import JobRow
-from inkwell.tests.service.helpers import CHAT, jsonl, upload
+from tests.service.helpers import CHAT, jsonl, upload
 
 
 def queue_jobs(service, count: int) -> list[str]:

@@ -11,7 +11,7 @@ import httpx
 from typer.testing import CliRunner
 
 from inkwell import cli
-from inkwell.tests.service.helpers import free_port
+from tests.service.helpers import free_port
 
 INKWELL = [sys.executable, "-m", "inkwell.cli"]
 

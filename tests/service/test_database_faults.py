@@ -5,7 +5,7 @@ import secrets
 
 import pytest
 
-from inkwell.tests.service.helpers import assert_error, make_settings, pg_connect, start_service
+from tests.service.helpers import assert_error, make_settings, pg_connect, start_service
 
 
 @pytest.fixture

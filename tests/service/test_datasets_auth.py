@@ -2,7 +2,7 @@
 
 import json
 
-from inkwell.tests.service.helpers import CHAT, assert_error, jsonl, upload
+from tests.service.helpers import CHAT, assert_error, jsonl, upload
 
 
 def test_models_lists_the_embedded_tiny_model(tenant):

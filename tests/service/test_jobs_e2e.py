@@ -14,7 +14,7 @@ import pytest
 
 from inkwell.service.db import repo
 from inkwell.service.registry import cleanup_orphans
-from inkwell.tests.service.helpers import jsonl, upload
+from tests.service.helpers import jsonl, upload
 
 EXAMPLES = [
     {"messages": [{"role": "user", "content": f"what is {i} plus {i}?"}, {"role": "assistant", "content": f"{2 * i}"}]}

@@ -9,7 +9,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect
 
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.models import Base
-from inkwell.tests.service.helpers import pg_connect
+from tests.service.helpers import pg_connect
 
 
 def _diff(url: str) -> list:

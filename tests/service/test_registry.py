@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from inkwell.models import BaseModelIdentity
 from inkwell.service.db import repo
 from inkwell.service.registry import Publication, VersionExists, cleanup_orphans, publish, version_prefix
-from inkwell.tests.service.helpers import assert_error, import_dir, make_adapter_dir
+from tests.service.helpers import assert_error, import_dir, make_adapter_dir
 
 
 def test_import_both_layouts_download_verifies_sha256(service, tenant, tmp_path):

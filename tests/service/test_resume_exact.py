@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from inkwell.tests.service.helpers import jsonl, upload
-from inkwell.tests.service.test_jobs_e2e import EXAMPLES, holder, start_worker, stop_worker, wait_for
+from tests.service.helpers import jsonl, upload
+from tests.service.test_jobs_e2e import EXAMPLES, holder, start_worker, stop_worker, wait_for
 
 MAX_STEPS = 10
 

@@ -7,7 +7,7 @@ import pytest
 
 from inkwell.service.registry import cleanup_orphans, version_prefix
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
-from inkwell.tests.service.helpers import (
+from tests.service.helpers import (
     CHAT,
     assert_error,
     import_dir,

@@ -13,7 +13,7 @@ from inkwell.serving.native.engine import Engine
 from inkwell.serving.router import AdapterRef, ServingRouter
 from inkwell.serving.sources import DirectorySource
 from inkwell.serving.worker import WorkerConfig
-from inkwell.tests.serving.test_engine import PROMPT, merged_model, reference_greedy, reference_prompt_logprobs
+from tests.serving.test_engine import PROMPT, merged_model, reference_greedy, reference_prompt_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

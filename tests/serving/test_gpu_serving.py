@@ -7,7 +7,7 @@ import pytest
 
 from inkwell.serving.contract import EngineConfig, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
-from inkwell.tests.serving.test_engine import PROMPT
+from tests.serving.test_engine import PROMPT
 
 pytestmark = pytest.mark.gpu
 # bf16 keeps 8 bits of mantissa: a logit of magnitude ~10 moves by ~0.04 with the GEMM shape. A greedy

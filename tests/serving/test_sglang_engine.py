@@ -31,7 +31,7 @@ from inkwell.serving.sglang.engine import (
     server_args,
     sglang_sampling_params,
 )
-from inkwell.tests.sglang_import import import_sglang
+from tests.sglang_import import import_sglang
 
 PROMPT = list(range(10, 40))
 

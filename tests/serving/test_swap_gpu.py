@@ -19,7 +19,7 @@ from inkwell.serving.native.engine import Engine
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.sources import DirectorySource
 from inkwell.serving.transfer import ImageReceiver
-from inkwell.tests.serving.test_engine import PROMPT
+from tests.serving.test_engine import PROMPT
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from inkwell.serving.native.engine import Engine
 from inkwell.serving.router import AdapterRef, QueueFullError, ServingRouter
 from inkwell.serving.sources import DirectorySource
 from inkwell.serving.worker import WorkerConfig
-from inkwell.tests.serving.slow_source import SlowSource
+from tests.serving.slow_source import SlowSource
 
 ENGINE = EngineConfig(max_loras_per_batch=4, max_lora_rank=16, max_batch_tokens=64)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

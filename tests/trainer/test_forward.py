@@ -7,9 +7,9 @@ from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.reference import apply_lora
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import load_base_config, load_base_model, load_base_weights
-from inkwell.tests.trainer.conftest import ALL_GROUPS, build_model, identity
 from inkwell.trainer.bridge import gather_state, is_lora, marked_tensors
 from inkwell.trainer.replay import record_routing, replay_routing
+from tests.trainer.conftest import ALL_GROUPS, build_model, identity
 
 # 70 tokens cross the sliding window (24), the relative extent (48) and the log-scaling floor (16).
 SEQ = 70

@@ -1,4 +1,4 @@
-"""Entry point of each torchrun process: `python -m inkwell.trainer.worker JOB EVENTS STOP RESULT`."""
+"""Entry point of each torchrun process: `python -m inkwell.trainer.rank JOB EVENTS STOP RESULT`."""
 
 import json
 import sys
