@@ -42,9 +42,22 @@ def default_adapter_name(base_model: str, method: str) -> str:
 
 class _ClientBase:
     _job_class: type[Job] | type[AsyncJob]
+    _transport_class: type[SyncTransport] | type[AsyncTransport]
 
-    def __init__(self, transport: SyncTransport | AsyncTransport) -> None:
-        self._transport = transport
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """`transport`: an httpx transport of the client's kind (sync or async), e.g. for tests."""
+        url, api_key = resolve_config(url, api_key)
+        self._transport = self._transport_class(
+            url, api_key, timeout=timeout, max_retries=max_retries, transport=transport
+        )
         self.datasets = Datasets(self)
         self.jobs = Jobs(self)
         self.adapters = Adapters(self)
@@ -90,18 +103,7 @@ class Client(_ClientBase):
     """
 
     _job_class = Job
-
-    def __init__(
-        self,
-        url: str | None = None,
-        api_key: str | None = None,
-        *,
-        timeout: float = 60.0,
-        max_retries: int = 3,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        url, api_key = resolve_config(url, api_key)
-        super().__init__(SyncTransport(url, api_key, timeout=timeout, max_retries=max_retries, transport=transport))
+    _transport_class = SyncTransport
 
     def train(
         self,
@@ -137,18 +139,7 @@ class AsyncClient(_ClientBase):
     """The asyncio twin of `Client`: the same methods, awaited (iterators are async iterators)."""
 
     _job_class = AsyncJob
-
-    def __init__(
-        self,
-        url: str | None = None,
-        api_key: str | None = None,
-        *,
-        timeout: float = 60.0,
-        max_retries: int = 3,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        url, api_key = resolve_config(url, api_key)
-        super().__init__(AsyncTransport(url, api_key, timeout=timeout, max_retries=max_retries, transport=transport))
+    _transport_class = AsyncTransport
 
     async def train(
         self,

@@ -107,11 +107,11 @@ class _Policy:
         return JobEvent.model_validate_json(message.data) if message is not None else None
 
 
-def _client_kwargs(url: str, timeout: float) -> dict[str, Any]:
-    return {"base_url": url, "timeout": httpx.Timeout(timeout, connect=min(timeout, 10.0)), "follow_redirects": True}
+class _Transport:
+    """What both transports hold: the retry policy and an httpx client of their kind (`http_class`)."""
 
+    http_class: type[httpx.Client] | type[httpx.AsyncClient]
 
-class SyncTransport:
     def __init__(
         self,
         url: str,
@@ -121,10 +121,19 @@ class SyncTransport:
         max_retries: int = 3,
         backoff: float = 0.5,
         max_backoff: float = 8.0,
-        transport: httpx.BaseTransport | None = None,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.policy = _Policy(url, api_key, max_retries, backoff, max_backoff)
-        self.http = httpx.Client(transport=transport, **_client_kwargs(self.policy.url, timeout))
+        self.http = self.http_class(
+            transport=transport,
+            base_url=self.policy.url,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            follow_redirects=True,
+        )
+
+
+class SyncTransport(_Transport):
+    http_class = httpx.Client
 
     def close(self) -> None:
         self.http.close()
@@ -194,20 +203,8 @@ class SyncTransport:
                 time.sleep(self.policy.reconnect_delay(follower, exc))
 
 
-class AsyncTransport:
-    def __init__(
-        self,
-        url: str,
-        api_key: str,
-        *,
-        timeout: float = 60.0,
-        max_retries: int = 3,
-        backoff: float = 0.5,
-        max_backoff: float = 8.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self.policy = _Policy(url, api_key, max_retries, backoff, max_backoff)
-        self.http = httpx.AsyncClient(transport=transport, **_client_kwargs(self.policy.url, timeout))
+class AsyncTransport(_Transport):
+    http_class = httpx.AsyncClient
 
     async def close(self) -> None:
         await self.http.aclose()
