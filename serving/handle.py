@@ -174,15 +174,16 @@ class WorkerHandle:
             case messages.Loaded(key=key, failure=failure):
                 if failure is None:
                     self.adapters.add(key)
-                self._settle(key, failure)
+                self._answer_waiters(key, failure)
             case messages.Unloaded(key=key, failure=failure):
                 if failure is None:
                     self.adapters.discard(key)
-                self._settle(f"unload:{key}", failure)
+                self._answer_waiters(f"unload:{key}", failure)
             case messages.Evicted(keys=keys):
                 self.adapters.difference_update(keys)
 
-    def _settle(self, waiting_key: str, failure) -> None:
+    def _answer_waiters(self, waiting_key: str, failure: messages.Failure | None) -> None:
+        """Settle every future waiting on a load (`key`) or an unload (`unload:key`), failed or not."""
         with self._lock:
             waiters = self._loads.pop(waiting_key, [])
         exc = None if failure is None else AdapterLoadError(failure.code, failure.message)
