@@ -20,21 +20,14 @@ from inkwell.adapters.layouts.sglang import SglangLayoutError, from_sglang, sgla
 from inkwell.adapters.spec import TARGET_GROUPS, LoraSpec
 from inkwell.models import base_model_identity, load_base_config, preset_config
 from inkwell.models.presets import PRESETS
-from tests.sglang_import import import_sglang
+from tests.sglang_import import sglang_fixture
 
 ALL = LoraSpec(rank=8, alpha=16, targets=TARGET_GROUPS)
 
 
-@pytest.fixture(scope="module")
-def sgl():
-    """SGLang's LoRA loader and Inkling LoRA layers."""
-    return import_sglang(
-        LoadConfig="sglang.srt.configs.load_config:LoadConfig",
-        LoRAAdapter="sglang.srt.lora.lora:LoRAAdapter",
-        LoRAConfig="sglang.srt.lora.lora_config:LoRAConfig",
-        normalize_targets="sglang.srt.lora.utils:get_normalized_target_modules",
-        Sink="sglang.srt.models.inkling_common.lora:InklingBatchDenseMLPWithLoRA",
-    )
+sgl = sglang_fixture(
+    "LoadConfig LoRAAdapter LoRAConfig normalize_targets Sink", "SGLang's LoRA loader and Inkling LoRA layers."
+)
 
 
 @pytest.fixture(scope="module")

@@ -137,18 +137,6 @@ def test_a_non_json_error_body_still_maps():
     assert err.value.code == "http_502" and "bad gateway" in err.value.message
 
 
-def test_a_gateway_error_is_resent_only_for_idempotent_requests():
-    handler, seen = scripted(httpx.Response(502, text="bad gateway"), httpx.Response(200, json=model_json()))
-    with client(handler) as c:
-        c._transport.policy.backoff = 0.001
-        assert c.models.get("inkling-tiny").id == "inkling-tiny"
-        assert len(seen) == 2
-        seen.clear()
-        with pytest.raises(sdk.ServerError):
-            c.jobs.cancel("job_" + "0" * 24)
-        assert len(seen) == 1
-
-
 @pytest.mark.parametrize("from_file", [False, True])
 def test_a_post_the_service_declares_retryable_is_resent_whole(from_file, tmp_path):
     dataset = {
@@ -172,15 +160,22 @@ def test_a_post_the_service_declares_retryable_is_resent_whole(from_file, tmp_pa
     assert b'{"prompt": "a", "completion": "b"}' in seen[1].read()  # the body went out again, complete
 
 
-def test_a_dropped_post_is_not_resent_but_a_dropped_get_is():
-    drop = httpx.ReadError("connection reset")
-    handler, seen = scripted(drop, httpx.Response(200, json=model_json()))
+@pytest.mark.parametrize(
+    "failure,raised",
+    [
+        (httpx.Response(502, text="bad gateway"), sdk.ServerError),
+        (httpx.ReadError("connection reset"), sdk.APIConnectionError),
+    ],
+    ids=["gateway-error", "dropped-connection"],
+)
+def test_a_failed_post_is_not_resent_but_a_failed_get_is(failure, raised):
+    handler, seen = scripted(failure, httpx.Response(200, json=model_json()))
     with client(handler) as c:
         c._transport.policy.backoff = 0.001
         assert c.models.get("inkling-tiny").id == "inkling-tiny"
         assert len(seen) == 2
         seen.clear()
-        with pytest.raises(sdk.APIConnectionError):
+        with pytest.raises(raised):
             c.jobs.cancel("job_" + "0" * 24)
         assert len(seen) == 1  # the server may have acted on it: never resent
 

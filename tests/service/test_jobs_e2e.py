@@ -9,6 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +64,23 @@ def stop_worker(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+@contextmanager
+def two_workers(service, tmp_path) -> Iterator[tuple[list[subprocess.Popen], Path]]:
+    """Two worker processes (logs w0.log, w1.log in tmp_path), stopped on the way out; yields them and w0.log."""
+    workers = [start_worker(service, tmp_path / f"w{i}.log") for i in range(2)]
+    try:
+        yield workers, tmp_path / "w0.log"
+    finally:
+        for w in workers:
+            stop_worker(w)
+
+
+def submit(client, name: str, max_steps: int, checkpoint_every: int) -> tuple[str, dict]:
+    """Upload EXAMPLES and submit a job training adapter `name` on them: (dataset id, the job)."""
+    ds = upload(client, jsonl(EXAMPLES)).json()["id"]
+    return ds, client.post("/v1/jobs", json=job_body(ds, name, max_steps, checkpoint_every)).json()
+
+
 def wait_for(predicate, timeout: float, what: str, worker_log=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -74,8 +94,7 @@ def wait_for(predicate, timeout: float, what: str, worker_log=None):
 
 def test_dataset_job_worker_publish_download_alias_delete(service, tenant, tmp_path):
     _, client = tenant
-    ds = upload(client, jsonl(EXAMPLES)).json()["id"]
-    job = client.post("/v1/jobs", json=job_body(ds, "e2e", max_steps=4, checkpoint_every=2)).json()
+    ds, job = submit(client, "e2e", max_steps=4, checkpoint_every=2)
     log = tmp_path / "worker.log"
     worker = start_worker(service, log)
     try:
@@ -150,12 +169,9 @@ def test_sigterm_requeues_the_job_and_cancel_stops_it_on_the_next_worker(sqlite_
     service = sqlite_service
     _, key = service.new_tenant()
     with service.client(key) as client:
-        ds = upload(client, jsonl(EXAMPLES)).json()["id"]
-        job = client.post("/v1/jobs", json=job_body(ds, "cancel-me", max_steps=2000, checkpoint_every=3)).json()
+        _, job = submit(client, "cancel-me", max_steps=2000, checkpoint_every=3)
         url = f"/v1/jobs/{job['id']}"
-        workers = [start_worker(service, tmp_path / f"w{i}.log") for i in range(2)]
-        log = tmp_path / "w0.log"
-        try:
+        with two_workers(service, tmp_path) as (workers, log):
             wait_for(lambda: (client.get(url).json()["last_checkpoint_step"] or 0) >= 3, 240, "a checkpoint", log)
             first = holder(service, job["id"], workers)
             first.send_signal(signal.SIGTERM)  # graceful stop: the job goes back to the queue at once
@@ -165,9 +181,6 @@ def test_sigterm_requeues_the_job_and_cancel_stops_it_on_the_next_worker(sqlite_
             final = wait_for(
                 lambda: (j := client.get(url).json())["state"] == "cancelled" and j, 60, "the job to be cancelled", log
             )
-        finally:
-            for w in workers:
-                stop_worker(w)
         assert final["finished_at"] and final["adapter_version"] is None
         assert final["progress"]["step"] < 2000
         assert client.get("/v1/adapters").json()["data"] == []
@@ -181,12 +194,9 @@ def test_sigterm_requeues_the_job_and_cancel_stops_it_on_the_next_worker(sqlite_
 @pytest.mark.skipif(os.name != "posix", reason="kill -9")
 def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, tenant, tmp_path):
     _, client = tenant
-    ds = upload(client, jsonl(EXAMPLES)).json()["id"]
-    job = client.post("/v1/jobs", json=job_body(ds, "survivor", max_steps=60, checkpoint_every=3)).json()
+    _, job = submit(client, "survivor", max_steps=60, checkpoint_every=3)
     url = f"/v1/jobs/{job['id']}"
-    workers = [start_worker(service, tmp_path / f"w{i}.log") for i in range(2)]
-    log = tmp_path / "w0.log"
-    try:
+    with two_workers(service, tmp_path) as (workers, log):
         wait_for(lambda: client.get(url).json()["last_checkpoint_step"], 240, "a first checkpoint", log)
         victim = holder(service, job["id"], workers)
         victim.send_signal(signal.SIGKILL)
@@ -198,9 +208,6 @@ def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, ten
             "the job to finish on the other worker",
             log,
         )
-    finally:
-        for w in workers:
-            stop_worker(w)
     assert at_kill["state"] == "running" and at_kill["progress"]["step"] < 60, at_kill
     checkpoint_at_kill = at_kill["last_checkpoint_step"]
     assert final["state"] == "succeeded", final

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from tests.service.helpers import jsonl, upload
-from tests.service.test_jobs_e2e import EXAMPLES, holder, start_worker, stop_worker, wait_for
+from tests.service.test_jobs_e2e import EXAMPLES, holder, two_workers, wait_for
 
 MAX_STEPS = 10
 
@@ -67,9 +67,7 @@ def test_worker_resumed_job_matches_an_uninterrupted_run_at_every_step(sqlite_se
         ds = upload(client, jsonl(EXAMPLES)).json()["id"]
         steady = client.post("/v1/jobs", json=job_body(ds, "steady")).json()["id"]
         killed = client.post("/v1/jobs", json=job_body(ds, "killed")).json()["id"]
-        workers = [start_worker(service, tmp_path / f"w{i}.log") for i in range(2)]
-        log = tmp_path / "w0.log"
-        try:
+        with two_workers(service, tmp_path) as (workers, log):
             url = f"/v1/jobs/{killed}"
             wait_for(lambda: client.get(url).json()["last_checkpoint_step"], 240, "a first checkpoint", log)
             victim = holder(service, killed, workers)
@@ -77,9 +75,6 @@ def test_worker_resumed_job_matches_an_uninterrupted_run_at_every_step(sqlite_se
             victim.wait()
             at_kill = client.get(url).json()
             results = [wait_for(lambda j=j: finished(client, j), 300, f"{j} to finish", log) for j in (steady, killed)]
-        finally:
-            for w in workers:
-                stop_worker(w)
         assert [r["state"] for r in results] == ["succeeded", "succeeded"], results
         assert results[0]["attempts"] == 1 and results[1]["attempts"] == 2, results
         assert at_kill["state"] == "running", at_kill

@@ -31,20 +31,15 @@ from inkwell.serving.sglang.engine import (
     server_args,
     sglang_sampling_params,
 )
-from tests.sglang_import import import_sglang
+from tests.sglang_import import sglang_fixture
 
 PROMPT = list(range(10, 40))
 
 
-@pytest.fixture(scope="module")
-def sgl():
-    """SGLang's pure-Python pieces: server arguments, sampling parameters, target names, Inkling's config."""
-    return import_sglang(
-        ServerArgs="sglang.srt.server_args:ServerArgs",
-        SamplingParams="sglang.srt.sampling.sampling_params:SamplingParams",
-        normalize_targets="sglang.srt.lora.utils:get_normalized_target_modules",
-        InklingMMConfig="sglang.srt.configs.inkling:InklingMMConfig",
-    )
+sgl = sglang_fixture(
+    "ServerArgs SamplingParams normalize_targets InklingMMConfig",
+    "SGLang's pure-Python pieces: server arguments, sampling parameters, target names, Inkling's config.",
+)
 
 
 # ---- registry and the missing extra ----------------------------------------------------------

@@ -6,7 +6,7 @@ import sys
 
 import yaml
 
-from inkwell.trainer.dataset import bundled_dataset
+from tests.trainer.helpers import reverse_sample, tiny_job
 
 
 def inkwell(*args, timeout=300):
@@ -24,23 +24,9 @@ def test_bad_job_file_exits_2_naming_the_field(tmp_path, tiny_model_dir):
 
 
 def test_train_command_runs_a_job_and_exports_both_layouts(tmp_path, tiny_model_dir):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(bundled_dataset("reverse").read_text().splitlines(keepends=True)[:16]))
+    data = reverse_sample(tmp_path / "data.jsonl", 16)
     job = tmp_path / "job.yaml"
-    job.write_text(
-        yaml.safe_dump(
-            {
-                "base_model_dir": str(tiny_model_dir),
-                "dataset_path": str(data),
-                "output_dir": str(tmp_path / "out"),
-                "lora": {"rank": 2, "alpha": 4},
-                "max_steps": 2,
-                "batch_size": 2,
-                "seq_len": 64,
-                "checkpoint_every": 1,
-            }
-        )
-    )
+    job.write_text(yaml.safe_dump(tiny_job(tiny_model_dir, data, tmp_path / "out", max_steps=2, checkpoint_every=1)))
     result = inkwell("train", "--config", str(job))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step 1: checkpoint" in result.stdout

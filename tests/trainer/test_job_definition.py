@@ -32,15 +32,7 @@ def through_the_service(tmp_path, **chosen) -> TrainJobConfig:
         "hyperparameters": sdk_hyperparameters(chosen),
     }
     create = JobCreate.model_validate_json(json.dumps(body))
-    row = JobRow(
-        base_model=create.base_model,
-        dataset_id=create.dataset_id,
-        eval_dataset_id=create.eval_dataset_id,
-        adapter_name=create.adapter_name,
-        method=create.method,
-        lora=create.lora.model_dump(mode="json"),
-        hyperparameters=create.hyperparameters.model_dump(mode="json"),
-    )
+    row = JobRow(**create.model_dump(mode="json"))  # every field of the body, in its column, as JSON
     work = tmp_path / "work"
     settings = Settings(data_dir=tmp_path, train_device="cpu", train_dtype="float32", train_nproc=1)
     validated = train_config(create, tmp_path / "base", work, settings)  # the API's check_trainable

@@ -8,7 +8,7 @@ from inkwell.adapters.io import load_adapter
 from inkwell.models import load_base_config
 from inkwell.trainer import TrainCallbacks, TrainConfigError, TrainingCancelled, train
 from inkwell.trainer.config import parse_config
-from inkwell.trainer.dataset import bundled_dataset
+from tests.trainer.helpers import reverse_sample, tiny_job
 
 
 class Losses(TrainCallbacks):
@@ -29,9 +29,7 @@ TWO_PROCESS_IDS = ["tp2", "tp2-sp", "ep2", "dp2"]
 
 
 def run(tmp_path, base, name, **layout):
-    data = tmp_path / "data.jsonl"
-    if not data.exists():
-        data.write_text("".join(bundled_dataset("reverse").read_text().splitlines(keepends=True)[:40]))
+    data = reverse_sample(tmp_path / "data.jsonl", 40)
     recorder = Losses()
     job = {
         "base_model_dir": str(base),
@@ -166,20 +164,9 @@ def test_cancel_reaches_torchrun_workers(tmp_path, tiny_model_dir):
         def should_stop(self):
             return bool(self.losses)
 
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(bundled_dataset("reverse").read_text().splitlines(keepends=True)[:40]))
+    data = reverse_sample(tmp_path / "data.jsonl", 40)
     recorder = StopAfterFirst()
-    job = {
-        "base_model_dir": str(tiny_model_dir),
-        "dataset_path": str(data),
-        "output_dir": str(tmp_path / "cancelled"),
-        "lora": {"rank": 2, "alpha": 4},
-        "max_steps": 200,
-        "batch_size": 2,
-        "seq_len": 64,
-        "ep": 2,
-        "nproc": 2,
-    }
+    job = tiny_job(tiny_model_dir, data, tmp_path / "cancelled", max_steps=200, ep=2, nproc=2)
     with pytest.raises(TrainingCancelled) as info:
         train(job, recorder)
     assert 1 <= info.value.step < 200

@@ -7,6 +7,7 @@ from inkwell.adapters.io import load_adapter
 from inkwell.models import load_base_config
 from inkwell.trainer import TrainCallbacks, TrainingCancelled, train
 from inkwell.trainer.dataset import bundled_dataset
+from tests.trainer.helpers import reverse_sample
 
 
 class Recorder(TrainCallbacks):
@@ -24,9 +25,7 @@ class Recorder(TrainCallbacks):
 
 
 def small_job(tmp_path, base, name, **overrides):
-    data = tmp_path / "reverse40.jsonl"
-    if not data.exists():
-        data.write_text("".join(bundled_dataset("reverse").read_text().splitlines(keepends=True)[:40]))
+    data = reverse_sample(tmp_path / "reverse40.jsonl", 40)
     job = {
         "base_model_dir": str(base),
         "dataset_path": str(data),
