@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from transformers import PreTrainedTokenizerBase
 
-from inkwell.serving.contract import SamplingParams, TokenLogprob
+from inkwell.serving.contract import SEED_MAX, SEED_MIN, SamplingParams, TokenLogprob
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +26,8 @@ class OpenAIRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # any 64-bit integer, signed or unsigned (the engines mix it into each choice's generator); others are a 400
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, strict=True)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

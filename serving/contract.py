@@ -45,6 +45,8 @@ class AdapterIncompatibleError(ValueError):
 
 
 MAX_LOGPROBS = 20
+# a request's seed: any 64-bit integer, read signed or unsigned (OpenAI's clients send either)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,19 @@ class SamplingParams:
             raise SamplingError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise SamplingError("stop", "stop takes at most 4 non-empty strings")
+        seed = self.seed
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX
+        ):
+            raise SamplingError("seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
 
     def choice_seed(self, index: int) -> int | None:
-        """The seed of choice `index` (None: unseeded), so the choices of one seeded request draw apart."""
-        return None if self.seed is None else self.seed * 1009 + index
+        """The seed of choice `index` (None: unseeded), so the choices of one seeded request draw apart.
+
+        Reduced modulo 2**63: every 64-bit seed then fits both torch's generator (which overflowed past 2**64 and
+        killed the worker) and SGLang's i64 `sampling_seed`; the n <= 16 choices of one seed stay distinct, and a
+        non-negative seed whose mix was below 2**63 keeps the draws it had."""
+        return None if self.seed is None else (self.seed * 1009 + index) % 2**63
 
 
 @dataclass(frozen=True)

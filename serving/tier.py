@@ -12,7 +12,7 @@ from functools import cache
 from transformers import PreTrainedTokenizerFast
 
 from inkwell.models import load_base_config, load_tokenizer
-from inkwell.serving.contract import SamplingParams
+from inkwell.serving.contract import EngineError, SamplingParams
 from inkwell.serving.handle import RequestStream, WorkerHandle
 from inkwell.serving.resolve import ModelName, ModelResolver, ResolvedModel
 from inkwell.serving.router import ServingRouter
@@ -65,6 +65,21 @@ class ServingTier:
         config = _config(str(resolved.model_dir))
         vocab = len(self.tokenizer(resolved))  # token ids the tokenizer can also turn back into text
         check_prompt(prompt_ids, params, vocab, context_limit(config, self.settings.max_context))
+
+    def check_fits(self, prompts: int) -> None:
+        """EngineError when a request's prompts can never be in flight together: each prompt is one request on a
+        worker and the router holds at most `max_inflight_per_worker` per worker, so a request of more prompts
+        than all the workers hold would be refused as busy (429) forever; this says what fits."""
+        workers = len(self.settings.worker_devices())
+        per_worker = self.settings.max_inflight_per_worker
+        if prompts > workers * per_worker:
+            raise EngineError(
+                "too_many_prompts",
+                f"the request has {prompts} prompts and at most {workers * per_worker} fit in flight at once "
+                f"({per_worker} per worker on {workers} worker{'s' if workers > 1 else ''}; each prompt with its n "
+                "choices is one request): send them in several requests",
+                "prompt",
+            )
 
     async def submit(self, resolved: ResolvedModel, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Start one request on a worker of its base (loading its adapter there first); iterate for outputs."""

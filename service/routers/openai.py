@@ -3,8 +3,11 @@
 `model` is "<base>" or "<base>:<adapter>[@<version>|@<alias>]", resolved for the caller's tenant
 (another tenant's adapter is a 404, like a missing one). Responses stream as server-sent events
 when `stream` is true. Errors use OpenAI's shape {"error": {"message", "type", "code", "param"}}
-(plus inkwell's `details`), with a 4xx for anything the caller can fix and 429 + Retry-After
-when every worker is full.
+(plus inkwell's `details`, whose `retryable` is true for 429 and 503 only), with a 4xx for anything
+the caller can fix (400 `too_many_prompts` for more prompts than the workers ever hold in flight), 429 +
+Retry-After when every worker is full right now, and 503 + Retry-After when a worker or an adapter load
+failed (its message names the problem; storage URLs and keys stay in the server log). A non-streaming
+request whose client disconnects is aborted, as a stream is.
 
 The service mounts this module as an extension: `router`, and `lifespan(app)`, which puts the
 serving tier on `app.state.serving` (workers start on the first request for a base model).
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -54,6 +58,9 @@ from inkwell.serving.settings import ServingSettings
 from inkwell.serving.tier import ServingTier
 
 router = APIRouter(prefix="/v1", tags=["serving"])
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_503 = "5"  # seconds, as the service's other 503s say (a worker restarts, storage comes back)
 
 
 class OpenAIError(Exception):
@@ -125,22 +132,34 @@ def _refusal(exc: Exception, prompt_param: str = "prompt") -> OpenAIError | None
             return OpenAIError(400, exc.code, str(exc), exc.param)
         case QueueFullError():
             return OpenAIError(429, "server_busy", str(exc), headers={"Retry-After": str(exc.retry_after)})
+        case AdapterLoadError(code="adapter_incompatible"):
+            return OpenAIError(400, exc.code, str(exc), "model")
         case AdapterLoadError():
-            return OpenAIError(400 if exc.code == "adapter_incompatible" else 503, exc.code, str(exc), "model")
+            # the loader's text names S3 endpoints, object keys and the tenant: for the log, not the client
+            log.warning("adapter load failed (%s): %s", exc.code, exc)
+            why = (
+                "its files could not be fetched from storage or failed verification"
+                if exc.code == "adapter_load_failed"
+                else "the serving worker has no room for it right now"
+            )
+            message = f"the adapter could not be loaded onto a serving worker: {why}; retry shortly"
+            return OpenAIError(503, exc.code, message, "model", headers={"Retry-After": RETRY_AFTER_503})
         case WorkerDiedError():
-            return OpenAIError(503, "worker_unavailable", str(exc))
+            return OpenAIError(503, "worker_unavailable", str(exc), headers={"Retry-After": RETRY_AFTER_503})
     return None
 
 
 def _check(
     tier: ServingTier, resolved: ResolvedModel, prompts: list[list[int]], params: SamplingParams, prompt_param: str
 ) -> SamplingParams:
-    """The workers' own checks of every prompt, run before any stream starts (a 400 now, not an error event)."""
-    for prompt in prompts:
-        try:
+    """The workers' own checks of every prompt, and that they can ever be in flight together, run before any
+    stream starts (a 400 now, not an error event or a 429 that retrying never ends)."""
+    try:
+        tier.check_fits(len(prompts))
+        for prompt in prompts:
             tier.check(resolved, prompt, params)
-        except EngineError as exc:
-            raise _refusal(exc, prompt_param) from exc
+    except EngineError as exc:
+        raise _refusal(exc, prompt_param) from exc
     return params
 
 
@@ -159,16 +178,33 @@ async def _start(tier: ServingTier, resolved: ResolvedModel, prompts: list[list[
     return streams
 
 
-async def _collect(streams: list[RequestStream], n: int) -> dict[int, Choice]:
-    """Every choice's outputs added up, by choice index."""
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone: its body is read, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(request: Request, streams: list[RequestStream], n: int) -> dict[int, Choice]:
+    """Every choice's outputs added up, by choice index. A client that disconnects first has its streams
+    cancelled (aborted on the worker), so nobody's slots go on decoding for it (499, which nobody reads)."""
     choices: dict[int, Choice] = {}
-    try:
+
+    async def gather() -> None:
         for p, stream in enumerate(streams):
             async for out in stream:
                 choices.setdefault(p * n + out.index, Choice()).extend(out)
+
+    gathering, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((gathering, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not gathering.done() and gone.exception() is None:
+            raise OpenAIError(499, "client_disconnected", "the client closed the connection before the answer")
+        await gathering
     except (EngineError, WorkerDiedError) as exc:
         raise _refusal(exc) from exc
     finally:
+        gathering.cancel()
+        gone.cancel()
         for stream in streams:
             stream.cancel()
     return choices
@@ -289,7 +325,7 @@ async def completions(request: Request, tenant: str) -> Response:
 
         final = (lambda usage: completion([], usage)) if body.include_usage else None
         return StreamingResponse(_events(streams, n, chunk, final, prompt_tokens), media_type="text/event-stream")
-    choices = await _collect(streams, n)
+    choices = await _collect(request, streams, n)
     data = []
     for index in sorted(choices):
         c = choices[index]
@@ -332,7 +368,7 @@ async def chat_completions(request: Request, tenant: str) -> Response:
 
         events = _events(streams, n, chunk, final if body.include_usage else None, len(prompt))
         return StreamingResponse(events, media_type="text/event-stream")
-    choices = await _collect(streams, n)
+    choices = await _collect(request, streams, n)
     data = [
         ChatChoice(
             index=index,

@@ -2,12 +2,15 @@
 driven by the real `openai` client: adapters are imported through the registry API, fetched from
 S3 by the worker's loader, and selected per request."""
 
+import dataclasses
+import json
 import os
 import secrets
 import socket
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -19,6 +22,7 @@ from inkwell.models import encode_chat, encode_prompt_completion, init_base_mode
 from inkwell.service.app import create_app
 from inkwell.service.bootstrap import register_base_model
 from inkwell.service.db import repo
+from inkwell.service.registry import object_key
 from inkwell.service.settings import Settings
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
 from inkwell.serving.contract import EngineConfig, Request, SamplingParams
@@ -38,8 +42,8 @@ def _free_port() -> int:
 
 
 class Served:
-    def __init__(self, url: str, app, keys: dict[str, str], model_dir: Path):
-        self.url, self.app, self.keys, self.model_dir = url, app, keys, model_dir
+    def __init__(self, url: str, app, keys: dict[str, str], tenant_ids: dict[str, str], model_dir: Path):
+        self.url, self.app, self.keys, self.tenant_ids, self.model_dir = url, app, keys, tenant_ids, model_dir
 
     def client(self, tenant: str = "a") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.keys[tenant], max_retries=0, timeout=120)
@@ -74,14 +78,14 @@ def served(tmp_path_factory, tiny_adapters):
     model_dir = root / "data" / "models" / "inkling-tiny"
     config = load_base_config(model_dir)
     other_base = init_base_model("inkling-tiny", root / "other-base", seed=1, name="tiny-other")
-    keys = {}
+    keys, tenant_ids = {}, {}
     with app.state.sessionmaker() as s:
         register_base_model(s, "tiny-other", other_base)
         for tenant in ("a", "b"):
             row = repo.create_tenant(s, f"{tenant}-{secrets.token_hex(3)}")
-            keys[tenant] = repo.create_api_key(s, row.id)[1]
+            keys[tenant], tenant_ids[tenant] = repo.create_api_key(s, row.id)[1], row.id
         s.commit()
-    served = Served(f"http://127.0.0.1:{port}", app, keys, model_dir)
+    served = Served(f"http://127.0.0.1:{port}", app, keys, tenant_ids, model_dir)
     dirs = [save_adapter(a, root / f"a{i}", "sglang", config) for i, a in enumerate(tiny_adapters)]
     with served.http("a") as http:
         _import(http, "alpha", "inkling-tiny", dirs[0])
@@ -236,6 +240,10 @@ def test_bad_models_are_4xx_openai_errors(served, model, status, code):
         ({"max_tokens": "many"}, "max_tokens", "invalid_parameter"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),
+        ({"seed": 2**64}, "seed", "invalid_parameter"),  # beyond every 64-bit reading
+        ({"seed": -(2**63) - 1}, "seed", "invalid_parameter"),
+        ({"seed": 1.5}, "seed", "invalid_parameter"),
+        ({"seed": "7"}, "seed", "invalid_parameter"),
     ],
 )
 def test_bad_parameters_are_400(served, kwargs, param, code):
@@ -334,3 +342,154 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
+
+
+def test_a_64_bit_seed_answers_and_the_worker_keeps_serving(served):
+    """A seed that is a valid 64-bit integer but overflowed the choices' generator seeds once killed the worker
+    (and every request in flight on it): now it samples like any seed, repeatably and per choice."""
+    client = served.client()
+    client.completions.create(model="inkling-tiny", prompt="x", max_tokens=1)  # the worker is up
+    (worker,) = served.app.state.serving.router.workers["inkling-tiny"]
+    kw = dict(model="inkling-tiny:alpha", prompt="seed", max_tokens=8, temperature=1.0, n=2)
+    for seed in (18446744073709551, 2**64 - 1, -(2**63)):
+        one = client.completions.create(seed=seed, **kw)
+        assert [c.finish_reason in ("stop", "length") for c in one.choices] == [True, True]
+        again = client.completions.create(seed=seed, **kw)
+        assert [c.text for c in again.choices] == [c.text for c in one.choices]
+    chat = client.chat.completions.create(
+        model="inkling-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, seed=18446744073709551
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert worker.alive and served.app.state.serving.router.workers["inkling-tiny"] == [worker]
+
+
+def _send(served: Served, path: str, body: dict) -> socket.socket:
+    """POST `body` on a raw connection and return it unread: closing it is a client walking away."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {served.keys['a']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", urlsplit(served.url).port))
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_abandoned_non_streaming_completions_free_their_slots(served):
+    """Clients that give up on a non-streaming completion must not keep its slot: once their connections close,
+    their requests are aborted, so the full worker takes new requests at once instead of decoding for nobody."""
+    client = served.client()
+    client.completions.create(model="inkling-tiny", prompt="x", max_tokens=1)  # the worker is up
+    (worker,) = served.app.state.serving.router.workers["inkling-tiny"]
+    long = {"model": "inkling-tiny", "max_tokens": 900, "temperature": 0, "n": 16}  # each: seconds of decoding
+    socks = [
+        _send(served, "/v1/completions", {**long, "prompt": "hello world"}),
+        _send(served, "/v1/completions", {**long, "prompt": "hello world"}),
+        _send(served, "/v1/chat/completions", {**long, "messages": [{"role": "user", "content": "story time"}]}),
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while worker.inflight < 3:  # all three are on the worker (max 3 in flight): it is full
+            assert time.monotonic() < deadline, "the requests never reached the worker"
+            time.sleep(0.05)
+    finally:
+        for sock in socks:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while worker.inflight:
+        assert time.monotonic() < deadline, "requests of clients that went away still hold their slots"
+        time.sleep(0.05)
+    started = time.monotonic()
+    ok = client.completions.create(model="inkling-tiny", prompt="x", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert time.monotonic() - started < 5, "the engine is still decoding the abandoned choices"
+
+
+def _assert_retry_semantics(resp: httpx.Response) -> dict:
+    """The error body of `resp`: retryable exactly for 429 and 503, which also say when (Retry-After)."""
+    error = resp.json()["error"]
+    retryable = resp.status_code in (429, 503)
+    assert error["details"]["retryable"] is retryable, (resp.status_code, error)
+    if retryable:
+        assert int(resp.headers["Retry-After"]) >= 1
+    return error
+
+
+def test_an_adapter_that_fails_to_load_is_503_without_internals(served, tiny_adapters, tmp_path, monkeypatch):
+    """A load failure names the problem; the S3 endpoint, object keys and tenant id stay in the server log."""
+    directory = save_adapter(tiny_adapters[3], tmp_path / "broken", "sglang", load_base_config(served.model_dir))
+    with served.http() as http:
+        _import(http, "broken", "inkling-tiny", directory)
+    tenant, store = served.tenant_ids["a"], served.app.state.store
+    store.put_bytes(object_key(tenant, "broken", 1, "sglang", "adapter_model.safetensors"), b"x", create_only=False)
+    body = {"model": "inkling-tiny:broken", "prompt": "x", "max_tokens": 2}
+    with served.http() as http:
+        corrupt = http.post("/v1/completions", json=body)
+        resolver = served.app.state.serving.resolver
+        real, down = resolver.resolve, f"http://127.0.0.1:{_free_port()}"
+
+        def unreachable(tenant_id, name):  # the same adapter, its S3 endpoint down
+            resolved = real(tenant_id, name)
+            source = dataclasses.replace(resolved.adapter.source, endpoint=down)
+            adapter = dataclasses.replace(resolved.adapter, key=f"{resolved.adapter.key}#down", source=source)
+            return dataclasses.replace(resolved, adapter=adapter)
+
+        monkeypatch.setattr(resolver, "resolve", unreachable)
+        unreached = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "x"}]})
+    for resp in (corrupt, unreached):
+        assert resp.status_code == 503, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "adapter_load_failed" and error["param"] == "model" and error["message"]
+        for internal in (tenant, store.endpoint, down, "127.0.0.1", "adapters/", "sglang/", "safetensors"):
+            assert internal not in error["message"], (internal, error["message"])
+        _assert_retry_semantics(resp)
+
+
+def test_more_prompts_than_ever_fit_is_400_and_full_is_429(served):
+    """A request of more prompts than the workers ever hold in flight can never be served: a 400 saying how many
+    fit, not a 429 to retry forever; a request that fits gets its answer."""
+    with served.http() as http:
+        resp = http.post("/v1/completions", json={"model": "inkling-tiny", "prompt": ["x"] * 1000, "max_tokens": 2})
+        assert resp.status_code == 400, resp.text
+        error = _assert_retry_semantics(resp)
+        assert error["code"] == "too_many_prompts" and error["param"] == "prompt"
+        assert "1000" in error["message"] and "at most 3" in error["message"]
+        resp = http.post("/v1/completions", json={"model": "inkling-tiny", "prompt": ["x"] * 4, "max_tokens": 2})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "too_many_prompts"
+        fits = http.post(
+            "/v1/completions", json={"model": "inkling-tiny", "prompt": ["x"] * 3, "max_tokens": 2, "n": 2}
+        )
+        assert fits.status_code == 200 and len(fits.json()["choices"]) == 6
+
+
+def test_error_bodies_say_retryable_only_for_429_and_503(served):
+    """4xx: the caller must change something (retryable false); 429 and 503: retry later (true, Retry-After)."""
+    body = {"model": "inkling-tiny", "prompt": "x", "max_tokens": 2}
+    with served.http() as http:
+        answers = [
+            http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}),
+            http.post("/v1/completions", json={**body, "temperature": 9}),
+            http.post("/v1/completions", json={**body, "seed": 2**64}),
+            http.post("/v1/completions", json={**body, "model": "inkling-tiny:nope"}),
+            http.post("/v1/completions", json={**body, "model": "inkling-tiny:elsewhere"}),
+            http.post("/v1/completions", json={**body, "prompt": ["x"] * 4}),
+            http.post(
+                "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+            ),
+            httpx.post(f"{served.url}/v1/completions", json=body),  # no API key
+        ]
+        streams = [
+            http.stream(
+                "POST", "/v1/completions", json={**body, "prompt": "hello world", "max_tokens": 900, "stream": True}
+            )
+            for _ in range(3)
+        ]
+        try:
+            assert all(s.__enter__().status_code == 200 for s in streams)
+            answers.append(http.post("/v1/completions", json=body))  # the worker is full
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    assert [r.status_code for r in answers] == [400, 400, 400, 404, 400, 400, 400, 401, 429]
+    for resp in answers:
+        _assert_retry_semantics(resp)
