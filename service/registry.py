@@ -4,7 +4,9 @@ Publishing writes, in order: a `_publish.json` marker (create-only, so of two pu
 version exactly one gets past it), every file of both layouts (create-only, sha256 checked by
 the store), then the `adapter_versions` row (unique per tenant, name, version). Readers only
 see versions through rows, so a crash before the row leaves nothing visible; `cleanup_orphans`
-later removes the objects of versions that never got a row.
+later removes the objects of versions that never got a row. Everything a publication's input can
+fail on (name, version range) is checked before the first object, and a publish that fails for
+sure before its row commits removes its own objects at once.
 """
 
 import json
@@ -20,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from inkwell.adapters.layouts import LAYOUTS
 from inkwell.service.db import repo
-from inkwell.service.db.models import AdapterVersionRow, utcnow
+from inkwell.service.db.models import MAX_VERSION, AdapterVersionRow, utcnow
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.storage import ObjectExists, ObjectStore
 from inkwell.trainer.config import name_problem
@@ -76,12 +78,17 @@ def _files(layout_dirs: dict[str, Path]) -> list[tuple[str, str, Path]]:
 
 
 def publish(sm: sessionmaker[Session], store: ObjectStore, pub: Publication) -> AdapterVersionRow:
-    """Write a new immutable version; VersionExists if `pub.version` is taken."""
+    """Write a new immutable version; VersionExists if `pub.version` is taken (or no number is left),
+    ValueError for a version outside 1..MAX_VERSION (before anything is written)."""
     check_name(pub.name)
+    if pub.version is not None and not 1 <= pub.version <= MAX_VERSION:
+        raise ValueError(f"version {pub.version} is outside 1..{MAX_VERSION}")
     files = _files(pub.layout_dirs)
     with sm() as s:
         version = pub.version or repo.max_version(s, pub.tenant_id, pub.name) + 1
     for _ in range(100):
+        if version > MAX_VERSION:
+            raise VersionExists(f"{pub.name} has no version number left after {MAX_VERSION}")
         try:
             return _publish_version(sm, store, pub, files, version)
         except VersionExists:
@@ -94,18 +101,27 @@ def publish(sm: sessionmaker[Session], store: ObjectStore, pub: Publication) -> 
 def _publish_version(
     sm: sessionmaker[Session], store: ObjectStore, pub: Publication, files: list, version: int
 ) -> AdapterVersionRow:
+    prefix = version_prefix(pub.tenant_id, pub.name, version)
     marker = {"publisher": secrets.token_hex(8), "created_at": utcnow().isoformat(), "job_id": pub.job_id}
     try:
-        store.put_bytes(version_prefix(pub.tenant_id, pub.name, version) + MARKER, json.dumps(marker).encode())
+        store.put_bytes(prefix + MARKER, json.dumps(marker).encode())
     except ObjectExists as exc:
         raise VersionExists(f"{pub.name} version {version}") from exc
-    records = []
-    for layout, name, path in files:
-        try:
-            sha, size = store.put_file(object_key(pub.tenant_id, pub.name, version, layout, name), path)
-        except ObjectExists as exc:  # only an orphan of a crashed publish can hold it; cleanup frees it
-            raise VersionExists(f"{pub.name} version {version}") from exc
-        records.append({"layout": layout, "path": name, "size": size, "sha256": sha})
+    records, written = [], []
+    try:
+        for layout, name, path in files:
+            key = object_key(pub.tenant_id, pub.name, version, layout, name)
+            try:
+                sha, size = store.put_file(key, path)
+            except ObjectExists as exc:  # only an orphan of a crashed publish can hold it; cleanup frees it
+                raise VersionExists(f"{pub.name} version {version}") from exc
+            written.append(key)
+            records.append({"layout": layout, "path": name, "size": size, "sha256": sha})
+    except VersionExists:
+        raise
+    except Exception:
+        _discard(store, prefix, written, marker["publisher"])
+        raise
     row = AdapterVersionRow(
         tenant_id=pub.tenant_id,
         name=pub.name,
@@ -122,7 +138,7 @@ def _publish_version(
     )
     with sm() as s:
         try:
-            adapter = repo.ensure_adapter(s, pub.tenant_id, pub.name, pub.base_model)
+            adapter = repo.ensure_adapter(s, pub.tenant_id, pub.name, pub.base_model)  # locked until commit
             repo.touch(adapter)
             s.add(row)
             s.flush()
@@ -137,11 +153,27 @@ def _publish_version(
                     "job_id": pub.job_id,
                 },
             )
-            s.commit()
-        except IntegrityError as exc:
+        except IntegrityError as exc:  # the number has a row: whoever holds it owns the prefix, keep it
             s.rollback()
             raise VersionExists(f"{pub.name} version {version}") from exc
+        except Exception:  # nothing was committed: our objects would only wait for cleanup_orphans
+            s.rollback()
+            _discard(store, prefix, written, marker["publisher"])
+            raise
+        s.commit()  # a failure here may still have committed, so its objects are left to cleanup_orphans
     return row
+
+
+def _discard(store: ObjectStore, prefix: str, keys: list[str], publisher: str) -> None:
+    """Best effort: remove a failed publish's objects, files first and the marker last, while the marker
+    is still this publisher's (so another's objects under the prefix are never touched)."""
+    try:
+        if json.loads(store.get_bytes(prefix + MARKER)).get("publisher") != publisher:
+            return
+        store.delete(keys)
+        store.delete([prefix + MARKER])
+    except Exception:  # storage down, say: cleanup_orphans removes them after the grace period
+        log.warning("could not remove the objects of a failed publish under %s", prefix, exc_info=True)
 
 
 def resolve(s: Session, tenant_id: str, name: str, ref: str | int | None = None) -> AdapterVersionRow:
@@ -153,8 +185,8 @@ def resolve(s: Session, tenant_id: str, name: str, ref: str | int | None = None)
         if not live:
             raise not_found("adapter version of", name)
         version = live[-1]
-    elif isinstance(ref, int) or ref.isdigit():
-        version = int(ref)
+    elif isinstance(ref, int) or (ref.isascii() and ref.isdigit()):
+        version = int(ref)  # out of 1..MAX_VERSION: get_version finds no row, a 404 like any missing number
     else:
         alias = repo.get_alias(s, tenant_id, name, ref)
         if alias is None:

@@ -29,6 +29,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# Adapter versions are BIGINT: the API bounds them to 1..MAX_VERSION so a number it accepts always fits.
+MAX_VERSION = 2**63 - 1
+VersionInt = BigInteger().with_variant(Integer(), "sqlite")  # SQLite's INTEGER is already 64-bit
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON()}
 
@@ -100,7 +105,7 @@ class JobRow(Base):
     lease_expires_at: Mapped[datetime | None]
     last_checkpoint_step: Mapped[int | None]
     last_checkpoint_key: Mapped[str | None] = mapped_column(Text)
-    adapter_version: Mapped[int | None]
+    adapter_version: Mapped[int | None] = mapped_column(VersionInt)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -134,7 +139,7 @@ class AdapterVersionRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     name: Mapped[str] = mapped_column(String(64))
-    version: Mapped[int]
+    version: Mapped[int] = mapped_column(VersionInt)
     base_model: Mapped[str] = mapped_column(String(64))
     base_config_sha256: Mapped[str] = mapped_column(String(64))
     lora: Mapped[dict[str, Any]]
@@ -156,7 +161,7 @@ class AliasRow(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     name: Mapped[str] = mapped_column(String(64))
     alias: Mapped[str] = mapped_column(String(64))
-    version: Mapped[int]
+    version: Mapped[int] = mapped_column(VersionInt)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

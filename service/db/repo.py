@@ -8,9 +8,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from inkwell.service.db.models import (
+    MAX_VERSION,
     AdapterRow,
     AdapterVersionRow,
     AliasRow,
@@ -43,9 +45,10 @@ def page[T](rows: list[T], limit: int, cursor_of) -> tuple[list[T], str | None]:
 
 
 def parse_cursor(cursor: str | None) -> int | None:
+    """The key a cursor holds; ValueError for anything no key can be (SQLite cannot even bind past BIGINT)."""
     if cursor is None or cursor == "":
         return None
-    if not cursor.isdigit():
+    if not (cursor.isascii() and cursor.isdigit()) or int(cursor) > MAX_VERSION:
         raise ValueError(f"cursor {cursor!r} is not one this API returned; pass next_cursor unchanged")
     return int(cursor)
 
@@ -259,12 +262,33 @@ def list_adapters(
     return page(rows, limit, lambda r: r.seq)
 
 
+def lock_adapter(s: Session, tenant_id: str, name: str) -> AdapterRow | None:
+    """The adapter row, locked until the transaction ends (`FOR UPDATE` on PostgreSQL).
+
+    Every change of an adapter's versions or aliases takes this lock first, so a check such as "no alias
+    points at this version" still holds at commit. SQLite needs none: its writers are serialized by
+    `BEGIN IMMEDIATE` (and SQLAlchemy leaves `FOR UPDATE` out there).
+    """
+    q = select(AdapterRow).where(AdapterRow.tenant_id == tenant_id, AdapterRow.name == name)
+    return s.scalar(q.with_for_update().execution_options(populate_existing=True))
+
+
 def ensure_adapter(s: Session, tenant_id: str, name: str, base_model: str) -> AdapterRow:
-    row = get_adapter(s, tenant_id, name)
+    """The adapter row, created if missing, and locked (see `lock_adapter`).
+
+    Two first publishes of one name both find no row; the loser's INSERT fails on the unique constraint,
+    which a savepoint contains, and it then locks the winner's row.
+    """
+    row = lock_adapter(s, tenant_id, name)
     if row is None:
-        row = AdapterRow(tenant_id=tenant_id, name=name, base_model=base_model)
-        s.add(row)
-        s.flush()
+        try:
+            with s.begin_nested():
+                row = AdapterRow(tenant_id=tenant_id, name=name, base_model=base_model)
+                s.add(row)
+        except IntegrityError:
+            row = lock_adapter(s, tenant_id, name)
+            if row is None:
+                raise
     return row
 
 
@@ -297,6 +321,8 @@ def list_versions(
 
 
 def get_version(s: Session, tenant_id: str, name: str, version: int) -> AdapterVersionRow | None:
+    if not 1 <= version <= MAX_VERSION:  # no such row, and SQLite cannot bind a number past BIGINT
+        return None
     q = select(AdapterVersionRow).where(
         AdapterVersionRow.tenant_id == tenant_id,
         AdapterVersionRow.name == name,

@@ -1,16 +1,16 @@
 """`/v1/adapters` and `/v1/audit`: the registry's read, download, import, delete and alias routes."""
 
-import hashlib
 import logging
 from collections.abc import Iterator
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, Response, UploadFile
 from fastapi.responses import StreamingResponse
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from inkwell.service.auth import Principal, current_principal
 from inkwell.service.db import repo
-from inkwell.service.db.models import AdapterRow, AdapterVersionRow, utcnow
+from inkwell.service.db.models import MAX_VERSION, AdapterRow, AdapterVersionRow, utcnow
 from inkwell.service.deps import Paging, get_session, get_settings, get_store
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.importer import import_adapter
@@ -31,10 +31,14 @@ from inkwell.service.schemas import (
     Page,
 )
 from inkwell.service.settings import Settings
-from inkwell.service.storage import ObjectStore
+from inkwell.service.storage import ObjectCorrupt, ObjectStore
 
 router = APIRouter(tags=["adapters"])
 log = logging.getLogger("inkwell.service.adapters")
+# A file up to this size is read and hashed whole before its 200 is sent; a bigger one streams with its last
+# chunk held back until the hash matched (a damaged one is cut short of its Content-Length).
+VERIFY_IN_MEMORY_BYTES = 32 << 20
+ALIAS_ATTEMPTS = 3
 
 
 def adapter_view(row: AdapterRow, live: list[int], aliases: dict[str, int]) -> Adapter:
@@ -72,11 +76,23 @@ def version_view(row: AdapterVersionRow, aliases: dict[str, int]) -> AdapterVers
     )
 
 
-def _own_adapter(s: Session, who: Principal, name: str) -> AdapterRow:
-    row = repo.get_adapter(s, who.tenant_id, name)
+def _own_adapter(s: Session, who: Principal, name: str, lock: bool = False) -> AdapterRow:
+    """The caller's adapter or a 404; `lock` holds its row until commit, as every alias or version change does,
+    so what the change checked (the version is live, no alias points at it) still holds when it commits."""
+    row = repo.lock_adapter(s, who.tenant_id, name) if lock else repo.get_adapter(s, who.tenant_id, name)
     if row is None:
         raise not_found("adapter", name)
     return row
+
+
+def _integrity_error(row: AdapterVersionRow, layout: str, path: str, exc: ObjectCorrupt) -> APIError:
+    log.error("stored object of %s@%s/%s/%s is damaged: %s", row.name, row.version, layout, path, exc)
+    return APIError(
+        502,
+        "integrity_error",
+        f"the stored bytes of {row.name}@{row.version}/{layout}/{path} do not match their recorded sha256; "
+        "the object is damaged and retrying will not help",
+    )
 
 
 def _live(row: AdapterVersionRow) -> AdapterVersionRow:
@@ -105,7 +121,7 @@ def import_route(
     name: str = Form(...),
     base_model: str = Form(...),
     layout: str = Form(..., description="sglang | peft"),
-    version: int | None = Form(None, ge=1),
+    version: int | None = Form(None, ge=1, le=MAX_VERSION),
     files: list[UploadFile] = File(..., description="adapter_config.json, adapter_model.safetensors, manifest.json"),
     who: Principal = Depends(current_principal),
     store: ObjectStore = Depends(get_store),
@@ -122,19 +138,18 @@ def import_route(
             "adapter_base_mismatch",
             f"adapter {name!r} belongs to base model {adapter.base_model!r}, not {base_model!r}",
         )
-    budget, payload = settings.max_upload_bytes, {}
+    budget, payload = settings.max_upload_bytes, []
     for upload in files:
         filename = (upload.filename or "").rsplit("/", 1)[-1]
-        payload[filename] = read_limited(upload, budget)
-        budget -= len(payload[filename])
+        payload.append((filename, read_limited(upload, budget)))  # a list: the importer refuses a name twice
+        budget -= len(payload[-1][1])
     try:
         row = import_adapter(
             sm, store, settings.data_dir / "tmp", who.tenant_id, who.key_id, name, base, layout, payload, version
         )
     except VersionExists as exc:
-        raise APIError(
-            409, "version_exists", f"{name}@{version} is already published; versions are immutable", version=version
-        ) from exc
+        message = f"{name}@{version} is already published; versions are immutable" if version else str(exc)
+        raise APIError(409, "version_exists", message, version=version) from exc
     return version_view(row, {})
 
 
@@ -208,26 +223,35 @@ def download_file(
     entry = next((f for f in row.files if f["layout"] == layout and f["path"] == path), None)
     if entry is None:
         raise not_found("file", f"{name}@{row.version}/{layout}/{path}")
-    size, chunks = store.open_stream(object_key(row.tenant_id, row.name, row.version, layout, path))
+    key = object_key(row.tenant_id, row.name, row.version, layout, path)
+    sha256, size = entry["sha256"], entry["size"]
+    try:
+        if size <= VERIFY_IN_MEMORY_BYTES:  # checked whole before the status line: damage is a 502, not a 200
+            data = store.get_verified(key, sha256, size)
+            return Response(data, media_type="application/octet-stream", headers={"X-Inkwell-SHA256": sha256})
+        chunks = store.open_verified_stream(key, sha256, size)
+    except ObjectCorrupt as exc:
+        raise _integrity_error(row, layout, path, exc) from exc
 
-    def verified() -> Iterator[bytes]:
-        digest = hashlib.sha256()
-        for chunk in chunks:
-            digest.update(chunk)
-            yield chunk
-        if digest.hexdigest() != entry["sha256"]:
-            log.error("sha256 mismatch streaming %s@%s/%s/%s", name, row.version, layout, path)
-            raise RuntimeError(f"stored object for {name}@{row.version}/{layout}/{path} does not match its sha256")
+    def logged() -> Iterator[bytes]:
+        try:
+            yield from chunks
+        except ObjectCorrupt as exc:
+            _integrity_error(row, layout, path, exc)  # logs it; the 200 is already sent, so the stream is cut
+            raise
 
-    headers = {"X-Inkwell-SHA256": entry["sha256"], "Content-Length": str(size)}
-    return StreamingResponse(verified(), media_type="application/octet-stream", headers=headers)
+    headers = {"X-Inkwell-SHA256": sha256, "Content-Length": str(size)}
+    return StreamingResponse(logged(), media_type="application/octet-stream", headers=headers)
 
 
 @router.delete("/v1/adapters/{name}/versions/{version}", response_model=AdapterVersion)
 def delete_version(
-    name: str, version: int, who: Principal = Depends(current_principal), s: Session = Depends(get_session)
+    name: str,
+    version: int = Path(ge=1, le=MAX_VERSION),
+    who: Principal = Depends(current_principal),
+    s: Session = Depends(get_session),
 ) -> AdapterVersion:
-    _own_adapter(s, who, name)
+    _own_adapter(s, who, name, lock=True)  # an alias set meanwhile waits, then sees the version deleted
     row = repo.get_version(s, who.tenant_id, name, version)
     if row is None:
         raise not_found("adapter version", f"{name}@{version}")
@@ -264,15 +288,31 @@ def set_alias(
             name=alias,
             reason="reserved",
         )
-    _own_adapter(s, who, name)
-    target = repo.get_version(s, who.tenant_id, name, body.version)
+    attempts = ALIAS_ATTEMPTS
+    while True:
+        try:
+            return _set_alias(s, who, name, alias, body.version)
+        except IntegrityError:
+            # A writer that skipped the adapter lock (every route here takes it) created the alias between our
+            # read and our insert: the row exists now, so the next attempt moves it (setting it is idempotent).
+            s.rollback()
+            attempts -= 1
+            if not attempts:
+                raise APIError(
+                    409, "alias_conflict", f"alias {name}@{alias} is being changed concurrently; retry", retryable=True
+                ) from None
+
+
+def _set_alias(s: Session, who: Principal, name: str, alias: str, version: int) -> Alias:
+    _own_adapter(s, who, name, lock=True)  # a delete of the target meanwhile waits, then sees the alias
+    target = repo.get_version(s, who.tenant_id, name, version)
     if target is None:
-        raise not_found("adapter version", f"{name}@{body.version}")
+        raise not_found("adapter version", f"{name}@{version}")
     _live(target)
     previous = repo.get_alias(s, who.tenant_id, name, alias)
     before = previous.version if previous else None
-    row = repo.set_alias(s, who.tenant_id, name, alias, body.version)
-    change = {"from": before, "to": body.version}
+    row = repo.set_alias(s, who.tenant_id, name, alias, version)
+    change = {"from": before, "to": version}
     repo.audit(s, who.tenant_id, who.key_id, "adapter.alias.set", f"{name}@{alias}", change)
     s.commit()
     return Alias(name=name, alias=alias, version=row.version, updated_at=row.updated_at)
@@ -282,7 +322,7 @@ def set_alias(
 def delete_alias(
     name: str, alias: str, who: Principal = Depends(current_principal), s: Session = Depends(get_session)
 ) -> Response:
-    _own_adapter(s, who, name)
+    _own_adapter(s, who, name, lock=True)  # of two deletes of one alias, the second finds it gone: 404
     row = repo.get_alias(s, who.tenant_id, name, alias)
     if row is None:
         raise not_found("alias", f"{name}@{alias}")

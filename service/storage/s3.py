@@ -30,6 +30,10 @@ class ObjectMissing(KeyError):
     """No object under that key."""
 
 
+class ObjectCorrupt(RuntimeError):
+    """An object's bytes are not the ones recorded for it (size or sha256): damaged at rest, not retryable."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -147,6 +151,52 @@ class ObjectStore:
                 body.close()
 
         return resp["ContentLength"], chunks()
+
+    def _get(self, key: str, size: int):
+        resp = self._call(self.client.get_object, Bucket=self.bucket, Key=key)
+        if resp["ContentLength"] != size:
+            resp["Body"].close()
+            raise ObjectCorrupt(f"{key}: {resp['ContentLength']} bytes stored, {size} recorded")
+        return resp["Body"]
+
+    def get_verified(self, key: str, sha256: str, size: int) -> bytes:
+        """The object's bytes, read whole and checked against the recorded `size` and `sha256` (ObjectCorrupt)."""
+        body = self._get(key, size)
+        try:
+            data = body.read()
+        except BotoCoreError as exc:
+            raise StorageUnavailable(f"reading {key}: {exc}") from exc
+        finally:
+            body.close()
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+            raise ObjectCorrupt(f"{key}: stored bytes do not match the recorded sha256")
+        return data
+
+    def open_verified_stream(self, key: str, sha256: str, size: int) -> Iterator[bytes]:
+        """Chunks of an object too big to read whole, checked against `sha256` as they pass.
+
+        The last chunk is held back until the digest matched, so a damaged object ends short of its
+        Content-Length (the connection is cut) and no client can take it for a complete body. A wrong size
+        is ObjectCorrupt at once, before anything is sent.
+        """
+        body = self._get(key, size)
+
+        def held_back() -> Iterator[bytes]:
+            digest, pending = hashlib.sha256(), None
+            try:
+                for chunk in body.iter_chunks(CHUNK):
+                    digest.update(chunk)
+                    if pending is not None:
+                        yield pending
+                    pending = chunk
+                if digest.hexdigest() != sha256:
+                    raise ObjectCorrupt(f"{key}: stored bytes do not match the recorded sha256")
+                if pending is not None:
+                    yield pending
+            finally:
+                body.close()
+
+        return held_back()
 
     def download_file(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
