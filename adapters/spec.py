@@ -13,7 +13,8 @@ MAX_RANK = 256
 class LoraSpec(BaseModel):
     """LoRA hyper-parameters. `ranks` overrides `rank` per group; scaling is alpha / rank."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN or infinity: an infinite alpha passes `gt=0` and PostgreSQL's JSON refuses it.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     rank: int = Field(16, ge=1, le=MAX_RANK, description="rank r of every target group")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: delta = alpha / r * B @ A")
@@ -24,8 +25,12 @@ class LoraSpec(BaseModel):
     @field_validator("targets", mode="before")
     @classmethod
     def _known_targets(cls, value):
+        # A list only: a bare string would otherwise be read as one group (or, by pydantic, as its characters),
+        # and null or a number reached the loop below as a TypeError, a 500 in the API.
         if isinstance(value, str):
-            value = [value]
+            raise ValueError(f"targets must be a list of target groups, e.g. [{value!r}], not a bare string")
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"targets must be a list of target groups from {', '.join(TARGET_GROUPS)}")
         for group in value:
             if group not in TARGET_GROUPS:
                 raise ValueError(f"unknown target group {group!r}; choose from {', '.join(TARGET_GROUPS)}")

@@ -16,13 +16,14 @@ import importlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import inkwell
 from inkwell.service.bootstrap import ensure_preset_models
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
+from inkwell.service.deps import refuse_nul
 from inkwell.service.errors import error_response, install_error_handlers
 from inkwell.service.metrics import Metrics, MetricsMiddleware
 from inkwell.service.registry import cleanup_orphans
@@ -129,6 +130,7 @@ def create_app(settings: Settings | None = None, extension_modules: Sequence[str
         version=inkwell.__version__,
         description="LoRA fine-tuning jobs and an adapter registry for Inkling models. See docs/api.md.",
         lifespan=_lifespan,
+        dependencies=[Depends(refuse_nul)],  # every route, extensions included: no NUL reaches SQL from a URL
     )
     app.state.settings = settings
     app.state.extensions = _extensions(extension_modules)

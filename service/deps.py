@@ -1,4 +1,5 @@
-"""FastAPI dependencies shared by the routers: the DB session, the object store, paging."""
+"""FastAPI dependencies shared by the routers: the DB session, the object store, paging, and the NUL check of
+every path and query."""
 
 from collections.abc import Iterator
 
@@ -9,6 +10,21 @@ from inkwell.service.db import repo
 from inkwell.service.errors import APIError
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
+
+
+def refuse_nul(request: Request) -> None:
+    """422 for a NUL in a path segment or query parameter, for every route (the app's dependency).
+
+    Ids and names from the URL are looked up in SQL and PostgreSQL's driver refuses a string with a NUL (a 500);
+    no id, name or filter holds one, so it is refused here, before any route, the same on every database.
+    """
+    where = [("path", k, v) for k, v in request.path_params.items() if isinstance(v, str)]
+    where += [("query", k, v) for k, v in request.query_params.multi_items()]
+    for part, key, value in where:
+        if "\x00" in value:
+            message = f"{part}.{key}: must not contain NUL (\\x00) characters"
+            errors = [{"loc": [part, key], "msg": "must not contain NUL (\\x00) characters", "type": "value_error"}]
+            raise APIError(422, "validation_error", message, errors=errors)
 
 
 def get_session(request: Request) -> Iterator[Session]:

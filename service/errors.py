@@ -1,12 +1,15 @@
 """Every error leaves the API as {"error": {"code", "message", "details"}} with the right status.
 
 Bad input is a 4xx naming the field and the fix; an unreachable S3 or database is a 503 with
-`retryable: true`; anything else is a 500 carrying a request id to find it in the log.
+`retryable: true`; bytes that fail their checksum are a 502 `integrity_error` with `retryable: false`
+(sending the same request again does not make them match); anything else is a 500 carrying a request id
+to find it in the log.
 """
 
 import logging
 import secrets
 
+from botocore.exceptions import ChecksumError, ClientError, FlexibleChecksumError
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +22,10 @@ from inkwell.service.storage import StorageUnavailable
 log = logging.getLogger("inkwell.service")
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 413: "payload_too_large"}
+# S3 error codes for a body that did not match the checksum sent with it.
+_S3_INTEGRITY_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"})
+# What psycopg2 raises (a ValueError, before the query is sent) for a string holding a NUL.
+_PG_NUL_MESSAGE = "cannot contain NUL (0x00) characters"
 
 
 class APIError(Exception):
@@ -46,6 +53,34 @@ def _validation_errors(exc: RequestValidationError) -> list[dict]:
     return out
 
 
+def _integrity_failure(exc: BaseException | None) -> BaseException | None:
+    """The checksum mismatch behind `exc` (S3 refusing a body, botocore refusing a response), if there is one.
+
+    `StorageUnavailable` wraps every botocore error, a failed checksum among them, and a mismatch must not be
+    reported as an outage that a retry gets past.
+    """
+    for _ in range(8):  # exc, its cause, the cause's cause...
+        if exc is None:
+            return None
+        if isinstance(exc, ChecksumError | FlexibleChecksumError):
+            return exc
+        if isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") in _S3_INTEGRITY_CODES:
+            return exc
+        exc = exc.__cause__
+    return None
+
+
+def _integrity_response(cause: BaseException) -> JSONResponse:
+    log.error("integrity failure: %s", cause)
+    return error_response(
+        502,
+        "integrity_error",
+        "bytes exchanged with the object store failed their checksum (the request's data or a stored object "
+        "is corrupt); nothing was published",
+        {"retryable": False},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -64,6 +99,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            # FastAPI's "error parsing the body" for JSON nested deeper than json.loads goes: say what it was.
+            reason = "JSON nested too deeply to read"
+            errors = [{"loc": ["body"], "msg": reason, "type": "json_invalid"}]
+            return error_response(422, "validation_error", f"body: {reason}", {"retryable": False, "errors": errors})
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
@@ -72,6 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StorageUnavailable)
     async def _storage(request: Request, exc: StorageUnavailable) -> JSONResponse:
+        if cause := _integrity_failure(exc):
+            return _integrity_response(cause)
         log.warning("storage unavailable: %s", exc)
         return error_response(
             503,
@@ -87,6 +129,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             503, "database_unavailable", "the database cannot be reached; retry shortly", {"retryable": True}
         )
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, exc: ValueError) -> JSONResponse:
+        if _PG_NUL_MESSAGE in str(exc):
+            # A NUL in a body or form field no schema checks: the URL's are refused before any route
+            # (`deps.refuse_nul`), this catches the rest on PostgreSQL.
+            reason = "a text field must not contain NUL (\\x00) characters"
+            return error_response(422, "validation_error", reason, {"retryable": False, "errors": []})
+        raise exc  # any other ValueError is a bug: on to the 500 below, logged and re-raised as before
+
+    @app.exception_handler(ClientError)
+    async def _s3_refused(request: Request, exc: ClientError) -> JSONResponse:
+        if cause := _integrity_failure(exc):  # S3 refused a body whose checksum did not match (400 BadDigest)
+            return _integrity_response(cause)
+        raise exc  # any other refusal by S3 is a bug of ours: on to the 500 below, as before
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -4,18 +4,29 @@ The SDK and the CLI are written against these models, so they change only by add
 """
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from inkwell.adapters.layouts import Layout
 from inkwell.adapters.spec import LoraSpec
-from inkwell.trainer.config import NAME_RULE, TrainingHyperparameters
+from inkwell.trainer.config import MAX_INT64, NAME_RULE, TrainingHyperparameters
 from inkwell.trainer.records import DatasetFormat
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_STATES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 EventType = Literal["state", "progress", "checkpoint", "eval", "log", "published"]
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (\\x00) characters")
+    return value
+
+
+# A string of a request body that is looked up in SQL: PostgreSQL cannot hold a NUL, so one is refused here
+# (422) rather than by the driver (a 500), and the same on SQLite.
+SqlText = Annotated[str, AfterValidator(_no_nul)]
 
 
 class Schema(BaseModel):
@@ -91,9 +102,9 @@ class Hyperparameters(TrainingHyperparameters):
 class JobCreate(Schema):
     model_config = ConfigDict(extra="forbid")
 
-    base_model: str = Field(description="a name from GET /v1/models")
-    dataset_id: str
-    eval_dataset_id: str | None = None
+    base_model: SqlText = Field(description="a name from GET /v1/models")
+    dataset_id: SqlText
+    eval_dataset_id: SqlText | None = None
     adapter_name: str = Field(description=f"registry name of the adapter this job publishes; {NAME_RULE}")
     method: Literal["sft"] = "sft"
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -189,7 +200,7 @@ class Adapter(Schema):
 class AliasSet(Schema):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=MAX_INT64)
 
 
 class Alias(Schema):

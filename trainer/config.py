@@ -19,6 +19,12 @@ from inkwell.adapters.spec import LoraSpec
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "1-64 characters from letters, digits, '.', '_' and '-', starting with a letter or digit, no '..'"
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+# The largest integer any count or seed of a job may be: a signed 64-bit value, what a SQL BIGINT, a JSON
+# parser in another language and torch's generators all hold.
+MAX_INT64 = 2**63 - 1
+# torch.manual_seed takes up to 2**64 - 1, and the trainer seeds with offsets (seed + epoch, megatron's
+# seed + 2718 + rank, ...): seeds up to 2**63 - 1 leave that headroom.
+MAX_SEED = MAX_INT64
 
 
 def name_problem(name: str) -> str | None:
@@ -62,23 +68,24 @@ class TrainingHyperparameters(BaseModel):
     The API's job body takes them as `hyperparameters`; a `TrainJobConfig` (a config file) at its top level.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    # No NaN or infinity: they pass `ge=0` bounds, train nothing useful and PostgreSQL's JSON refuses them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     learning_rate: float = Field(1e-3, gt=0, le=1.0)
     max_steps: int = Field(20, ge=1, le=1_000_000)
     batch_size: int = Field(4, ge=1, le=4096, description="packed sequences per optimizer step (global)")
     seq_len: int = Field(256, ge=8, le=131072, description="packing length in tokens")
     grad_accum: int = Field(1, ge=1, le=1024)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_INT64)
     # A string here and checked by TrainJobConfig: an unknown schedule is a job the trainer refuses (the API's
     # 422 invalid_job), not a malformed request body.
     lr_schedule: str = Field("cosine", description=f"one of {', '.join(LR_SCHEDULES)}")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    seed: int = 0
-    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0 = never")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seeds the adapter's init, the data order and the eval split")
+    checkpoint_every: int = Field(10, ge=0, le=MAX_INT64, description="steps between checkpoints; 0 = never")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held out from the dataset when no eval set")
-    eval_every: int = Field(0, ge=0, description="steps between eval passes; 0 = only at start and end")
+    eval_every: int = Field(0, ge=0, le=MAX_INT64, description="steps between eval passes; 0 = only at start and end")
 
 
 class TrainJobConfig(TrainingHyperparameters):

@@ -116,6 +116,8 @@ def parse_jsonl(data: bytes) -> list[Line]:
             record = parse_record(json.loads(raw))
         except json.JSONDecodeError as exc:
             raise JsonlError(number, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        except RecursionError as exc:  # json.loads gives up on deep nesting; no example is nested like that
+            raise JsonlError(number, "JSON nested too deeply; an example is an object of strings and lists") from exc
         except ValueError as exc:
             raise JsonlError(number, str(exc)) from exc
         if lines and record.format != lines[0].record.format:

@@ -7,6 +7,8 @@ from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, I
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from inkwell.trainer.config import MAX_INT64
+
 
 class UTCDateTime(TypeDecorator):
     """Aware UTC datetimes on every backend (SQLite has no time zones: store naive UTC, return aware)."""
@@ -30,7 +32,7 @@ def utcnow() -> datetime:
 
 
 # Adapter versions are BIGINT: the API bounds them to 1..MAX_VERSION so a number it accepts always fits.
-MAX_VERSION = 2**63 - 1
+MAX_VERSION = MAX_INT64
 VersionInt = BigInteger().with_variant(Integer(), "sqlite")  # SQLite's INTEGER is already 64-bit
 
 

@@ -25,6 +25,7 @@ from inkwell.service.db.models import (
     Tenant,
     utcnow,
 )
+from inkwell.trainer.config import MAX_INT64
 
 KEY_PREFIX = "ink_"
 
@@ -48,7 +49,7 @@ def parse_cursor(cursor: str | None) -> int | None:
     """The key a cursor holds; ValueError for anything no key can be (SQLite cannot even bind past BIGINT)."""
     if cursor is None or cursor == "":
         return None
-    if not (cursor.isascii() and cursor.isdigit()) or int(cursor) > MAX_VERSION:
+    if not (cursor.isascii() and cursor.isdigit()) or int(cursor) > MAX_INT64:
         raise ValueError(f"cursor {cursor!r} is not one this API returned; pass next_cursor unchanged")
     return int(cursor)
 

@@ -29,7 +29,7 @@ from inkwell.service.schemas import (
     Page,
 )
 from inkwell.service.settings import Settings
-from inkwell.trainer.config import TrainConfigError
+from inkwell.trainer.config import MAX_INT64, TrainConfigError
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 KEEPALIVE_SECONDS = 15.0
@@ -159,13 +159,26 @@ def cancel_job(job_id: str, who: Principal = Depends(current_principal), s: Sess
 @router.get("/{job_id}/events", response_model=Page[JobEvent])
 def list_events(
     job_id: str,
-    after: int = Query(0, ge=0, description="return events with a larger id"),
+    after: int = Query(0, ge=0, le=MAX_INT64, description="return events with a larger id"),
     limit: int = Query(200, ge=1, le=1000),
     who: Principal = Depends(current_principal),
     s: Session = Depends(get_session),
 ) -> Page[JobEvent]:
     _own_job(s, who, job_id)
     return Page[JobEvent](data=[event_view(e) for e in repo.list_events(s, job_id, after, limit)], next_cursor=None)
+
+
+def _resume_point(last_event_id: str | None, after: int) -> int:
+    """Where a stream starts: `Last-Event-ID` when it is an event id, else `after`. Checked before the stream
+    starts: an id past any event's (which SQLite cannot even bind) would otherwise fail inside the stream and
+    drop the connection instead of answering 422."""
+    if not (last_event_id and last_event_id.isascii() and last_event_id.isdigit()):
+        return after
+    if int(last_event_id) > MAX_INT64:
+        reason = f"must be at most {MAX_INT64}, an event id this API sent"
+        errors = [{"loc": ["header", "last-event-id"], "msg": reason, "type": "less_than_equal"}]
+        raise APIError(422, "validation_error", f"header.last-event-id: {reason}", errors=errors)
+    return int(last_event_id)
 
 
 def _sse(event: JobEvent) -> str:
@@ -176,15 +189,15 @@ def _sse(event: JobEvent) -> str:
 def stream_events(
     job_id: str,
     request: Request,
-    after: int = Query(0, ge=0),
+    after: int = Query(0, ge=0, le=MAX_INT64),
     last_event_id: str | None = Header(None),
     who: Principal = Depends(current_principal),
 ) -> StreamingResponse:
     """Server-sent events until the job reaches a terminal state (no session is held while streaming)."""
+    start = _resume_point(last_event_id, after)
     sm = request.app.state.read_sessionmaker
     with sm() as s:
         _own_job(s, who, job_id)
-    start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
 
     def poll(cursor: int) -> tuple[list[JobEvent], str]:
         # State first: a terminal state is committed with its events, so reading the events after

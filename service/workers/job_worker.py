@@ -4,6 +4,10 @@ A claim is a lease (`lease_seconds`) renewed by a heartbeat thread. Every write 
 job is fenced on `worker_id`, so a worker that lost its lease (paused, partitioned) can no
 longer touch the job; the worker that re-claimed it downloads the last checkpoint from S3 and
 resumes there. Cancel is read by the heartbeat and stops training at the next step.
+
+An outage of S3 or the database (`StorageUnavailable`, `OperationalError`) is no fault of the job: the worker
+hands the job back to `queued` without counting the claim as an attempt, and backs off before claiming again,
+so an outage of any length delays jobs but never fails them with `too_many_attempts`.
 """
 
 import logging
@@ -12,6 +16,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +43,8 @@ from inkwell.trainer import (
 
 log = logging.getLogger("inkwell.worker")
 MAX_ATTEMPTS = 5
+# After an outage, a worker waits poll * 2**n seconds before its next claim (n failures in a row), at most this.
+MAX_BACKOFF_SECONDS = 60.0
 
 
 def _finite(data: dict) -> dict:
@@ -157,15 +164,26 @@ class JobWorker:
 
     def run_forever(self) -> None:
         log.info("worker %s polling for jobs", self.worker_id)
+        outages = 0  # infrastructure failures in a row
         while not self.stopping.is_set():
             try:
                 ran = self.run_once()
+                outages = 0
             except (OperationalError, StorageUnavailable) as exc:
-                log.warning("worker %s: %s; retrying", self.worker_id, exc)
-                ran = False
+                outages += 1
+                delay = self.backoff_seconds(outages)
+                log.warning("worker %s: %s; next claim in %.1fs", self.worker_id, exc, delay)
+                self.stopping.wait(delay)
+                continue
             if not ran:
                 self.stopping.wait(self.settings.worker_poll_seconds)
         self.db_engine.dispose()
+
+    def backoff_seconds(self, outages: int) -> float:
+        """The wait before the next claim after `outages` failures in a row: doubling, so that a long outage
+        costs few claims, and capped, so that a worker resumes soon after it ends."""
+        poll = self.settings.worker_poll_seconds
+        return min(poll * 2 ** min(outages, 32), max(MAX_BACKOFF_SECONDS, poll))
 
     def claim(self) -> JobRow | None:
         with self.sm() as s:
@@ -196,6 +214,9 @@ class JobWorker:
                 self._run(job)
             except LeaseLost:
                 log.warning("job %s: lease lost; left to the worker that holds it", row.id)
+            except (StorageUnavailable, OperationalError) as exc:
+                self._hand_back(job, exc)
+                raise
         return True
 
     def _run(self, job: _Job) -> None:
@@ -310,6 +331,43 @@ class JobWorker:
             finished_at=utcnow(),
             lease_expires_at=None,
         )
+
+    def _hand_back(self, job: _Job, exc: Exception) -> None:
+        """Re-queue the job after an infrastructure failure, its claim not counted as an attempt (the claim
+        counted one): the job is not at fault, and an outage must not use up its attempts.
+
+        While the database is down too the write is retried, the lease still held (the heartbeat renews it
+        once the database answers), for up to one lease period; after that the lease expires and the next
+        claim counts, as for a worker that died.
+        """
+        # The tenant's event names the kind of outage only; the exception's text (endpoints, SQL) is for the log.
+        what = "storage" if isinstance(exc, StorageUnavailable) else "database"
+        deadline = time.monotonic() + self.settings.lease_seconds
+        while True:
+            try:
+                if job.cancel.is_set():
+                    job.write(
+                        ("state", f"job cancelled ({what} unavailable)", {}),
+                        state="cancelled",
+                        finished_at=utcnow(),
+                        lease_expires_at=None,
+                    )
+                    return
+                job.write(
+                    ("state", f"{what} unavailable; job re-queued, attempt not counted", {"reason": what}),
+                    state="queued",
+                    worker_id=None,
+                    lease_expires_at=None,
+                    attempts=JobRow.attempts - 1,
+                )
+                log.warning("job %s re-queued: %s unavailable: %s", job.id, what, exc)
+                return
+            except LeaseLost:
+                return
+            except OperationalError as again:
+                if time.monotonic() >= deadline or self.stopping.wait(min(1.0, self.settings.heartbeat_seconds)):
+                    log.warning("job %s: could not re-queue it (%s); its lease will expire", job.id, again)
+                    return
 
     def _stopped(self, job: _Job, step: int) -> None:
         if job.lost.is_set():

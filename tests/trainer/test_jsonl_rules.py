@@ -70,6 +70,7 @@ TABLE = [
     ("mixed-formats", lines(CHAT, PC), ("refuse", 2, "use one format")),
     ("not-utf8", lines(PC) + b"\xff\xfe\n", ("refuse", 2, "not UTF-8")),
     ("no-examples", b"\n \n", ("refuse", 1, "no examples")),
+    ("nested-too-deeply", lines(PC, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"), ("refuse", 2, "too deeply")),
 ]
 
 
