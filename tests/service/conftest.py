@@ -1,7 +1,7 @@
 """Real parts for the service tests: one SeaweedFS per session, a throwaway PostgreSQL database
 per session, and the API served by uvicorn on a loopback port (in a thread)."""
 
-import secrets
+import contextlib
 from collections.abc import Iterator
 
 import httpx
@@ -9,7 +9,7 @@ import psycopg2
 import pytest
 
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
-from tests.service.helpers import Service, make_settings, pg_connect, start_service
+from tests.service.helpers import Service, make_settings, scratch_pg_database, start_service
 
 
 @pytest.fixture(scope="session")
@@ -23,19 +23,12 @@ def seaweed(tmp_path_factory) -> Iterator[EmbeddedSeaweed]:
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:
     """A fresh PostgreSQL database for this test session, dropped afterwards."""
-    try:
-        conn, user = pg_connect()
-    except psycopg2.OperationalError as exc:
-        pytest.fail(f"PostgreSQL at 127.0.0.1:5432 is required by the service tests: {exc}")
-    conn.autocommit = True
-    name = f"inkwell_test_{secrets.token_hex(6)}"
-    with conn.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
-    with conn.cursor() as cur:
-        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-    conn.close()
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(scratch_pg_database("inkwell_test"))
+        except psycopg2.OperationalError as exc:
+            pytest.fail(f"PostgreSQL at 127.0.0.1:5432 is required by the service tests: {exc}")
+        yield url
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])

@@ -7,6 +7,8 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,23 @@ def pg_connect(dbname: str = "test"):
         except psycopg2.OperationalError as exc:
             last = exc
     raise last
+
+
+@contextmanager
+def scratch_pg_database(prefix: str) -> Iterator[str]:
+    """The URL of a new, empty PostgreSQL database named `prefix_<random>`, dropped (its sessions ended) after."""
+    conn, user = pg_connect()
+    conn.autocommit = True
+    name = f"{prefix}_{secrets.token_hex(5)}"
+    with conn.cursor() as cur:
+        cur.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
+    finally:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.close()
 
 
 def free_port() -> int:

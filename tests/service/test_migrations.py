@@ -1,6 +1,6 @@
 """`alembic upgrade head` on an empty database creates exactly the tables of the models."""
 
-import secrets
+from collections.abc import Iterator
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -9,7 +9,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, create_engine, inspect
 
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.models import Base
-from tests.service.helpers import pg_connect
+from tests.service.helpers import scratch_pg_database
 
 
 def _diff(url: str) -> list:
@@ -23,18 +23,18 @@ def _diff(url: str) -> list:
     return diff
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_upgrade_head_equals_models(backend, tmp_path, request):
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'fresh.db'}"
+@pytest.fixture(params=["sqlite", "postgres"])
+def fresh_url(request, tmp_path) -> Iterator[str]:
+    """An empty database of each kind."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'fresh.db'}"
     else:
-        admin, user = pg_connect()
-        admin.autocommit = True
-        name = f"inkwell_mig_{secrets.token_hex(5)}"
-        with admin.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{name}"')
-        url = f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
-        request.addfinalizer(lambda: _drop(admin, name))
+        with scratch_pg_database("inkwell_mig") as url:
+            yield url
+
+
+def test_upgrade_head_equals_models(fresh_url):
+    url = fresh_url
     upgrade_database(url)
     assert _diff(url) == []
     upgrade_database(url)  # idempotent: already at head
@@ -50,10 +50,3 @@ def test_upgrade_head_equals_models(backend, tmp_path, request):
         drift = compare_metadata(MigrationContext.configure(probe_conn, opts={"compare_type": True}), probe)
     engine.dispose()
     assert {d[0] for d in drift} == {"add_table", "add_column"}
-
-
-def _drop(conn, name: str) -> None:
-    with conn.cursor() as cur:
-        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-    conn.close()

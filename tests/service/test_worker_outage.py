@@ -2,6 +2,7 @@
 dataset hands the job back to `queued` without counting an attempt, the worker backs off between claims, and
 once SeaweedFS is back the job trains and publishes. On SQLite and on PostgreSQL (the hand-back is a write)."""
 
+import contextlib
 import secrets
 import threading
 import time
@@ -13,7 +14,7 @@ from inkwell.service.db import repo
 from inkwell.service.settings import Settings
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
 from inkwell.service.workers.job_worker import MAX_ATTEMPTS, JobWorker
-from tests.service.helpers import make_settings, pg_connect, start_service
+from tests.service.helpers import make_settings, pg_connect, scratch_pg_database, start_service
 from tests.service.test_jobs_e2e import submit
 
 CLAIMS = MAX_ATTEMPTS + 2  # more claims than a job has attempts
@@ -23,27 +24,14 @@ CLAIMS = MAX_ATTEMPTS + 2  # more claims than a job has attempts
 def outage(request, tmp_path):
     """The API on its own SeaweedFS (to stop and restart) and its own database (so the worker claims only
     this test's job)."""
-    url = conn = name = None
-    if request.param == "postgres":
-        conn, user = pg_connect()
-        conn.autocommit = True
-        name = f"inkwell_outage_{secrets.token_hex(5)}"
-        with conn.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{name}"')
-        url = f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
-    weed = EmbeddedSeaweed(tmp_path / "weed")
-    weed.start()
-    svc = start_service(make_settings(tmp_path / "svc", url, weed.endpoint))
-    try:
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(scratch_pg_database("inkwell_outage")) if request.param == "postgres" else None
+        weed = EmbeddedSeaweed(tmp_path / "weed")
+        weed.start()
+        stack.callback(weed.stop)
+        svc = start_service(make_settings(tmp_path / "svc", url, weed.endpoint))
+        stack.callback(svc.stop)
         yield weed, svc
-    finally:
-        svc.stop()
-        weed.stop()
-        if conn is not None:
-            with conn.cursor() as cur:
-                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-                cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-            conn.close()
 
 
 class RecordedWaits(threading.Event):
