@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inkwell.service.storage import StorageUnavailable
+from inkwell.service.storage import ObjectCorrupt, StorageUnavailable
 
 log = logging.getLogger("inkwell.service")
 
@@ -71,14 +71,17 @@ def _integrity_failure(exc: BaseException | None) -> BaseException | None:
 
 
 def _integrity_response(cause: BaseException) -> JSONResponse:
+    """The one 502 `integrity_error`: a stored object damaged at rest, or bytes that failed their checksum on the
+    way to or from the object store. Not retryable: the same request fails the same way."""
     log.error("integrity failure: %s", cause)
-    return error_response(
-        502,
-        "integrity_error",
-        "bytes exchanged with the object store failed their checksum (the request's data or a stored object "
-        "is corrupt); nothing was published",
-        {"retryable": False},
-    )
+    if isinstance(cause, ObjectCorrupt):
+        message = "a stored object does not match its recorded sha256: it is damaged, and retrying will not help"
+    else:
+        message = (
+            "bytes exchanged with the object store failed their checksum (the request's data or a stored object "
+            "is corrupt); nothing was published"
+        )
+    return error_response(502, "integrity_error", message, {"retryable": False})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -122,6 +125,10 @@ def install_error_handlers(app: FastAPI) -> None:
             {"retryable": True},
             {"Retry-After": "5"},
         )
+
+    @app.exception_handler(ObjectCorrupt)
+    async def _corrupt(request: Request, exc: ObjectCorrupt) -> JSONResponse:
+        return _integrity_response(exc)
 
     @app.exception_handler(OperationalError)
     async def _database(request: Request, exc: OperationalError) -> JSONResponse:

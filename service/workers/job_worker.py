@@ -346,12 +346,7 @@ class JobWorker:
         while True:
             try:
                 if job.cancel.is_set():
-                    job.write(
-                        ("state", f"job cancelled ({what} unavailable)", {}),
-                        state="cancelled",
-                        finished_at=utcnow(),
-                        lease_expires_at=None,
-                    )
+                    self._cancelled(job, f"job cancelled ({what} unavailable)", {})
                     return
                 job.write(
                     ("state", f"{what} unavailable; job re-queued, attempt not counted", {"reason": what}),
@@ -369,16 +364,14 @@ class JobWorker:
                     log.warning("job %s: could not re-queue it (%s); its lease will expire", job.id, again)
                     return
 
+    def _cancelled(self, job: _Job, message: str, data: dict) -> None:
+        job.write(("state", message, data), state="cancelled", finished_at=utcnow(), lease_expires_at=None)
+
     def _stopped(self, job: _Job, step: int) -> None:
         if job.lost.is_set():
             raise LeaseLost(job.id)
         if job.cancel.is_set():
-            job.write(
-                ("state", f"job cancelled at step {step}", {"step": step}),
-                state="cancelled",
-                finished_at=utcnow(),
-                lease_expires_at=None,
-            )
+            self._cancelled(job, f"job cancelled at step {step}", {"step": step})
             return
         # The worker is shutting down: hand the job back so another worker resumes it now.
         job.write(

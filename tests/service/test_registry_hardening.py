@@ -30,17 +30,23 @@ def _flip_one_byte(service, key: str) -> bytes:
 # ---- 2. a corrupt object is not a 200 ------------------------------------------------------------
 
 
-def test_corrupt_object_is_a_502_integrity_error_not_a_200(sqlite_service, tmp_path):
-    service = sqlite_service
+def _served_then_rotted(service, tmp_path, name: str, layout: str) -> tuple[str, str, bytes]:
+    """An imported adapter whose weights file is served intact once, then rots in S3: the tenant's key, the
+    file's route and the rotted bytes."""
     tenant_id, key = service.new_tenant()
     with service.client(key) as client:
-        assert (
-            import_dir(client, make_adapter_dir(service, tmp_path / "a", "sglang"), "rot", "sglang").status_code == 201
-        )
-        path = "/v1/adapters/rot/versions/1/files/sglang/adapter_model.safetensors"
+        assert import_dir(client, make_adapter_dir(service, tmp_path / "a", layout), name, layout).status_code == 201
+        path = f"/v1/adapters/{name}/versions/1/files/{layout}/adapter_model.safetensors"
         good = client.get(path)
         assert good.status_code == 200 and hashlib.sha256(good.content).hexdigest() == good.headers["x-inkwell-sha256"]
-        corrupt = _flip_one_byte(service, f"{version_prefix(tenant_id, 'rot', 1)}sglang/adapter_model.safetensors")
+    corrupt = _flip_one_byte(service, f"{version_prefix(tenant_id, name, 1)}{layout}/adapter_model.safetensors")
+    return key, path, corrupt
+
+
+def test_corrupt_object_is_a_502_integrity_error_not_a_200(sqlite_service, tmp_path):
+    service = sqlite_service
+    key, path, corrupt = _served_then_rotted(service, tmp_path, "rot", "sglang")
+    with service.client(key) as client:
         resp = client.get(path)
         err = assert_error(resp, 502, "integrity_error")
         assert err["details"]["retryable"] is False and resp.content != corrupt
@@ -52,15 +58,7 @@ def test_large_corrupt_object_stream_is_cut_short(sqlite_service, tmp_path, monk
     """Above the in-memory bound the file streams, and its last chunk is held back until the hash matched."""
     service = sqlite_service
     monkeypatch.setattr(adapters_router, "VERIFY_IN_MEMORY_BYTES", 0, raising=False)
-    tenant_id, key = service.new_tenant()
-    with service.client(key) as client:
-        assert (
-            import_dir(client, make_adapter_dir(service, tmp_path / "a", "peft"), "big-rot", "peft").status_code == 201
-        )
-        path = "/v1/adapters/big-rot/versions/1/files/peft/adapter_model.safetensors"
-        good = client.get(path)
-        assert good.status_code == 200 and hashlib.sha256(good.content).hexdigest() == good.headers["x-inkwell-sha256"]
-        corrupt = _flip_one_byte(service, f"{version_prefix(tenant_id, 'big-rot', 1)}peft/adapter_model.safetensors")
+    key, path, corrupt = _served_then_rotted(service, tmp_path, "big-rot", "peft")
     with service.client(key) as client:
         try:
             resp = client.get(path)
