@@ -205,6 +205,21 @@ class ObjectStore:
             for chunk in chunks:
                 f.write(chunk)
 
+    def put_tree(self, prefix: str, root: Path) -> list[str]:
+        """Store every file under `root` at `prefix` + its relative path (overwriting); returns the keys."""
+        keys = []
+        for file in sorted(p for p in root.rglob("*") if p.is_file()):
+            keys.append(prefix + file.relative_to(root).as_posix())
+            self.put_file(keys[-1], file, create_only=False)
+        return keys
+
+    def download_tree(self, prefix: str, root: Path) -> int:
+        """Download every object under `prefix` into `root` (the rest of each key as its path); returns the count."""
+        objects = self.list_objects(prefix)
+        for obj in objects:
+            self.download_file(obj.key, root / obj.key[len(prefix) :])
+        return len(objects)
+
     def list_objects(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
         token: str | None = None

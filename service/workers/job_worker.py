@@ -133,8 +133,7 @@ class _Callbacks(TrainCallbacks):
     def on_checkpoint(self, step: int, path: Path) -> None:
         w, job = self.job.worker, self.job
         prefix = f"checkpoints/{job.row.tenant_id}/{job.id}/{path.name}/"
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            w.store.put_file(prefix + file.relative_to(path).as_posix(), file, create_only=False)
+        w.store.put_tree(prefix, path)
         job.write(
             ("checkpoint", f"checkpoint at step {step} uploaded", {"step": step, "key": prefix}),
             last_checkpoint_step=step,
@@ -271,8 +270,7 @@ class JobWorker:
         if eval_ds is not None:
             self.store.download_file(eval_ds.s3_key, config.eval_dataset_path)
         if resume_from is not None:
-            for obj in self.store.list_objects(checkpoint):
-                self.store.download_file(obj.key, resume_from / obj.key[len(checkpoint) :])
+            self.store.download_tree(checkpoint, resume_from)
         return config
 
     def _publish(self, job: _Job, result: TrainResult) -> None:
