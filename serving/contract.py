@@ -57,6 +57,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # sample among the k most likely tokens; -1: no cut
     seed: int | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
@@ -75,6 +76,8 @@ class SamplingParams:
             raise SamplingError("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and not 1 <= self.top_k <= 2**31 - 1:
+            raise SamplingError("top_k", f"top_k must be -1 (no cut) or at least 1, got {self.top_k}")
         if not 1 <= self.n <= 16:
             raise SamplingError("n", f"n must be between 1 and 16, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -331,7 +331,8 @@ class Engine:
         params = [c.seq.request.params for c in draws]
         uniforms = [float(torch.rand((), generator=c.seq.generator)) for c in draws]
         packed = torch.tensor(
-            [rows, [p.temperature for p in params], [p.top_p for p in params], uniforms], dtype=torch.float64
+            [rows, [p.temperature for p in params], [p.top_p for p in params], [p.top_k for p in params], uniforms],
+            dtype=torch.float64,
         ).to(self.device, non_blocking=True)
         index = packed[0].long()
         drawn = sample_rows(logits[index], *packed[1:].float())

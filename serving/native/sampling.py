@@ -19,16 +19,20 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample_rows(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row of fp32 logits [n, V], drawn with the row's temperature (> 0) and top_p at its uniform
-    u in [0, 1): in order of falling probability, the first token whose cumulative probability within the top_p
-    prefix exceeds u times that prefix's total. Every op works row by row, so a row's token depends on its own
-    logits and u alone, whatever else is in the batch; on the GPU nothing waits for the host."""
+    """One token per row of fp32 logits [n, V], drawn with the row's temperature (> 0), top_k and top_p at its
+    uniform u in [0, 1): in order of falling probability, among the row's top_k tokens (`top_k` < 1: all), the
+    first token whose cumulative probability within the top_p prefix exceeds u times that prefix's total. Every
+    op works row by row, so a row's token depends on its own logits and u alone, whatever else is in the batch;
+    on the GPU nothing waits for the host."""
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    kept = torch.where(before < top_p[:, None], sorted_probs, 0.0)  # the smallest prefix reaching top_p (>= 1)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    in_top_k = (top_k[:, None] < 1) | (rank[None, :] < top_k[:, None])
+    # the smallest prefix reaching top_p (>= 1 token), cut at top_k
+    kept = torch.where((before < top_p[:, None]) & in_top_k, sorted_probs, 0.0)
     cdf = kept.cumsum(dim=-1)
     # u < 1 puts u * total below the total (fp32 rounds it down or to a neighbour), so the first cdf entry above it
     # is a kept token of non-zero probability: [cdf[i-1], cdf[i]) is token i's share of [0, total)

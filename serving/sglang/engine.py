@@ -102,6 +102,7 @@ def sglang_sampling_params(params: SamplingParams, index: int, finisher: Finishe
         "max_new_tokens": params.max_tokens if params.max_tokens is not None else rest,
         "temperature": params.temperature,
         "top_p": params.top_p,
+        "top_k": params.top_k,
         # SGLang's ignore_eos also ignores stop_token_ids; then this engine ends on them and aborts
         "ignore_eos": params.ignore_eos,
         "stop_token_ids": sorted(finisher.stop_ids) or None,
