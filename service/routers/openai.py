@@ -6,8 +6,9 @@ when `stream` is true. Errors use OpenAI's shape {"error": {"message", "type", "
 (plus inkwell's `details`, whose `retryable` is true for 429 and 503 only), with a 4xx for anything
 the caller can fix (400 `too_many_prompts` for more prompts than the workers ever hold in flight), 429 +
 Retry-After when every worker is full right now, and 503 + Retry-After when a worker or an adapter load
-failed (its message names the problem; storage URLs and keys stay in the server log). A non-streaming
-request whose client disconnects is aborted, as a stream is.
+failed, or the adapter was unloaded before the request reached its worker (its message names the problem;
+storage URLs, keys and tenant ids stay in the server log). A non-streaming request whose client disconnects is
+aborted, as a stream is.
 
 The service mounts this module as an extension: `router`, and `lifespan(app)`, which puts the
 serving tier on `app.state.serving` (workers start on the first request for a base model).
@@ -126,6 +127,11 @@ def _refusal(exc: Exception, prompt_param: str = "prompt") -> OpenAIError | None
 
     The one translation of the tier's errors, whether they come before a stream starts or in it."""
     match exc:
+        case EngineError(code="adapter_not_loaded"):
+            # Another request's load unloaded it (to make room) between its load and this request reaching the
+            # worker: nothing is wrong with the request, and the next try loads the adapter again.
+            message = "the adapter was unloaded from the serving worker before the request reached it; retry shortly"
+            return OpenAIError(503, exc.code, message, "model", headers={"Retry-After": RETRY_AFTER_503})
         case EngineError(param="prompt"):
             return OpenAIError(400, exc.code, str(exc), prompt_param)
         case EngineError():

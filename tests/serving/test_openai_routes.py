@@ -445,6 +445,35 @@ def test_an_adapter_that_fails_to_load_is_503_without_internals(served, tiny_ada
         _assert_retry_semantics(resp)
 
 
+def test_an_adapter_unloaded_before_its_request_arrives_is_a_retryable_503(served, monkeypatch):
+    """Another request's load may unload an idle adapter (to make room) after it was loaded for this request and
+    before the request reaches the worker: the engine refuses the request as `adapter_not_loaded`, no fault of the
+    request's. A 503 with Retry-After, streaming or not, and the next try loads the adapter again."""
+    client = served.client()
+    client.completions.create(model="inkling-tiny", prompt="x", max_tokens=1)  # the worker is up
+    (worker,) = served.app.state.serving.router.workers["inkling-tiny"]
+    load = worker.load_adapter
+
+    async def load_then_lose(key, source, pinned=False):
+        await load(key, source, pinned)
+        await worker.unload_adapter(key)  # what an eviction by another request's load does, at the worst moment
+
+    monkeypatch.setattr(worker, "load_adapter", load_then_lose)
+    body = {"model": "inkling-tiny:alpha", "prompt": "x", "max_tokens": 2}
+    with served.http() as http:
+        resp = http.post("/v1/completions", json=body)
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+    monkeypatch.undo()
+    assert resp.status_code == 503, resp.text
+    error = _assert_retry_semantics(resp)
+    assert error["code"] == "adapter_not_loaded" and error["param"] == "model"
+    assert served.tenant_ids["a"] not in error["message"]
+    event = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")][-1]
+    assert event["error"]["code"] == "adapter_not_loaded" and event["error"]["details"]["retryable"] is True
+    again = client.completions.create(model="inkling-tiny:alpha", prompt="x", max_tokens=2, temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length")
+
+
 def test_more_prompts_than_ever_fit_is_400_and_full_is_429(served):
     """A request of more prompts than the workers ever hold in flight can never be served: a 400 saying how many
     fit, not a 429 to retry forever; a request that fits gets its answer."""
