@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
 
 from fastapi import APIRouter, Depends, FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -30,7 +31,7 @@ from inkwell.service.registry import cleanup_orphans
 from inkwell.service.routers import adapters, datasets, health, jobs, models
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore, StorageUnavailable
-from inkwell.service.storage.seaweed import EmbeddedSeaweed
+from inkwell.service.storage.seaweed import start_embedded
 
 log = logging.getLogger("inkwell.service")
 CORE_ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, datasets.router, jobs.router, adapters.router)
@@ -97,13 +98,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     seaweed = None
     endpoint = settings.s3_endpoint
     if not endpoint:
-        seaweed = EmbeddedSeaweed(settings.data_dir / "s3")
-        endpoint = await asyncio.to_thread(seaweed.start)
+        # Started in the loop's thread, not a pool thread: weed's parent-death signal follows the starting thread.
+        seaweed, settings = start_embedded(settings)
+        endpoint = settings.s3_endpoint
+        app.state.settings = settings  # the serving tier reads the store's keys from here
         log.info("embedded SeaweedFS serving S3 at %s", endpoint)
     store = ObjectStore(endpoint, settings.bucket, settings.s3_region, settings.s3_access_key, settings.s3_secret_key)
     app.state.sessionmaker, app.state.read_sessionmaker = sm, read_sm
     app.state.store, app.state.s3_endpoint = store, endpoint
-    app.state.metrics = Metrics(read_sm)
+    app.state.metrics = Metrics(read_sm, timedelta(seconds=settings.lease_seconds))
     cleanup = None
     try:
         await asyncio.to_thread(store.ensure_bucket)

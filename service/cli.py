@@ -1,12 +1,13 @@
 """`inkwell serve`, `inkwell worker` and `inkwell admin ...`: run the service and manage tenants.
 
 `inkwell serve` with no configuration is the embedded default: a SQLite file and a SeaweedFS
-under `.inkwell/`, one job worker process, and a local API key printed on first start.
+under `.inkwell/`, one job worker process, and a local API key printed on first start. It supervises what
+it starts: its children die with it (even on `kill -9`), and a job worker that dies is restarted.
 """
 
+import logging
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,10 +20,11 @@ from inkwell.service.bootstrap import LOCAL_TENANT, ensure_local_key, register_b
 from inkwell.service.db import repo
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
+from inkwell.service.processes import Supervisor
 from inkwell.service.registry import cleanup_orphans
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
-from inkwell.service.storage.seaweed import EmbeddedSeaweed
+from inkwell.service.storage.seaweed import start_embedded
 
 console = Console()
 admin_app = typer.Typer(
@@ -50,6 +52,8 @@ def _worker_env(settings: Settings) -> dict[str, str]:
         INKWELL_DATA_DIR=str(settings.data_dir.resolve()),
         INKWELL_DATABASE_URL=settings.resolved_database_url,
         INKWELL_S3_ENDPOINT=settings.s3_endpoint or "",
+        INKWELL_S3_ACCESS_KEY=settings.s3_access_key or "",
+        INKWELL_S3_SECRET_KEY=settings.s3_secret_key or "",
         INKWELL_BUCKET=settings.bucket,
     )
     return env
@@ -64,18 +68,23 @@ def serve(
     """Run the API, its object store (embedded SeaweedFS unless INKWELL_S3_ENDPOINT) and job workers."""
     from inkwell.service.app import create_app
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = _settings(data_dir)
     sm = _sessionmaker(settings)
     key = ensure_local_key(sm)
     seaweed = None
     if not settings.s3_endpoint:
-        seaweed = EmbeddedSeaweed(settings.data_dir / "s3")
-        settings = settings.model_copy(update={"s3_endpoint": seaweed.start()})
+        try:
+            seaweed, settings = start_embedded(settings)
+        except RuntimeError as exc:
+            console.print(f"[red]{exc}[/]")
+            raise typer.Exit(1) from exc
         console.print(f"embedded SeaweedFS: S3 at {settings.s3_endpoint}")
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "inkwell.service.workers"], env=_worker_env(settings))
-        for _ in range(workers)
-    ]
+    if workers:  # what this service runs it expects to be alive: /healthz says degraded while none is
+        settings = settings.model_copy(update={"min_job_workers": max(settings.min_job_workers, 1)})
+    worker_args = [sys.executable, "-m", "inkwell.service.workers"]
+    job_workers = Supervisor("job worker", worker_args, _worker_env(settings), workers)
+    job_workers.start()
     if key:
         console.print(f"created tenant '{LOCAL_TENANT}'; its API key (shown once): [bold]{key}[/]")
         console.print(f"  export INKWELL_URL=http://{host}:{port} INKWELL_API_KEY={key}")
@@ -86,13 +95,7 @@ def serve(
     try:
         uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        job_workers.stop()
         if seaweed is not None:
             seaweed.stop()
 

@@ -1,7 +1,8 @@
-"""Prometheus metrics: request counts/latency by route template, and job/version gauges read
+"""Prometheus metrics: request counts/latency by route template, and job/version/job-worker gauges read
 from the database at scrape time (so every API process reports the same numbers)."""
 
 import time
+from datetime import timedelta
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -13,26 +14,29 @@ from inkwell.service.schemas import JobState
 
 
 class _DatabaseCollector:
-    def __init__(self, sm: sessionmaker[Session]) -> None:
-        self.sm = sm
+    def __init__(self, sm: sessionmaker[Session], lease: timedelta) -> None:
+        self.sm, self.lease = sm, lease
 
     def collect(self):
         jobs = GaugeMetricFamily("inkwell_jobs", "jobs by state", labels=["state"])
         versions = GaugeMetricFamily("inkwell_adapter_versions", "published adapter versions not deleted")
+        workers = GaugeMetricFamily("inkwell_job_workers", "job workers alive (heartbeat within the lease), any host")
         try:
             with self.sm() as s:
                 counts = repo.job_counts(s)
                 versions.add_metric([], repo.count_versions(s))
+                workers.add_metric([], repo.count_live_workers(s, self.lease))
         except Exception:  # noqa: BLE001 - a scrape must not fail because the DB is down
             return
         for state in JobState.__args__:
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs
         yield versions
+        yield workers
 
 
 class Metrics:
-    def __init__(self, sm: sessionmaker[Session]) -> None:
+    def __init__(self, sm: sessionmaker[Session], lease: timedelta) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "inkwell_http_requests", "HTTP requests", ["method", "route", "status"], registry=self.registry
@@ -40,7 +44,7 @@ class Metrics:
         self.latency = Histogram(
             "inkwell_http_request_seconds", "HTTP request latency", ["method", "route"], registry=self.registry
         )
-        self.registry.register(_DatabaseCollector(sm))
+        self.registry.register(_DatabaseCollector(sm, lease))
 
 
 class MetricsMiddleware:

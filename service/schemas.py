@@ -239,4 +239,5 @@ class Health(Schema):
     status: Literal["ok", "degraded"]
     database: Literal["ok", "unavailable"]
     storage: Literal["ok", "unavailable"]
+    job_workers: int | None = Field(description="job workers alive (heartbeat within the lease); null: database down")
     version: str

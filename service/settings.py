@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     train_tp: int = Field(1, ge=1, description="tensor-parallel size")
     train_ep: int = Field(1, ge=1, description="expert-parallel size")
     train_threads: int = Field(2, ge=1, description="torch threads a job worker trains with")
+    min_job_workers: int = Field(
+        0, ge=0, description="/healthz is degraded while fewer job workers are alive (`inkwell serve` with workers: 1)"
+    )
 
     @property
     def resolved_database_url(self) -> str:

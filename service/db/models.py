@@ -176,3 +176,11 @@ class AuditRow(Base):
     target: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobWorkerRow(Base):
+    """A job worker that is alive while `seen_at` is recent: each worker renews its own row (heartbeat)."""
+
+    __tablename__ = "job_workers"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow)

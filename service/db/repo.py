@@ -7,7 +7,7 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -22,12 +22,15 @@ from inkwell.service.db.models import (
     DatasetRow,
     JobEventRow,
     JobRow,
+    JobWorkerRow,
     Tenant,
     utcnow,
 )
 from inkwell.trainer.config import MAX_INT64
 
 KEY_PREFIX = "ink_"
+# Rows of job workers unseen this long are dropped (a live worker renews its row every third of a lease).
+DEAD_WORKER_ROWS_KEPT = timedelta(hours=1)
 
 
 def new_id(prefix: str) -> str:
@@ -379,6 +382,28 @@ def set_alias(s: Session, tenant_id: str, name: str, alias: str, version: int) -
 
 def count_versions(s: Session) -> int:
     return s.scalar(select(func.count()).select_from(AdapterVersionRow).where(AdapterVersionRow.deleted_at.is_(None)))
+
+
+# ---- job workers ------------------------------------------------------------------------------
+
+
+def beat_worker(s: Session, worker_id: str) -> None:
+    """Mark a job worker alive now; its first beat also drops the rows of workers long dead."""
+    now = utcnow()
+    if s.execute(update(JobWorkerRow).where(JobWorkerRow.id == worker_id).values(seen_at=now)).rowcount:
+        return
+    s.execute(delete(JobWorkerRow).where(JobWorkerRow.seen_at < now - DEAD_WORKER_ROWS_KEPT))
+    s.add(JobWorkerRow(id=worker_id, seen_at=now))
+    s.flush()
+
+
+def remove_worker(s: Session, worker_id: str) -> None:
+    s.execute(delete(JobWorkerRow).where(JobWorkerRow.id == worker_id))
+
+
+def count_live_workers(s: Session, within: timedelta) -> int:
+    """Job workers (on any host) whose heartbeat is at most `within` old."""
+    return s.scalar(select(func.count()).select_from(JobWorkerRow).where(JobWorkerRow.seen_at >= utcnow() - within))
 
 
 # ---- audit ------------------------------------------------------------------------------------

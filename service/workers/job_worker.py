@@ -10,6 +10,7 @@ hands the job back to `queued` without counting the claim as an attempt, and bac
 so an outage of any length delays jobs but never fails them with `too_many_attempts`.
 """
 
+import contextlib
 import logging
 import math
 import os
@@ -163,20 +164,43 @@ class JobWorker:
 
     def run_forever(self) -> None:
         log.info("worker %s polling for jobs", self.worker_id)
+        done = threading.Event()
+        presence = threading.Thread(target=self._beat, args=(done,), name="worker-heartbeat", daemon=True)
+        presence.start()
         outages = 0  # infrastructure failures in a row
-        while not self.stopping.is_set():
+        try:
+            while not self.stopping.is_set():
+                try:
+                    ran = self.run_once()
+                    outages = 0
+                except (OperationalError, StorageUnavailable) as exc:
+                    outages += 1
+                    delay = self.backoff_seconds(outages)
+                    log.warning("worker %s: %s; next claim in %.1fs", self.worker_id, exc, delay)
+                    self.stopping.wait(delay)
+                    continue
+                if not ran:
+                    self.stopping.wait(self.settings.worker_poll_seconds)
+        finally:
+            done.set()
+            presence.join()
+            with contextlib.suppress(OperationalError), self.sm() as s:
+                repo.remove_worker(s, self.worker_id)
+                s.commit()
+            self.db_engine.dispose()
+
+    def _beat(self, done: threading.Event) -> None:
+        """Renew this worker's row in `job_workers` every heartbeat until `done`, job or no job: the service
+        counts live workers by these rows, which workers on any host write to the one database."""
+        while True:
             try:
-                ran = self.run_once()
-                outages = 0
-            except (OperationalError, StorageUnavailable) as exc:
-                outages += 1
-                delay = self.backoff_seconds(outages)
-                log.warning("worker %s: %s; next claim in %.1fs", self.worker_id, exc, delay)
-                self.stopping.wait(delay)
-                continue
-            if not ran:
-                self.stopping.wait(self.settings.worker_poll_seconds)
-        self.db_engine.dispose()
+                with self.sm() as s:
+                    repo.beat_worker(s, self.worker_id)
+                    s.commit()
+            except OperationalError as exc:
+                log.warning("worker %s: heartbeat failed (will retry): %s", self.worker_id, exc)
+            if done.wait(self.settings.heartbeat_seconds):
+                return
 
     def backoff_seconds(self, outages: int) -> float:
         """The wait before the next claim after `outages` failures in a row: doubling, so that a long outage

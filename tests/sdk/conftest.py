@@ -45,7 +45,7 @@ def training_service(seaweed, tmp_path_factory) -> Iterator[Service]:  # noqa: F
     from tests.service.test_jobs_e2e import start_worker, stop_worker
 
     data_dir = tmp_path_factory.mktemp("svc-training")
-    svc = start_service(make_settings(data_dir, None, seaweed.endpoint))
+    svc = start_service(make_settings(data_dir, None, seaweed))
     worker = start_worker(svc, data_dir / "worker.log")
     yield svc
     stop_worker(worker)

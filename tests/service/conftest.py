@@ -36,7 +36,7 @@ def service(request, tmp_path_factory, seaweed) -> Iterator[Service]:
     """The API on SQLite and on PostgreSQL (tests using it run once per backend)."""
     data_dir = tmp_path_factory.mktemp(f"svc-{request.param}")
     url = request.getfixturevalue("pg_database") if request.param == "postgres" else None
-    svc = start_service(make_settings(data_dir, url, seaweed.endpoint, max_upload_bytes=2 * 1024 * 1024))
+    svc = start_service(make_settings(data_dir, url, seaweed, max_upload_bytes=2 * 1024 * 1024))
     yield svc
     svc.stop()
 
@@ -45,7 +45,7 @@ def service(request, tmp_path_factory, seaweed) -> Iterator[Service]:
 def sqlite_service(tmp_path_factory, seaweed) -> Iterator[Service]:
     """The API on SQLite only, for tests that do not depend on the database backend."""
     data_dir = tmp_path_factory.mktemp("svc-sqlite-only")
-    svc = start_service(make_settings(data_dir, None, seaweed.endpoint, max_upload_bytes=2 * 1024 * 1024))
+    svc = start_service(make_settings(data_dir, None, seaweed, max_upload_bytes=2 * 1024 * 1024))
     yield svc
     svc.stop()
 

@@ -24,6 +24,7 @@ from inkwell.service.app import create_app
 from inkwell.service.db import repo
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
+from inkwell.service.storage.seaweed import EmbeddedSeaweed
 
 
 def pg_connect(dbname: str = "test"):
@@ -96,6 +97,8 @@ class Service:
             INKWELL_DATA_DIR=str(self.settings.data_dir),
             INKWELL_DATABASE_URL=self.settings.resolved_database_url,
             INKWELL_S3_ENDPOINT=self.app.state.s3_endpoint,
+            INKWELL_S3_ACCESS_KEY=self.settings.s3_access_key,
+            INKWELL_S3_SECRET_KEY=self.settings.s3_secret_key,
             INKWELL_BUCKET=self.settings.bucket,
             INKWELL_LEASE_SECONDS=str(self.settings.lease_seconds),
             INKWELL_WORKER_POLL_SECONDS="0.2",
@@ -123,11 +126,14 @@ def start_service(settings: Settings) -> Service:
     return Service(f"http://127.0.0.1:{port}", settings, app, server, thread)
 
 
-def make_settings(data_dir: Path, database_url: str | None, endpoint: str, **overrides) -> Settings:
+def make_settings(data_dir: Path, database_url: str | None, weed: EmbeddedSeaweed, **overrides) -> Settings:
+    """Settings of a service on `weed` (its endpoint and keys) with a bucket of its own."""
     return Settings(
         data_dir=data_dir,
         database_url=database_url,
-        s3_endpoint=endpoint,
+        s3_endpoint=weed.endpoint,
+        s3_access_key=weed.access_key,
+        s3_secret_key=weed.secret_key,
         bucket=f"b{secrets.token_hex(6)}",
         lease_seconds=overrides.pop("lease_seconds", 4.0),
         **overrides,

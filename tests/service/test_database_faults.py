@@ -32,7 +32,7 @@ def _refuse_connections(conn, name: str, refuse: bool) -> None:
 
 def test_database_down_is_503_retryable_then_recovers(own_database, seaweed, tmp_path):
     conn, name, url = own_database
-    svc = start_service(make_settings(tmp_path, url, seaweed.endpoint))
+    svc = start_service(make_settings(tmp_path, url, seaweed))
     try:
         _, key = svc.new_tenant()
         with svc.client(key) as client:

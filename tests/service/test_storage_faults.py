@@ -23,7 +23,7 @@ from tests.service.helpers import (
 def fragile(tmp_path):
     weed = EmbeddedSeaweed(tmp_path / "weed")
     weed.start()
-    svc = start_service(make_settings(tmp_path / "svc", None, weed.endpoint))
+    svc = start_service(make_settings(tmp_path / "svc", None, weed))
     yield weed, svc
     svc.stop()
     weed.stop()

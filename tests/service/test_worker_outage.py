@@ -29,7 +29,7 @@ def outage(request, tmp_path):
         weed = EmbeddedSeaweed(tmp_path / "weed")
         weed.start()
         stack.callback(weed.stop)
-        svc = start_service(make_settings(tmp_path / "svc", url, weed.endpoint))
+        svc = start_service(make_settings(tmp_path / "svc", url, weed))
         stack.callback(svc.stop)
         yield weed, svc
 
@@ -73,6 +73,8 @@ def worker_settings(svc, tmp_path, worker: str) -> Settings:
         data_dir=tmp_path / worker,
         database_url=svc.settings.resolved_database_url,
         s3_endpoint=svc.app.state.s3_endpoint,
+        s3_access_key=svc.settings.s3_access_key,
+        s3_secret_key=svc.settings.s3_secret_key,
         bucket=svc.settings.bucket,
         lease_seconds=2.0,
         worker_poll_seconds=0.05,
@@ -146,9 +148,7 @@ def test_database_outage_mid_job_requeues_without_using_an_attempt(tmp_path, sea
     name = f"inkwell_dbout_{secrets.token_hex(5)}"
     with conn.cursor() as cur:
         cur.execute(f'CREATE DATABASE "{name}"')
-    svc = start_service(
-        make_settings(tmp_path / "svc", f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}", seaweed.endpoint)
-    )
+    svc = start_service(make_settings(tmp_path / "svc", f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}", seaweed))
     try:
         _, key = svc.new_tenant()
         with svc.client(key) as client:

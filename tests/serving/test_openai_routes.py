@@ -65,7 +65,13 @@ def served(tmp_path_factory, tiny_adapters):
     os.environ.update(SERVING_ENV)
     weed = EmbeddedSeaweed(root / "s3")
     endpoint = weed.start()
-    settings = Settings(data_dir=root / "data", s3_endpoint=endpoint, bucket=f"b{secrets.token_hex(4)}")
+    settings = Settings(
+        data_dir=root / "data",
+        s3_endpoint=endpoint,
+        s3_access_key=weed.access_key,
+        s3_secret_key=weed.secret_key,
+        bucket=f"b{secrets.token_hex(4)}",
+    )
     app = create_app(settings)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
