@@ -1,8 +1,9 @@
 """Every error leaves the API as {"error": {"code", "message", "details"}} with the right status.
 
 Bad input is a 4xx naming the field and the fix; an unreachable S3 or database is a 503 with
-`retryable: true`; bytes that fail their checksum are a 502 `integrity_error` with `retryable: false`
-(sending the same request again does not make them match); anything else is a 500 carrying a request id
+`retryable: true`; bytes that fail their checksum, and an object the database records but the store no longer
+holds, are a 502 `integrity_error` with `retryable: false` (sending the same request again does not bring them
+back); anything else is a 500 carrying a request id
 to find it in the log.
 """
 
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inkwell.service.storage import ObjectCorrupt, StorageUnavailable
+from inkwell.service.storage import ObjectCorrupt, ObjectMissing, StorageUnavailable
 
 log = logging.getLogger("inkwell.service")
 
@@ -71,10 +72,12 @@ def _integrity_failure(exc: BaseException | None) -> BaseException | None:
 
 
 def _integrity_response(cause: BaseException) -> JSONResponse:
-    """The one 502 `integrity_error`: a stored object damaged at rest, or bytes that failed their checksum on the
-    way to or from the object store. Not retryable: the same request fails the same way."""
+    """The one 502 `integrity_error`: a stored object damaged or lost at rest, or bytes that failed their checksum
+    on the way to or from the object store. Not retryable: the same request fails the same way."""
     log.error("integrity failure: %s", cause)
-    if isinstance(cause, ObjectCorrupt):
+    if isinstance(cause, ObjectMissing):
+        message = "a stored object that the database records is missing from the object store; retrying will not help"
+    elif isinstance(cause, ObjectCorrupt):
         message = "a stored object does not match its recorded sha256: it is damaged, and retrying will not help"
     else:
         message = (
@@ -128,6 +131,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ObjectCorrupt)
     async def _corrupt(request: Request, exc: ObjectCorrupt) -> JSONResponse:
+        return _integrity_response(exc)
+
+    @app.exception_handler(ObjectMissing)
+    async def _missing(request: Request, exc: ObjectMissing) -> JSONResponse:
+        # A route reads only objects its rows record (a missing row is the route's 404): one that is gone was lost.
         return _integrity_response(exc)
 
     @app.exception_handler(OperationalError)

@@ -67,6 +67,26 @@ def test_large_corrupt_object_stream_is_cut_short(sqlite_service, tmp_path, monk
         assert resp.status_code != 200 and resp.content != corrupt, resp.status_code
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_object_missing_from_storage_is_a_502_integrity_error(sqlite_service, tmp_path, monkeypatch, streamed):
+    """A version's file gone from S3 behind the registry's back is lost at rest, as a rotted one is damaged: a 502
+    integrity_error that is not retryable, not a 500, whether the file is read whole or would stream."""
+    service = sqlite_service
+    if streamed:
+        monkeypatch.setattr(adapters_router, "VERIFY_IN_MEMORY_BYTES", 0, raising=False)
+    tenant_id, key = service.new_tenant()
+    with service.client(key) as client:
+        assert (
+            import_dir(client, make_adapter_dir(service, tmp_path / "a", "sglang"), "lost", "sglang").status_code == 201
+        )
+        service.store.delete([f"{version_prefix(tenant_id, 'lost', 1)}sglang/adapter_model.safetensors"])
+        err = assert_error(
+            client.get("/v1/adapters/lost/versions/1/files/sglang/adapter_model.safetensors"), 502, "integrity_error"
+        )
+        assert err["details"]["retryable"] is False and "missing" in err["message"]
+        assert client.get("/v1/adapters/lost/versions/1/files/sglang/adapter_config.json").status_code == 200
+
+
 # ---- 3. import hardening -------------------------------------------------------------------------
 
 
