@@ -1,7 +1,7 @@
 """`python -m inkwell.service.workers`: one job worker process, configured from INKWELL_* variables.
 
-SIGTERM/SIGINT stop it gracefully: the running job is handed back (re-queued) at the next step
-and resumes elsewhere from its last checkpoint.
+SIGTERM/SIGINT stop it gracefully: the running job is handed back (re-queued, the attempt not counted) at the
+next step and resumes elsewhere from its last checkpoint.
 """
 
 import logging

@@ -7,7 +7,8 @@ resumes there. Cancel is read by the heartbeat and stops training at the next st
 
 An outage of S3 or the database (`StorageUnavailable`, `OperationalError`) is no fault of the job: the worker
 hands the job back to `queued` without counting the claim as an attempt, and backs off before claiming again,
-so an outage of any length delays jobs but never fails them with `too_many_attempts`.
+so an outage of any length delays jobs but never fails them with `too_many_attempts`. A worker that is stopped
+(SIGTERM) hands its job back the same way: restarts of workers do not use up a job's attempts either.
 """
 
 import contextlib
@@ -355,8 +356,7 @@ class JobWorker:
         )
 
     def _hand_back(self, job: _Job, exc: Exception) -> None:
-        """Re-queue the job after an infrastructure failure, its claim not counted as an attempt (the claim
-        counted one): the job is not at fault, and an outage must not use up its attempts.
+        """Re-queue the job after an infrastructure failure, its claim not counted as an attempt (`_requeue`).
 
         While the database is down too the write is retried, the lease still held (the heartbeat renews it
         once the database answers), for up to one lease period; after that the lease expires and the next
@@ -370,13 +370,7 @@ class JobWorker:
                 if job.cancel.is_set():
                     self._cancelled(job, f"job cancelled ({what} unavailable)", {})
                     return
-                job.write(
-                    ("state", f"{what} unavailable; job re-queued, attempt not counted", {"reason": what}),
-                    state="queued",
-                    worker_id=None,
-                    lease_expires_at=None,
-                    attempts=JobRow.attempts - 1,
-                )
+                self._requeue(job, f"{what} unavailable; job re-queued, attempt not counted", {"reason": what})
                 log.warning("job %s re-queued: %s unavailable: %s", job.id, what, exc)
                 return
             except LeaseLost:
@@ -396,9 +390,17 @@ class JobWorker:
             self._cancelled(job, f"job cancelled at step {step}", {"step": step})
             return
         # The worker is shutting down: hand the job back so another worker resumes it now.
+        self._requeue(
+            job, f"worker {self.worker_id} stopped at step {step}; job re-queued, attempt not counted", {"step": step}
+        )
+
+    def _requeue(self, job: _Job, message: str, data: dict) -> None:
+        """Hand the job back to `queued`, its claim not counted as an attempt (the claim counted one): attempts
+        count tries the job itself may have ended, and an outage or a worker's shutdown is neither."""
         job.write(
-            ("state", f"worker {self.worker_id} stopped at step {step}; job re-queued", {"step": step}),
+            ("state", message, data),
             state="queued",
             worker_id=None,
             lease_expires_at=None,
+            attempts=JobRow.attempts - 1,
         )

@@ -161,6 +161,12 @@ def holder(service, job_id: str, workers: list[subprocess.Popen]) -> subprocess.
     return next(w for w in workers if worker_id.endswith(f":{w.pid}"))
 
 
+def claims(client, url: str) -> list[dict]:
+    """The job's `running` state events: one per claim."""
+    events = client.get(f"{url}/events", params={"limit": 1000}).json()["data"]
+    return [e for e in events if e["type"] == "state" and e["state"] == "running"]
+
+
 def last_checkpoint_before(events: list[dict], event_id: int) -> int:
     return max(e["data"]["step"] for e in events if e["type"] == "checkpoint" and e["id"] < event_id)
 
@@ -176,7 +182,8 @@ def test_sigterm_requeues_the_job_and_cancel_stops_it_on_the_next_worker(sqlite_
             first = holder(service, job["id"], workers)
             first.send_signal(signal.SIGTERM)  # graceful stop: the job goes back to the queue at once
             assert first.wait(60) == 0
-            wait_for(lambda: client.get(url).json()["attempts"] == 2, 120, "the other worker to claim the job", log)
+            wait_for(lambda: len(claims(client, url)) == 2, 120, "the other worker to claim the job", log)
+            assert client.get(url).json()["attempts"] == 1  # the stopped worker's claim was handed back, not counted
             assert client.post(f"{url}/cancel").json()["cancel_requested"] is True
             final = wait_for(
                 lambda: (j := client.get(url).json())["state"] == "cancelled" and j, 60, "the job to be cancelled", log
@@ -212,10 +219,9 @@ def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, ten
     checkpoint_at_kill = at_kill["last_checkpoint_step"]
     assert final["state"] == "succeeded", final
     assert final["attempts"] == 2 and final["adapter_version"] == 1
-    events = client.get(f"{url}/events", params={"limit": 1000}).json()["data"]
-    claims = [e for e in events if e["type"] == "state" and e["state"] == "running"]
-    assert len(claims) == 2 and claims[1]["data"]["resume_step"] == checkpoint_at_kill
-    assert claims[0]["data"]["worker"] != claims[1]["data"]["worker"]
+    claimed = claims(client, url)
+    assert len(claimed) == 2 and claimed[1]["data"]["resume_step"] == checkpoint_at_kill
+    assert claimed[0]["data"]["worker"] != claimed[1]["data"]["worker"]
     version = client.get("/v1/adapters/survivor/versions/1").json()
     # Lost work is at most one checkpoint interval: the survivor trained only the steps after the last checkpoint.
     assert version["metrics"]["resumed_from_step"] == checkpoint_at_kill

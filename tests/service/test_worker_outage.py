@@ -1,6 +1,7 @@
 """An S3 outage while a job is queued delays the job and never fails it: every claim that cannot download the
 dataset hands the job back to `queued` without counting an attempt, the worker backs off between claims, and
-once SeaweedFS is back the job trains and publishes. On SQLite and on PostgreSQL (the hand-back is a write)."""
+once SeaweedFS is back the job trains and publishes. On SQLite and on PostgreSQL (the hand-back is a write).
+A worker's graceful stop (SIGTERM) hands its job back the same way."""
 
 import contextlib
 import secrets
@@ -117,6 +118,40 @@ def test_storage_outage_requeues_without_using_attempts_then_the_job_succeeds(ou
         assert done["state"] == "succeeded" and done["adapter_version"] == 1, done
         assert done["attempts"] == 1 and done["error"] is None
         assert client.get("/v1/adapters/outage").json()["latest_version"] == 1
+
+
+def test_a_stopped_worker_requeues_its_job_without_using_an_attempt(tmp_path, seaweed):
+    """SIGTERM sets a worker's stop flag: the job goes back to `queued` at the next step, its claim not counted
+    (like an outage's hand-back), so restarting workers never uses up a job's attempts; the next worker resumes it."""
+    svc = start_service(make_settings(tmp_path / "svc", None, seaweed))  # its own database: only this job to claim
+    try:
+        _, key = svc.new_tenant()
+        with svc.client(key) as client:
+            _, job = submit(client, "stopped", max_steps=3, checkpoint_every=1)
+            stopping = threading.Event()
+            worker = JobWorker(worker_settings(svc, tmp_path, "w-stop"), worker_id="w-stop", stopping=stopping)
+            put_tree = worker.store.put_tree
+
+            def checkpoint_then_sigterm(*args, **kwargs) -> list[str]:
+                keys = put_tree(*args, **kwargs)
+                stopping.set()  # what the worker's SIGTERM handler does
+                return keys
+
+            worker.store.put_tree = checkpoint_then_sigterm
+            try:
+                assert worker.run_once() is True
+            finally:
+                worker.db_engine.dispose()
+            stopped = client.get(f"/v1/jobs/{job['id']}").json()
+            assert stopped["state"] == "queued" and stopped["attempts"] == 0, stopped
+            assert stopped["last_checkpoint_step"] == 1 and stopped["error"] is None, stopped
+            last = client.get(f"/v1/jobs/{job['id']}/events").json()["data"][-1]
+            assert last["state"] == "queued" and "attempt not counted" in last["message"], last
+            after = JobWorker(worker_settings(svc, tmp_path, "w-next"), worker_id="w-next")
+            done = run_until_finished(client, after, job)
+            assert done["state"] == "succeeded" and done["attempts"] == 1, done
+    finally:
+        svc.stop()
 
 
 def _allow_connections(conn, name: str, allow: bool) -> None:
