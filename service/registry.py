@@ -6,7 +6,8 @@ the store), then the `adapter_versions` row (unique per tenant, name, version). 
 see versions through rows, so a crash before the row leaves nothing visible; `cleanup_orphans`
 later removes the objects of versions that never got a row. Everything a publication's input can
 fail on (name, version range) is checked before the first object, and a publish that fails for
-sure before its row commits removes its own objects at once.
+sure before its row commits removes its own objects at once. The adapter's base model is checked under its
+lock, as the row is written: a name is never shared by two base models, however their publishes race.
 """
 
 import json
@@ -22,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from inkwell.adapters.layouts import LAYOUTS
 from inkwell.service.db import repo
-from inkwell.service.db.models import MAX_VERSION, AdapterVersionRow, utcnow
+from inkwell.service.db.models import MAX_VERSION, AdapterRow, AdapterVersionRow, utcnow
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.storage import ObjectExists, ObjectStore
 from inkwell.trainer.config import name_problem
@@ -33,6 +34,23 @@ MARKER = "_publish.json"
 
 class VersionExists(Exception):
     """The version is already published (or being published) by someone else."""
+
+
+class BaseMismatch(APIError):
+    """The adapter name belongs to another base model: a 409 for the API, a failed job for the job worker."""
+
+    def __init__(self, name: str, owner: str, base: str) -> None:
+        super().__init__(
+            409,
+            "adapter_base_mismatch",
+            f"adapter {name!r} belongs to base model {owner!r}, not {base!r}; choose another adapter name",
+        )
+
+
+def check_base(adapter: AdapterRow | None, name: str, base: str) -> None:
+    """BaseMismatch unless `adapter` (the row of `name`, if any) is of base model `base`."""
+    if adapter is not None and adapter.base_model != base:
+        raise BaseMismatch(name, adapter.base_model, base)
 
 
 def version_prefix(tenant_id: str, name: str, version: int) -> str:
@@ -79,7 +97,8 @@ def _files(layout_dirs: dict[str, Path]) -> list[tuple[str, str, Path]]:
 
 def publish(sm: sessionmaker[Session], store: ObjectStore, pub: Publication) -> AdapterVersionRow:
     """Write a new immutable version; VersionExists if `pub.version` is taken (or no number is left),
-    ValueError for a version outside 1..MAX_VERSION (before anything is written)."""
+    BaseMismatch if the name belongs to another base model, ValueError for a version outside 1..MAX_VERSION
+    (before anything is written)."""
     check_name(pub.name)
     if pub.version is not None and not 1 <= pub.version <= MAX_VERSION:
         raise ValueError(f"version {pub.version} is outside 1..{MAX_VERSION}")
@@ -139,6 +158,7 @@ def _publish_version(
     with sm() as s:
         try:
             adapter = repo.ensure_adapter(s, pub.tenant_id, pub.name, pub.base_model)  # locked until commit
+            check_base(adapter, pub.name, pub.base_model)
             repo.touch(adapter)
             s.add(row)
             s.flush()

@@ -13,7 +13,7 @@ from inkwell.service.db.models import MAX_VERSION, AdapterRow, AdapterVersionRow
 from inkwell.service.deps import Paging, get_session, get_settings, get_store
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.importer import import_adapter
-from inkwell.service.registry import VersionExists, check_name, object_key, resolve
+from inkwell.service.registry import VersionExists, check_base, check_name, object_key, resolve
 from inkwell.service.routers.datasets import read_limited
 from inkwell.service.routers.models import require_base_model
 from inkwell.service.schemas import (
@@ -120,13 +120,9 @@ def import_route(
     sm = request.app.state.sessionmaker
     with sm() as s:
         base = require_base_model(s, base_model)
-        adapter = repo.get_adapter(s, who.tenant_id, name)
-    if adapter is not None and adapter.base_model != base_model:
-        raise APIError(
-            409,
-            "adapter_base_mismatch",
-            f"adapter {name!r} belongs to base model {adapter.base_model!r}, not {base_model!r}",
-        )
+        # Refused before the upload is read if the name is another base's already; the publish checks again,
+        # under the adapter's lock.
+        check_base(repo.get_adapter(s, who.tenant_id, name), name, base_model)
     budget, payload = settings.max_upload_bytes, []
     for upload in files:
         filename = (upload.filename or "").rsplit("/", 1)[-1]

@@ -16,7 +16,7 @@ from inkwell.service.db.models import JobEventRow, JobRow
 from inkwell.service.deps import Paging, get_session, get_settings
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.jobs import train_config
-from inkwell.service.registry import check_name
+from inkwell.service.registry import check_base, check_name
 from inkwell.service.routers.models import require_base_model
 from inkwell.service.schemas import (
     TERMINAL_STATES,
@@ -94,14 +94,8 @@ def create_job(
     for dataset_id in filter(None, (body.dataset_id, body.eval_dataset_id)):
         if repo.get_dataset(s, who.tenant_id, dataset_id) is None:
             raise not_found("dataset", dataset_id)
-    adapter = repo.get_adapter(s, who.tenant_id, body.adapter_name)
-    if adapter is not None and adapter.base_model != body.base_model:
-        raise APIError(
-            409,
-            "adapter_base_mismatch",
-            f"adapter {body.adapter_name!r} belongs to base model {adapter.base_model!r}, not {body.base_model!r}; "
-            "choose another adapter name",
-        )
+    # Refused now if the name is another base's already; the publish checks again, under the adapter's lock.
+    check_base(repo.get_adapter(s, who.tenant_id, body.adapter_name), body.adapter_name, body.base_model)
     row = repo.insert_job(
         s,
         tenant_id=who.tenant_id,

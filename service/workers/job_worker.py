@@ -30,7 +30,7 @@ from inkwell.service.db import repo
 from inkwell.service.db.models import JobRow, utcnow
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
 from inkwell.service.jobs import train_config
-from inkwell.service.registry import Publication, publish
+from inkwell.service.registry import BaseMismatch, Publication, publish
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore, StorageUnavailable
 from inkwell.trainer import (
@@ -329,7 +329,11 @@ class JobWorker:
         )
         if job.lost.is_set():
             raise LeaseLost(row.id)
-        version = publish(self.sm, self.store, pub)
+        try:
+            version = publish(self.sm, self.store, pub)
+        except BaseMismatch as exc:  # the name went to another base model after the job's check at submission
+            self._fail(job, exc.code, exc.message)
+            return
         job.write(("published", f"published {row.adapter_name}@{version.version}", {"version": version.version}))
         job.write(
             ("state", "job succeeded", {"version": version.version, **metrics}),

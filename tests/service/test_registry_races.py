@@ -1,16 +1,31 @@
 """Alias and version changes of one adapter racing each other over HTTP (threads against the running
 service, many rounds): the answers are 2xx or a clean 4xx, never a 500, and no alias is left pointing
-at a deleted version. SQLite serializes writers already; these bite on PostgreSQL."""
+at a deleted version. SQLite serializes writers already; these bite on PostgreSQL. A publish checks the
+adapter's base model under the adapter's lock, so a name taken for another base meanwhile is refused."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from sqlalchemy import select
 
 from inkwell.service.db import repo
 from inkwell.service.db.models import AdapterVersionRow, AliasRow
+from inkwell.service.errors import APIError
 from inkwell.service.registry import Publication, VersionExists, publish
-from tests.service.helpers import make_adapter_dir
+from inkwell.service.workers.job_worker import JobWorker
+from tests.service.helpers import (
+    CHAT,
+    assert_error,
+    import_dir,
+    jsonl,
+    make_adapter_dir,
+    make_settings,
+    start_service,
+    upload,
+)
+from tests.service.test_jobs_e2e import submit
+from tests.service.test_worker_outage import run_until_finished, worker_settings
 
 
 def _seed(service, tenant_id: str, name: str, versions: int) -> None:
@@ -130,3 +145,46 @@ def test_first_publishes_of_a_new_adapter_with_distinct_versions_all_succeed(ser
 
         with ThreadPoolExecutor(4) as pool:
             assert sorted(pool.map(go, range(1, 5)), key=str) == [1, 2, 3, 4]
+
+
+def _take_name(service, tenant_id: str, name: str, base: str) -> None:
+    """`name` becomes an adapter of `base`, as another base's first publish winning the name would make it."""
+    with service.sm() as s:
+        repo.ensure_adapter(s, tenant_id, name, base)
+        s.commit()
+
+
+def test_publish_under_a_name_taken_for_another_base_meanwhile_is_409_and_leaves_nothing(service, tmp_path):
+    """Whatever a caller checked before (an import's or a job's submission), the publish itself finds the name
+    taken for another base model under the adapter's lock: no version of one base joins an adapter of another."""
+    tenant_id, key = service.new_tenant()
+    src = make_adapter_dir(service, tmp_path / "src", "sglang")
+    _take_name(service, tenant_id, "taken", "tiny-other")
+    pub = Publication(tenant_id, "taken", "inkling-tiny", "x" * 64, {"sglang": src}, {}, "import")
+    with pytest.raises(APIError) as info:
+        publish(service.sm, service.store, pub)
+    assert (info.value.status, info.value.code) == (409, "adapter_base_mismatch")
+    with service.client(key) as client:  # the routes refuse it up front too
+        assert_error(import_dir(client, src, "taken", "sglang"), 409, "adapter_base_mismatch")
+        body = {"base_model": "inkling-tiny", "dataset_id": upload(client, jsonl(CHAT)).json()["id"]}
+        assert_error(client.post("/v1/jobs", json={**body, "adapter_name": "taken"}), 409, "adapter_base_mismatch")
+    assert service.store.list_objects(f"adapters/{tenant_id}/") == []
+    with service.sm() as s:
+        assert repo.max_version(s, tenant_id, "taken") == 0
+
+
+def test_a_job_whose_adapter_name_went_to_another_base_fails_with_adapter_base_mismatch(tmp_path, seaweed):
+    """The job's check at submission passed; by the time it publishes the name belongs to another base: the job
+    fails with the same code the API uses, and nothing is published."""
+    svc = start_service(make_settings(tmp_path / "svc", None, seaweed))  # its own database: only this job to claim
+    try:
+        tenant_id, key = svc.new_tenant()
+        with svc.client(key) as client:
+            _, job = submit(client, "contested", max_steps=1, checkpoint_every=1)
+            _take_name(svc, tenant_id, "contested", "tiny-other")
+            done = run_until_finished(client, JobWorker(worker_settings(svc, tmp_path, "w"), worker_id="w"), job)
+            assert done["state"] == "failed" and done["error"]["code"] == "adapter_base_mismatch", done
+            assert done["adapter_version"] is None and "tiny-other" in done["error"]["message"]
+            assert client.get("/v1/adapters/contested/versions").json()["data"] == []
+    finally:
+        svc.stop()
