@@ -1,13 +1,15 @@
-"""Helpers shared by the service tests: a running API in a thread, PostgreSQL access, request
-shortcuts and adapter directories made with inkwell.adapters."""
+"""Helpers shared by the service tests: a running API in a thread, `inkwell serve` in a subprocess,
+PostgreSQL access, request shortcuts and adapter directories made with inkwell.adapters."""
 
 import json
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +126,50 @@ def start_service(settings: Settings) -> Service:
             raise RuntimeError("the service did not start; see the log above")
         time.sleep(0.05)
     return Service(f"http://127.0.0.1:{port}", settings, app, server, thread)
+
+
+INKWELL = [sys.executable, "-m", "inkwell.cli"]
+
+
+def serve_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of an embedded `inkwell serve` (its own SQLite and SeaweedFS) on `data_dir`."""
+    env = {**os.environ, "INKWELL_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1", **extra}
+    env.pop("INKWELL_S3_ENDPOINT", None)
+    env.pop("INKWELL_DATABASE_URL", None)
+    return env
+
+
+def start_serve(env: dict[str, str], port: int, log: Path, workers: int) -> subprocess.Popen:
+    """`inkwell serve` in a session of its own, so that a test can end it and all it started as one group."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [*INKWELL, "serve", "--port", str(port), "--workers", str(workers)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_healthy(
+    proc: subprocess.Popen,
+    port: int,
+    log: Path,
+    until: Callable[[dict], bool] = lambda health: True,
+    timeout: float = 180.0,
+) -> dict:
+    """The first 200 /healthz body of the serve `proc` that satisfies `until`; fails with its log if it exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"inkwell serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            resp = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+            if resp.status_code == 200 and until(resp.json()):
+                return resp.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"inkwell serve was not healthy within {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
 def make_settings(data_dir: Path, database_url: str | None, weed: EmbeddedSeaweed, **overrides) -> Settings:

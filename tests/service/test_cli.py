@@ -4,46 +4,22 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 
 import httpx
 from typer.testing import CliRunner
 
 from inkwell import cli
-from tests.service.helpers import free_port
-
-INKWELL = [sys.executable, "-m", "inkwell.cli"]
+from tests.service.helpers import free_port, serve_env, start_serve, wait_healthy
 
 
 def test_serve_embedded_default_prints_a_working_key_and_admin_adds_tenants(tmp_path):
     port = free_port()
-    env = {**os.environ, "INKWELL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
-    env.pop("INKWELL_S3_ENDPOINT", None)
-    env.pop("INKWELL_DATABASE_URL", None)
+    env = serve_env(tmp_path / "data")
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*INKWELL, "serve", "--port", str(port), "--workers", "0"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_serve(env, port, log, workers=0)
     try:
-        deadline = time.monotonic() + 180
-        key = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            match = re.search(r"(ink_[A-Za-z0-9_-]{20,})", log.read_text())
-            if match:
-                key = match.group(1)
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.3)
-        assert key, log.read_text()
+        wait_healthy(proc, port, log)
+        key = re.search(r"(ink_[A-Za-z0-9_-]{20,})", log.read_text()).group(1)
         headers = {"Authorization": f"Bearer {key}"}
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["inkling-tiny"]

@@ -19,6 +19,7 @@ from tests.service.helpers import make_settings, pg_connect, scratch_pg_database
 from tests.service.test_jobs_e2e import submit
 
 CLAIMS = MAX_ATTEMPTS + 2  # more claims than a job has attempts
+LEASE = 2.0  # the workers' lease (seconds); S3 stays down at least 3 leases while the job is queued
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -77,7 +78,7 @@ def worker_settings(svc, tmp_path, worker: str) -> Settings:
         s3_access_key=svc.settings.s3_access_key,
         s3_secret_key=svc.settings.s3_secret_key,
         bucket=svc.settings.bucket,
-        lease_seconds=2.0,
+        lease_seconds=LEASE,
         worker_poll_seconds=0.05,
     )
 
@@ -88,6 +89,7 @@ def test_storage_outage_requeues_without_using_attempts_then_the_job_succeeds(ou
     with svc.client(key) as client:
         _, job = submit(client, "outage", max_steps=2, checkpoint_every=1)
         weed.stop(grace=0.5)  # S3 goes away while the job is queued
+        down = time.monotonic()
 
         stopping = RecordedWaits()
         worker = JobWorker(worker_settings(svc, tmp_path, "w-down"), worker_id="w-down", stopping=stopping)
@@ -95,7 +97,9 @@ def test_storage_outage_requeues_without_using_attempts_then_the_job_succeeds(ou
         thread.start()
         deadline = time.monotonic() + 90
         try:
-            while claims_of(svc, job["id"]) < CLAIMS and time.monotonic() < deadline:
+            while (claims_of(svc, job["id"]) < CLAIMS or time.monotonic() - down < 3 * LEASE) and (
+                time.monotonic() < deadline
+            ):
                 if client.get(f"/v1/jobs/{job['id']}").json()["state"] == "failed":
                     break
                 time.sleep(0.1)
@@ -113,6 +117,7 @@ def test_storage_outage_requeues_without_using_attempts_then_the_job_succeeds(ou
         assert backoff == [worker.backoff_seconds(n) for n in range(1, CLAIMS)], stopping.waits
         assert backoff[1] == 2 * backoff[0]
 
+        assert time.monotonic() - down >= 3 * LEASE
         weed.start()  # S3 is back (a restarted SeaweedFS may still refuse a read or two): the job trains
         done = run_until_finished(client, JobWorker(worker_settings(svc, tmp_path, "w-up"), worker_id="w-up"), job)
         assert done["state"] == "succeeded" and done["adapter_version"] == 1, done
