@@ -90,9 +90,16 @@ class Supervisor:
     def _watch(self, child: _Child) -> None:
         now = time.monotonic()
         if child.restart_at is not None:
-            if now >= child.restart_at:
+            if now < child.restart_at:
+                return
+            try:
                 self._launch(child)
-                log.warning("%s %d restarted (pid %d)", self.name, child.index, child.proc.pid)
+            except OSError as exc:  # no process to be had now (fork or exec failed): a crash like any other
+                child.crashes += 1
+                child.restart_at = now + restart_delay(child.crashes)
+                log.error("%s %d could not be restarted (%s); trying again later", self.name, child.index, exc)
+                return
+            log.warning("%s %d restarted (pid %d)", self.name, child.index, child.proc.pid)
             return
         code = child.proc.poll()
         if code is None:
