@@ -13,6 +13,7 @@ from inkwell.sdk.calls import Op
 from inkwell.sdk.errors import ConfigurationError
 from inkwell.sdk.jobs import AsyncJob, Job
 from inkwell.sdk.resources import DATASET_ID, Adapters, Datasets, DatasetSource, Jobs, Models
+from inkwell.sdk.sessions import SamplingClient, Sessions
 from inkwell.sdk.transport import AsyncTransport, SyncTransport
 from inkwell.service.schemas import Job as JobInfo
 
@@ -43,6 +44,7 @@ def default_adapter_name(base_model: str, method: str) -> str:
 class _ClientBase:
     _job_class: type[Job] | type[AsyncJob]
     _transport_class: type[SyncTransport] | type[AsyncTransport]
+    _is_async: bool
 
     def __init__(
         self,
@@ -62,6 +64,11 @@ class _ClientBase:
         self.jobs = Jobs(self)
         self.adapters = Adapters(self)
         self.models = Models(self)
+        self.sessions = Sessions(self)
+
+    def sampling_client(self, model: str) -> SamplingClient:
+        """Sample from `model`: a base model or '<base>:<adapter>[@<version>|@<alias>]'."""
+        return SamplingClient(self, model)
 
     @property
     def url(self) -> str:
@@ -104,6 +111,7 @@ class Client(_ClientBase):
 
     _job_class = Job
     _transport_class = SyncTransport
+    _is_async = False
 
     def train(
         self,
@@ -140,6 +148,7 @@ class AsyncClient(_ClientBase):
 
     _job_class = AsyncJob
     _transport_class = AsyncTransport
+    _is_async = True
 
     async def train(
         self,

@@ -111,10 +111,20 @@ class JobTimeoutError(InkwellError, TimeoutError):
     """`Job.wait(timeout=...)` ran out of time; the job itself keeps running."""
 
 
+class SessionClosedError(InkwellError):
+    """A training session that has ended (closed, idle too long, its worker lost); the message says why."""
+
+
+class RequestFailedError(InkwellError):
+    """A future settled with an error: `code` and `message` say why; `retryable` whether sending the same
+    request again (on a new session, when the session is gone) can work."""
+
+
 _BY_STATUS: dict[int, type[InkwellError]] = {
     401: AuthenticationError,
     404: NotFoundError,
     409: ConflictError,
+    410: SessionClosedError,
     413: PayloadTooLargeError,
     422: ValidationError,
     429: RateLimitError,

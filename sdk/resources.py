@@ -75,7 +75,7 @@ def _check_name(kind: str, name: str) -> None:
         raise ValidationError(f"{kind} {name!r} is not allowed: {problem}", code="invalid_name", details={"name": name})
 
 
-def _pydantic_error(what: str, exc: pydantic.ValidationError, known: Iterable[str]) -> ValidationError:
+def pydantic_error(what: str, exc: pydantic.ValidationError, known: Iterable[str]) -> ValidationError:
     """A client-side ValidationError naming the bad field and, for unknown ones, the allowed names."""
     errors = exc.errors(include_url=False)
     first = errors[0]
@@ -94,7 +94,7 @@ def lora_spec(lora: LoraSpec | Mapping[str, Any] | None) -> LoraSpec:
     try:
         return LoraSpec.model_validate(dict(lora))
     except pydantic.ValidationError as exc:
-        raise _pydantic_error("lora field", exc, LoraSpec.model_fields) from exc
+        raise pydantic_error("lora field", exc, LoraSpec.model_fields) from exc
 
 
 def hyperparameters(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def hyperparameters(values: Mapping[str, Any]) -> dict[str, Any]:
     try:
         return Hyperparameters.model_validate(dict(values)).model_dump(mode="json", exclude_unset=True)
     except pydantic.ValidationError as exc:
-        raise _pydantic_error("hyperparameter", exc, Hyperparameters.model_fields) from exc
+        raise pydantic_error("hyperparameter", exc, Hyperparameters.model_fields) from exc
 
 
 class _Resource:

@@ -91,8 +91,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        if exc.details.get("retryable") and exc.status == 503:
-            headers = {"Retry-After": "5"}
+        if exc.details.get("retryable") and exc.status in (429, 503):
+            headers = {"Retry-After": str(exc.details.get("retry_after_seconds", 5))}
         return error_response(exc.status, exc.code, exc.message, exc.details, headers)
 
     @app.exception_handler(RequestValidationError)

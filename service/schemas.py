@@ -165,7 +165,7 @@ class AdapterFile(Schema):
 
 
 class Lineage(Schema):
-    source: Literal["job", "import"]
+    source: Literal["job", "import", "session"]
     job_id: str | None = None
     dataset_id: str | None = None
     base_model: str

@@ -95,6 +95,11 @@ class ServingRouter:
         finally:
             self._reserved[id(worker)] -= 1
 
+    async def preload(self, base: str, adapter: AdapterRef) -> None:
+        """Load `adapter` on every live worker of `base` now, so no request on it waits for a fetch."""
+        workers = [w for w in await self.workers_for(base) if w.alive]
+        await asyncio.gather(*(w.load_adapter(adapter.key, adapter.source) for w in workers))
+
     def close(self) -> None:
         for workers in self.workers.values():
             for worker in workers:

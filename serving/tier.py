@@ -15,7 +15,7 @@ from inkwell.models import load_base_config, load_tokenizer
 from inkwell.serving.contract import EngineError, SamplingParams
 from inkwell.serving.handle import RequestStream, WorkerHandle
 from inkwell.serving.resolve import ModelName, ModelResolver, ResolvedModel
-from inkwell.serving.router import ServingRouter
+from inkwell.serving.router import AdapterRef, ServingRouter
 from inkwell.serving.rules import check_prompt, context_limit
 from inkwell.serving.settings import ServingSettings
 from inkwell.serving.worker import WorkerConfig
@@ -84,6 +84,11 @@ class ServingTier:
     async def submit(self, resolved: ResolvedModel, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Start one request on a worker of its base (loading its adapter there first); iterate for outputs."""
         return await self.router.submit(resolved.base, prompt_ids, params, resolved.adapter)
+
+    async def preload(self, base: str, adapter: AdapterRef) -> None:
+        """Put an adapter on the workers of `base` before any request names it (a training session's sampler
+        weights: the adapter only, from the session's own export, not through the object store)."""
+        await self.router.preload(base, adapter)
 
     def close(self) -> None:
         self.router.close()
