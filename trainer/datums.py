@@ -1,0 +1,135 @@
+"""A datum (one sequence of a training session's request) and the rules every request must follow.
+
+Tinker's convention: `tokens` is the model's input and every `loss_fn_inputs` array has one value per token,
+position i of the input predicting `target_tokens[i]`. `check_request` runs before anything is computed, so a
+refused request changes nothing (no gradient is half-accumulated); its `DatumError` names the field and the
+datum. Token ids may arrive as whole-number floats (a JSON body typed as floats): they are checked as ids.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inkwell.trainer.losses import LOSSES, TARGETS, Loss
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One sequence: the model's input tokens and the loss's per-token inputs."""
+
+    tokens: list[int]
+    loss_fn_inputs: dict[str, list[int] | list[float]]
+
+
+class DatumError(ValueError):
+    """A request the trainer refuses. `field` names what is wrong (`loss_fn`, `loss_fn_config.beta`, `data`,
+    `tokens`, `loss_fn_inputs.weights`, ...), `index` the datum it is in (None: the request as a whole), `reason`
+    what is wrong without the place in front."""
+
+    def __init__(self, field: str, reason: str, index: int | None = None):
+        super().__init__(f"{field if index is None else f'data[{index}].{field}'}: {reason}")
+        self.field, self.index, self.reason = field, index, reason
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed: its loss, its full config, and each datum's tokens and inputs as 1-D tensors
+    (token ids long, everything else float32), all of one length per datum."""
+
+    loss: Loss
+    config: dict[str, float]
+    tokens: list[torch.Tensor]
+    inputs: list[dict[str, torch.Tensor]]
+
+
+def _finite_number(value: object) -> bool:
+    try:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def _config(loss: Loss, given: Mapping[str, object] | None) -> dict[str, float]:
+    config = dict(loss.defaults)
+    takes = ", ".join(loss.defaults) or "no keys"
+    for key, value in (given or {}).items():
+        field = f"loss_fn_config.{key}"
+        if key not in loss.defaults:
+            raise DatumError(field, f"{loss.name} does not take this key; it takes {takes}")
+        if not _finite_number(value):
+            raise DatumError(field, f"{value!r} is not a finite number")
+        config[key] = float(value)
+    problem = loss.config_problem(config)
+    if problem:
+        raise DatumError(f"loss_fn_config.{problem[0]}", problem[1])
+    return config
+
+
+def _values(values: object, field: str, index: int, vocab_size: int | None) -> torch.Tensor:
+    """`values` as a 1-D tensor: token ids (long, inside the vocabulary) when `vocab_size` is given, else float32."""
+    try:
+        if not isinstance(values, list | tuple):
+            raise TypeError
+        exact = torch.tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise DatumError(field, "must be a list of numbers", index) from None
+    if exact.ndim != 1:
+        raise DatumError(field, "must be a flat list of numbers, one per token", index)
+    tensor = exact if vocab_size is not None else exact.float()
+    bad = (~torch.isfinite(tensor)).nonzero()
+    if len(bad):
+        at = int(bad[0])
+        raise DatumError(field, f"value {values[at]!r} at position {at} is not a finite number (as float32)", index)
+    if vocab_size is None:
+        return tensor
+    bad = ((tensor != tensor.round()) | (tensor < 0) | (tensor >= vocab_size)).nonzero()
+    if len(bad):
+        at = int(bad[0])
+        raise DatumError(
+            field, f"{values[at]!r} at position {at} is not a token id of the vocabulary (0..{vocab_size - 1})", index
+        )
+    return tensor.long()
+
+
+def _datum(datum: Datum, index: int, loss: Loss, vocab_size: int, max_tokens: int):
+    tokens = _values(datum.tokens, "tokens", index, vocab_size)
+    if len(tokens) == 0:
+        raise DatumError("tokens", "empty; a datum needs at least one token", index)
+    if len(tokens) > max_tokens:
+        raise DatumError(
+            "tokens", f"{len(tokens)} tokens, longer than the model's context ({max_tokens} positions)", index
+        )
+    given = datum.loss_fn_inputs
+    if not isinstance(given, Mapping):
+        raise DatumError("loss_fn_inputs", "must map input names to per-token lists", index)
+    needs = ", ".join(loss.inputs)
+    for name in given:
+        if name not in loss.inputs:
+            raise DatumError(f"loss_fn_inputs.{name}", f"not an input of {loss.name}, which takes {needs}", index)
+    inputs = {}
+    for name in loss.inputs:
+        field = f"loss_fn_inputs.{name}"
+        if name not in given:
+            raise DatumError(field, f"missing; {loss.name} needs {needs}", index)
+        inputs[name] = _values(given[name], field, index, vocab_size if name == TARGETS else None)
+        if len(inputs[name]) != len(tokens):
+            raise DatumError(field, f"{len(inputs[name])} values for {len(tokens)} tokens; give one per token", index)
+    return tokens, inputs
+
+
+def check_request(
+    data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, object] | None, vocab_size: int, max_tokens: int
+) -> CheckedRequest:
+    """The request as tensors, or the first DatumError: unknown loss or config key, a bad config value, no datums,
+    an empty or too long datum, inputs missing, unknown or of the wrong length, ids outside the vocabulary,
+    values that are not finite numbers."""
+    if loss_fn not in LOSSES:
+        raise DatumError("loss_fn", f"{loss_fn!r} is not supported; use one of {', '.join(LOSSES)}")
+    loss = LOSSES[loss_fn]
+    config = _config(loss, loss_fn_config)
+    if not data:
+        raise DatumError("data", "no datums; send at least one")
+    checked = [_datum(datum, i, loss, vocab_size, max_tokens) for i, datum in enumerate(data)]
+    return CheckedRequest(loss, config, [tokens for tokens, _ in checked], [inputs for _, inputs in checked])

@@ -1,0 +1,121 @@
+"""Tinker's built-in losses, with Tinker's definitions (tinker-cookbook docs/losses.mdx and Tutorial 202).
+
+Per token: log p is the trainer's log-probability of the target token (differentiable), log q the sampler's
+(the `logprobs` input), A the `advantages` input and r = p / q = exp(log p - log q). Every loss is a SUM of
+per-token terms over every token of every datum, with no normalisation the client did not build into its
+weights or advantages. Clip thresholds bound the ratio itself (`clamp(r, clip_low_threshold,
+clip_high_threshold)`), they are not epsilons: PPO's default 0.8 / 1.2 is epsilon = 0.2 on each side.
+
+Metric keys are `name:reduction`, as Tinker's client merges them: `loss:sum` for every loss, and for the
+clipping losses `clip_fraction:mean`, the share of tokens with a nonzero advantage whose ratio lay outside
+the clip bounds.
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+TARGETS = "target_tokens"  # the one integer input; every other input is a float per token
+
+Inputs = Mapping[str, torch.Tensor]
+Config = Mapping[str, float]
+
+
+def _ratio(logp: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+    return torch.exp(logp - inputs["logprobs"])
+
+
+def _clipped(ratio: torch.Tensor, config: Config) -> torch.Tensor:
+    return ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+
+
+def _cross_entropy(logp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    return -inputs["weights"] * logp
+
+
+def _importance_sampling(logp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    return -_ratio(logp, inputs) * inputs["advantages"]
+
+
+def _ppo(logp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    ratio, advantages = _ratio(logp, inputs), inputs["advantages"]
+    return -torch.minimum(ratio * advantages, _clipped(ratio, config) * advantages)
+
+
+def _cispo(logp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    return -_clipped(_ratio(logp, inputs), config).detach() * logp * inputs["advantages"]
+
+
+def _dro(logp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    penalty = 0.5 * config["beta"] * (logp - inputs["logprobs"]) ** 2
+    return -(logp * inputs["advantages"] - penalty)
+
+
+def _clip_problem(config: Config) -> tuple[str, str] | None:
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    if low < 0:
+        return "clip_low_threshold", f"{low} is negative; it bounds the ratio p/q from below (PPO's default is 0.8)"
+    if high < low:
+        return "clip_high_threshold", f"{high} is below clip_low_threshold ({low}); the bounds are low <= high"
+    return None
+
+
+def _beta_problem(config: Config) -> tuple[str, str] | None:
+    if config["beta"] < 0:
+        return "beta", f"{config['beta']} is negative; the quadratic penalty's weight must be >= 0"
+    return None
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One built-in loss: the datum inputs it needs, its config keys with their defaults, its per-token terms."""
+
+    name: str
+    inputs: tuple[str, ...]
+    defaults: Mapping[str, float]
+    terms: Callable[[torch.Tensor, Inputs, Config], torch.Tensor]
+    config_problem: Callable[[Config], tuple[str, str] | None] = lambda config: None
+    clips: bool = False  # clip thresholds: reports clip_fraction:mean
+
+    def sums(self, logp: torch.Tensor, inputs: Inputs, config: Config, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This batch's sums over its `valid` tokens: `loss` (differentiable) and, for a clipping loss, the
+        counts `clipped` and `advantaged` behind the clip fraction. Sums add up across batches and ranks."""
+        out = {"loss": torch.where(valid, self.terms(logp, inputs, config), 0.0).sum()}
+        if self.clips:
+            ratio = _ratio(logp.detach(), inputs)
+            outside = (ratio < config["clip_low_threshold"]) | (ratio > config["clip_high_threshold"])
+            advantaged = valid & (inputs["advantages"] != 0)
+            out["clipped"] = (advantaged & outside).sum()
+            out["advantaged"] = advantaged.sum()
+        return out
+
+
+def metrics(sums: Mapping[str, float]) -> dict[str, float]:
+    """Tinker's `name:reduction` metrics of a call's summed `Loss.sums`."""
+    out = {"loss:sum": sums["loss"]}
+    if "clipped" in sums:
+        out["clip_fraction:mean"] = sums["clipped"] / sums["advantaged"] if sums["advantaged"] else 0.0
+    return out
+
+
+_RL_INPUTS = (TARGETS, "logprobs", "advantages")
+
+
+def _clip(low: float, high: float) -> dict[str, float]:
+    return {"clip_low_threshold": low, "clip_high_threshold": high}
+
+
+LOSSES: dict[str, Loss] = {
+    loss.name: loss
+    for loss in (
+        Loss("cross_entropy", (TARGETS, "weights"), {}, _cross_entropy),
+        Loss("importance_sampling", _RL_INPUTS, {}, _importance_sampling),
+        Loss("ppo", _RL_INPUTS, _clip(0.8, 1.2), _ppo, _clip_problem, clips=True),
+        # Tutorial 202: CISPO clips one side by default (no lower bound, the coefficient capped at 4)
+        Loss("cispo", _RL_INPUTS, _clip(0.0, 4.0), _cispo, _clip_problem, clips=True),
+        # Tinker's docs give beta no default; 0.05 is the value they pass
+        Loss("dro", _RL_INPUTS, {"beta": 0.05}, _dro, _beta_problem),
+    )
+}
+CROSS_ENTROPY = LOSSES["cross_entropy"]
