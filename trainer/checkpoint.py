@@ -1,10 +1,10 @@
-"""Training checkpoints: everything needed to continue a run exactly where it stopped.
+"""Training state on disk: everything needed to continue exactly where a job or a session stopped.
 
-A checkpoint directory holds `state.pt` (adapter tensors and AdamW moments as full canonical
-tensors, so they do not depend on the TP/EP layout, plus the scheduler and the step, which is
-also the data position: rows are a pure function of the step), `rng-<rank>.pt` per process, and
-`meta.json` (base model identity, LoRA spec, layout). It is written into a temporary sibling and
-renamed, so a crash never leaves a half-written checkpoint under its final name.
+One format for both. A state directory holds `state.pt` (adapter tensors and AdamW moments as full canonical
+tensors, so they do not depend on the TP/EP layout, plus the optimizer step count, which for a job is also its
+data position: rows are a pure function of the step), `rng-<rank>.pt` per process, and `meta.json` (base model
+identity, LoRA spec, layout, step). It is written into a temporary sibling and renamed, so a crash never leaves
+a half-written state under its final name.
 """
 
 import json
@@ -53,12 +53,9 @@ def _gather_like(param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor(proxy).cpu()
 
 
-def save_checkpoint(
-    root: Path, step: int, params: list[nn.Parameter], optimizer, scheduler, meta: dict, is_main: bool
-) -> Path:
-    """Collective: every rank calls it; returns the final directory."""
-    final = root / checkpoint_name(step)
-    tmp = root / f".{final.name}.tmp"
+def save_checkpoint(final: Path, step: int, params: list[nn.Parameter], optimizer, meta: dict, is_main: bool) -> Path:
+    """Collective: every rank calls it; the state lands at `final` (replacing what was there)."""
+    tmp = final.parent / f".{final.name}.tmp"
     adapter, moments = {}, {"exp_avg": {}, "exp_avg_sq": {}}
     steps = {}
     for p in params:
@@ -75,8 +72,7 @@ def save_checkpoint(
     dist.barrier()
     torch.save(_rng_state(), tmp / f"rng-{dist.get_rank()}.pt")
     if is_main:
-        state = {"step": step, "adapter": adapter, "moments": moments, "adam_steps": steps}
-        torch.save({**state, "scheduler": scheduler.state_dict()}, tmp / STATE)
+        torch.save({"step": step, "adapter": adapter, "moments": moments, "adam_steps": steps}, tmp / STATE)
         (tmp / META).write_text(json.dumps({**meta, "step": step}, indent=2, sort_keys=True) + "\n")
     dist.barrier()
     if is_main:
@@ -113,21 +109,31 @@ def check_compatible(meta: dict, base: BaseModelIdentity, lora_spec: dict) -> No
         )
 
 
+def _step_device(optimizer, p: nn.Parameter) -> torch.device:
+    """Where AdamW keeps a parameter's step count: beside the parameter when fused or capturable, else on the CPU."""
+    on_param = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return p.device if on_param else torch.device("cpu")
+
+
 @torch.no_grad()
-def load_checkpoint(path: Path, params: list[nn.Parameter], optimizer, scheduler, same_layout: bool) -> int:
-    """Restore adapter, optimizer, scheduler (and RNG when the layout is unchanged); returns the step."""
+def load_checkpoint(path: Path, params: list[nn.Parameter], optimizer, restore_rng: bool) -> int:
+    """Restore the adapter, and with an optimizer its moments (and the RNG when `restore_rng`); returns the step.
+
+    Without an optimizer only the adapter is read: a fresh start from those weights.
+    """
     state = torch.load(path / STATE, map_location="cpu", weights_only=True)
     for p in params:
         p.copy_(local_shard(state["adapter"][p.hf_name], p))
+    if optimizer is None:
+        return int(state["step"])
+    optimizer.state.clear()
+    for p in params:
         if p.hf_name in state["adam_steps"]:
             optimizer.state[p] = {
-                "step": state["adam_steps"][p.hf_name].clone(),
+                "step": state["adam_steps"][p.hf_name].clone().to(_step_device(optimizer, p)),
                 **{k: local_shard(v[p.hf_name], p).to(p.device).clone() for k, v in state["moments"].items()},
             }
-    scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr  # the scheduler's state does not reach the optimizer by itself
     rng_file = path / f"rng-{dist.get_rank()}.pt"
-    if same_layout and rng_file.is_file():
+    if restore_rng and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
     return int(state["step"])

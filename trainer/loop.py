@@ -1,10 +1,9 @@
 """The SFT loop every rank runs inside `model_parallel`: build, (resume), train, checkpoint, export.
 
-Loss = sum of per-token cross entropy over completion tokens / completion tokens of the whole
-optimizer step (all micro-batches, all data-parallel ranks), so gradients summed over DP equal
-the single-process gradient. Non-expert LoRA gradients are summed over the data-parallel group
-(which spans EP ranks: shared-outer factors are replicated across EP), per-expert factors over
-the expert-data-parallel group. The grad norm counts every distinct shard once.
+Each step is the training core's (trainer/core.py): the cross-entropy loss over this rank's packed rows, micro-batch
+by micro-batch, with weights = loss mask / completion tokens of the whole optimizer step (all micro-batches, all
+data-parallel ranks), so gradients summed over DP equal the single-process gradient; then one `optim_step` at the
+scheduled learning rate.
 """
 
 import math
@@ -15,25 +14,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from inkwell.adapters.adapter import Adapter, init_adapter
 from inkwell.adapters.io import save_adapter
 from inkwell.adapters.layouts import LAYOUTS
 from inkwell.models import load_base_weights
 from inkwell.trainer import checkpoint as ckpt
-from inkwell.trainer.bridge import gather_state, is_lora, load_state
 from inkwell.trainer.config import TrainCallbacks, TrainEvent, TrainingCancelled, TrainJobConfig, TrainResult
+from inkwell.trainer.core import AdamParams, TrainingCore
 from inkwell.trainer.dataset import Rows, RowStream, pack
-from inkwell.trainer.model import InklingGPT
+from inkwell.trainer.losses import CROSS_ENTROPY
 from inkwell.trainer.parallel import Layout, all_reduce_
 from inkwell.trainer.prepare import Prepared
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# transformers' own eager arithmetic everywhere; on GPUs each layer is compiled, which fuses the bias,
-# mask and softmax (faster than SDPA and FlexAttention here: docs/benchmarks.md)
-ATTENTION = {"cpu": "eager", "cuda": "eager"}
 
 
 def lr_lambda(config: TrainJobConfig):
@@ -53,15 +44,9 @@ def lr_lambda(config: TrainJobConfig):
     return factor
 
 
-def token_losses(model: InklingGPT, rows: Rows) -> torch.Tensor:
-    """Per-token cross entropy [b, s] of next-token targets (vocab-parallel, fp32)."""
-    logits = model(rows.input_ids, rows.segments)
-    return vocab_parallel_cross_entropy(logits.float(), rows.targets)
-
-
 @dataclass
 class Trainer:
-    """One rank's model, adapter optimizer, data stream and loop; built inside `model_parallel`."""
+    """One rank's training core, data stream and loop; built inside `model_parallel`."""
 
     config: TrainJobConfig
     prepared: Prepared
@@ -70,33 +55,35 @@ class Trainer:
 
     def __post_init__(self):
         cfg, prep = self.config, self.prepared
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        self.model = InklingGPT(
+        self.core = TrainingCore(
             prep.hf_config,
+            prep.identity,
+            load_base_weights(cfg.base_model_dir),
             cfg.lora,
-            DTYPES[cfg.dtype],
-            cfg.device,
-            ATTENTION[cfg.device],
-            cfg.compile_mode,
-            cfg.sequence_parallel,
+            seed=cfg.seed,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            compile_mode=cfg.compile_mode,
+            sequence_parallel=cfg.sequence_parallel,
         )
-        load_state(self.model, load_base_weights(cfg.base_model_dir), lora=False)
-        adapter = init_adapter(prep.hf_config, cfg.lora, prep.identity, seed=cfg.seed)
-        load_state(self.model, adapter.tensors, lora=True)
-        self.params = [p for p in self.model.parameters() if is_lora(p)]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=cfg.learning_rate,
-            weight_decay=cfg.weight_decay,
-            betas=(0.9, 0.999),
-            eps=1e-8,
-            fused=self.device.type == "cuda",
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.device = self.core.device
+        self.schedule = lr_lambda(cfg)
         self.stream = RowStream(prep.train, cfg.seq_len, prep.pad_id, cfg.seed)
         self.per_rank = cfg.batch_size // self.layout.dp
         self.micro = self.per_rank // cfg.grad_accum
         self.eval_rows = self._eval_rows()
+
+    def adam(self, step: int) -> AdamParams:
+        """The optimizer step `step`'s hyper-parameters: the scheduled learning rate, the job's decay and clip."""
+        cfg = self.config
+        return AdamParams(
+            learning_rate=cfg.learning_rate * self.schedule(step),
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=cfg.weight_decay,
+            grad_clip_norm=cfg.max_grad_norm,
+        )
 
     def _eval_rows(self) -> Rows | None:
         if not self.prepared.eval:
@@ -113,23 +100,17 @@ class Trainer:
         n = rows.input_ids.shape[0] // self.layout.dp
         return rows.slice(self.layout.dp_rank * n, (self.layout.dp_rank + 1) * n)
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
         if self.eval_rows is None:
             return None
-        self.model.eval()
         mine = self._dp_share(self.eval_rows)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        # without autograd, CUDA-graph trees treat every layer call as a new step and would overwrite the
-        # output of a layer that shares its graph with a later one: evaluate uncompiled then
-        stance = "force_eager" if self.config.compile_mode == "reduce-overhead" else "default"
-        with torch.compiler.set_stance(stance):
-            for i in range(0, mine.input_ids.shape[0], self.micro):
-                rows = mine.slice(i, i + self.micro).to(self.device)
-                total[0] += (token_losses(self.model, rows) * rows.loss_mask).sum().double()
-                total[1] += rows.loss_mask.sum().double()
+        for i in range(0, mine.input_ids.shape[0], self.micro):
+            rows = mine.slice(i, i + self.micro).to(self.device)
+            _, sums = self.core.forward_rows(rows, CROSS_ENTROPY, {}, {"weights": rows.loss_mask}, backward=False)
+            total[0] += sums["loss"].double()
+            total[1] += rows.loss_mask.sum().double()
         all_reduce_(total, ps.get_data_parallel_group())
-        self.model.train()
         return (total[0] / total[1]).item()
 
     def train_step(self, step: int) -> tuple[float, int]:
@@ -140,55 +121,12 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(0, self.per_rank, self.micro):
             rows = mine.slice(i, i + self.micro).to(self.device)
-            loss = (token_losses(self.model, rows) * rows.loss_mask).sum() / denominator
-            loss.backward()
-            loss_sum += loss.detach().double()
-        self._reduce_grads()
-        if self.config.max_grad_norm > 0:
-            norm = self.grad_norm()
-            if norm > self.config.max_grad_norm:
-                for p in self.params:
-                    p.grad.mul_(self.config.max_grad_norm / (norm + 1e-6))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            weights = {"weights": rows.loss_mask / denominator}
+            _, sums = self.core.forward_rows(rows, CROSS_ENTROPY, {}, weights, backward=True)
+            loss_sum += sums["loss"].double()
+        self.core.optim_step(self.adam(step))
         all_reduce_(loss_sum, ps.get_data_parallel_group())
         return loss_sum.item(), int((batch.input_ids != self.prepared.pad_id).sum().item())
-
-    def _reduce_grads(self) -> None:
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        groups = {
-            "dense": (ps.get_data_parallel_group(), [p for p in self.params if p.ep_dim is None]),
-            "expert": (ps.get_expert_data_parallel_group(), [p for p in self.params if p.ep_dim is not None]),
-        }
-        for group, params in groups.values():
-            if not params or dist.get_world_size(group) == 1:
-                continue
-            flat = _flatten_dense_tensors([p.grad for p in params])
-            dist.all_reduce(flat, group=group)
-            for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True):
-                p.grad.copy_(g)
-
-    def grad_norm(self) -> float:
-        """Global L2 norm: each parameter's squared norm divided by how many ranks hold the same shard."""
-        lay = self.layout
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.params:
-            distinct = (lay.tp if p.tp_dim is not None else 1) * (lay.ep if p.ep_dim is not None else 1)
-            total += p.grad.double().pow(2).sum() * distinct / lay.world
-        all_reduce_(total, dist.group.WORLD)
-        return total.sqrt().item()
-
-    def meta(self) -> dict:
-        cfg = self.config
-        return {
-            "base_model": self.prepared.identity.to_dict(),
-            "lora": cfg.lora.model_dump(mode="json"),
-            "layout": {"tp": cfg.tp, "ep": cfg.ep, "nproc": cfg.nproc},
-            "seed": cfg.seed,
-        }
 
     def should_stop(self) -> bool:
         flag = torch.tensor([1.0 if self.layout.is_main and self.callbacks.should_stop() else 0.0], device=self.device)
@@ -197,11 +135,9 @@ class Trainer:
 
     def run(self) -> TrainResult | None:
         cfg = self.config
-        start = 0
         if cfg.resume_from is not None:
-            same = self.prepared.resume_meta["layout"] == self.meta()["layout"]
-            start = ckpt.load_checkpoint(cfg.resume_from, self.params, self.optimizer, self.scheduler, same)
-        self.model.train()
+            self.core.load_state(cfg.resume_from)
+        start = self.core.step
         began = time.perf_counter()
         initial_eval = self.evaluate()
         first_loss = final_loss = float("nan")
@@ -210,7 +146,7 @@ class Trainer:
             if self.should_stop():
                 raise TrainingCancelled(step)
             tick = time.perf_counter()
-            lr = self.scheduler.get_last_lr()[0]
+            lr = self.adam(step).learning_rate
             loss, step_tokens = self.train_step(step)
             tokens += step_tokens
             first_loss = loss if step == start else first_loss
@@ -232,15 +168,7 @@ class Trainer:
                     )
                 )
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                path = ckpt.save_checkpoint(
-                    cfg.output_dir / "checkpoints",
-                    done,
-                    self.params,
-                    self.optimizer,
-                    self.scheduler,
-                    self.meta(),
-                    self.layout.is_main,
-                )
+                path = self.core.save_state(cfg.output_dir / "checkpoints" / ckpt.checkpoint_name(done))
                 if self.layout.is_main:
                     self.callbacks.on_checkpoint(done, path)
         final_eval = self.evaluate()
@@ -262,7 +190,7 @@ class Trainer:
                 "train_samples": len(self.prepared.train),
                 "eval_samples": len(self.prepared.eval),
                 "resumed_from_step": start,
-                "layout": self.meta()["layout"],
+                "layout": self.core.meta()["layout"],
                 "dtype": cfg.dtype,
                 "device": cfg.device,
                 "compile_mode": cfg.compile_mode,
@@ -271,14 +199,8 @@ class Trainer:
 
     def export(self) -> dict[str, Path]:
         """Gather the adapter (collective) and write both layouts on rank 0."""
-        tensors = gather_state(self.model, lora=True)
+        adapter = self.core.adapter({"name": self.config.adapter_name, "method": self.config.method})
         if not self.layout.is_main:
             return {}
-        adapter = Adapter(
-            spec=self.config.lora,
-            tensors=tensors,
-            base=self.prepared.identity,
-            metadata={"name": self.config.adapter_name, "method": self.config.method},
-        )
         root = self.config.output_dir / "adapters"
         return {layout: save_adapter(adapter, root / layout, layout, self.prepared.hf_config) for layout in LAYOUTS}

@@ -98,3 +98,48 @@ def test_compiled_layers_equal_eager(tiny_model_dir, mode):
         assert abs(loss - ref_loss) < 1e-2 * abs(ref_loss)
         assert median < 5e-2
     assert reference[-1][0] < reference[0][0], "the steps must train for the later comparisons to mean anything"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_core_answers_datums_like_the_eager_one(tiny_model_dir, mode):
+    """Datums of several lengths through a bf16 core with compiled layers (under reduce-overhead the datum path runs
+    them eagerly) give the eager core's losses and logprobs to bf16 noise, over two steps; packed rows of one shape
+    (the SFT path, CUDA graphs under reduce-overhead) still train on the same core after them."""
+    from inkwell.adapters.spec import LoraSpec
+    from inkwell.trainer.core import AdamParams, TrainingCore
+    from inkwell.trainer.dataset import Rows
+    from inkwell.trainer.losses import CROSS_ENTROPY
+    from inkwell.trainer.parallel import model_parallel
+    from tests.trainer.test_core import ppo_datums
+
+    spec = LoraSpec(rank=4, alpha=8, targets=["attn", "mlp", "experts", "shared_experts", "lm_head"])
+    adam = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+    ids = torch.randint(3, 263, (2, 96), generator=torch.Generator().manual_seed(0))
+    rows = Rows(ids, torch.zeros_like(ids), ids.roll(-1, 1), torch.ones(ids.shape)).to("cuda")
+
+    def run(compile_mode: str | None) -> list:
+        core = TrainingCore.create(tiny_model_dir, spec, device="cuda", dtype="bfloat16", compile_mode=compile_mode)
+        steps = []
+        for _ in range(2):
+            out = core.forward_backward(ppo_datums(), "ppo")
+            core.optim_step(adam)
+            steps.append(out)
+        for _ in range(3):
+            _, sums = core.forward_rows(rows, CROSS_ENTROPY, {}, {"weights": rows.loss_mask / 192}, backward=True)
+            core.optim_step(adam)
+            steps.append(sums["loss"].item())
+        steps.append(core.forward(ppo_datums(), "ppo"))
+        return steps
+
+    with model_parallel(tp=1, ep=1, device="cuda", seed=0):
+        eager, compiled = run(None), run(mode)
+    for ref, ours in zip(eager, compiled, strict=True):
+        if isinstance(ref, float):
+            assert abs(ours - ref) < 2e-2 * abs(ref), (ref, ours)
+            continue
+        print(mode, ref.metrics, ours.metrics)
+        assert abs(ours.metrics["loss:sum"] - ref.metrics["loss:sum"]) < 2e-2 * abs(ref.metrics["loss:sum"])
+        for a, b in zip(ours.logprobs, ref.logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0.05, atol=0.1)
+    assert eager[4] < eager[2], "the row steps must train"

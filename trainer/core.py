@@ -1,0 +1,305 @@
+"""The training core: one LoRA model resident on its device with its AdamW optimizer, driven by Tinker's primitives.
+
+`forward_backward` adds the gradient of a loss over some datums to the accumulated ones, `optim_step` applies
+them, `save_state` / `load_state` make a later step equal, bit for bit, the step an uninterrupted run would take.
+SFT jobs (trainer/loop.py) run on the same core: their packed rows go straight to `forward_rows` with the
+cross-entropy loss, and each step ends in `optim_step`. Built inside `model_parallel`; every rank calls every
+method with the same arguments.
+
+Datums become rows padded to a multiple of ROW_MULTIPLE tokens, the padding its own segment (attention and
+ShortConv never see it) and outside the loss. Under data parallelism each rank runs its share of the rows and the
+logprobs are gathered. Non-expert LoRA gradients are summed over the data-parallel group (which spans EP ranks:
+shared-outer factors are replicated across EP), per-expert factors over the expert-data-parallel group; the grad
+norm counts every distinct shard once.
+"""
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from transformers import InklingTextConfig
+
+from inkwell.adapters.adapter import Adapter, init_adapter
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import BaseModelIdentity, base_model_identity, load_base_config, load_base_weights
+from inkwell.trainer import checkpoint as ckpt
+from inkwell.trainer.bridge import gather_state, is_lora, load_state
+from inkwell.trainer.dataset import Rows
+from inkwell.trainer.datums import CheckedRequest, Datum, check_request
+from inkwell.trainer.losses import TARGETS, Config, Inputs, Loss, metrics
+from inkwell.trainer.model import InklingGPT
+from inkwell.trainer.parallel import all_reduce_, current_layout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# transformers' own eager arithmetic everywhere; on GPUs each layer is compiled, which fuses the bias,
+# mask and softmax (faster than SDPA and FlexAttention here: docs/benchmarks.md)
+ATTENTION = {"cpu": "eager", "cuda": "eager"}
+# Datum rows are padded to a multiple of this many tokens: few distinct shapes for compiled layers, and rows
+# that split evenly over any power-of-two TP group under sequence parallelism.
+ROW_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One optimizer step's hyper-parameters, with Tinker's defaults (tinker 0.38 `types.AdamParams`)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0  # decoupled (AdamW)
+    grad_clip_norm: float = 0.0  # the global gradient norm is scaled down to this; 0: no clipping
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """Per datum, the logprob of each target token; the loss's `name:reduction` metrics (see trainer/losses.py)."""
+
+    logprobs: list[list[float]]
+    metrics: dict[str, float]
+
+
+class TrainingCore:
+    """This rank's LoRA model, its adapter parameters and their AdamW optimizer; `step` counts optimizer steps."""
+
+    def __init__(
+        self,
+        hf_config: InklingTextConfig,
+        identity: BaseModelIdentity,
+        base_weights: dict[str, torch.Tensor],
+        lora: LoraSpec,
+        *,
+        seed: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        compile_mode: str | None = None,
+        sequence_parallel: bool = False,
+        batch_tokens: int = 16384,
+    ):
+        """A fresh adapter (seeded) on the given base. `batch_tokens` bounds one rank's forward over datums
+        (rows x padded length); larger requests run as several forwards, their gradients accumulated."""
+        self.hf_config, self.identity, self.lora, self.seed = hf_config, identity, lora, seed
+        self.layout = current_layout()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        # CUDA-graph trees record one graph per shape, and treat every call without autograd as a new step that
+        # may overwrite an output still in use: datums (any shape) and no-grad passes run the layers eagerly
+        self.eager_stance = "force_eager" if compile_mode == "reduce-overhead" else "default"
+        self.batch_tokens = batch_tokens
+        self.model = InklingGPT(
+            hf_config, lora, DTYPES[dtype], device, ATTENTION[device], compile_mode, sequence_parallel
+        )
+        load_state(self.model, base_weights, lora=False)
+        load_state(self.model, init_adapter(hf_config, lora, identity, seed=seed).tensors, lora=True)
+        self.params = [p for p in self.model.parameters() if is_lora(p)]
+        # every hyper-parameter is set by each optim_step
+        self.optimizer = torch.optim.AdamW(self.params, fused=self.device.type == "cuda")
+        self.step = 0
+        self.model.train()
+
+    @classmethod
+    def create(cls, base_model_dir: Path, lora: LoraSpec, **options) -> "TrainingCore":
+        """The core on the base model stored in `base_model_dir` (options as for the constructor)."""
+        return cls(
+            load_base_config(base_model_dir),
+            base_model_identity(base_model_dir),
+            load_base_weights(base_model_dir),
+            lora,
+            **options,
+        )
+
+    # ---- forward passes ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[None]:
+        """No autograd, no LoRA dropout, eager layers under CUDA graphs; training mode again after."""
+        self.model.eval()
+        try:
+            with torch.no_grad(), torch.compiler.set_stance(self.eager_stance):
+                yield
+        finally:
+            self.model.train()
+
+    def forward_rows(
+        self, rows: Rows, loss: Loss, config: Config, inputs: Inputs, backward: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The one forward of every path (SFT steps and evaluation, sessions' forward_backward and forward).
+
+        `rows` (on the device) are this rank's; a position takes part in the loss where `rows.loss_mask` is
+        nonzero; `inputs` are the loss's per-token inputs besides the targets, shaped like the rows. With
+        `backward` the gradient of the loss is added to the accumulated ones. Returns the targets' logprobs [b, s]
+        and the batch's `Loss.sums`, detached and on the device: nothing here waits for the device.
+        """
+        with contextlib.nullcontext() if backward else self._inference():
+            logits = self.model(rows.input_ids, rows.segments)
+            logp = -vocab_parallel_cross_entropy(logits.float(), rows.targets)
+            sums = loss.sums(logp, {TARGETS: rows.targets, **inputs}, config, rows.loss_mask > 0)
+            if backward:
+                sums["loss"].backward()
+        return logp.detach(), {name: value.detach() for name, value in sums.items()}
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, object] | None = None
+    ) -> ForwardResult:
+        """Add the gradient of `loss_fn` over `data` to the accumulated gradients (they add up until optim_step).
+        A refused request (DatumError) changes nothing."""
+        return self._run(data, loss_fn, loss_fn_config, backward=True)
+
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, object] | None = None
+    ) -> ForwardResult:
+        """The logprobs and loss metrics of `data` without gradients (and without LoRA dropout)."""
+        return self._run(data, loss_fn, loss_fn_config, backward=False)
+
+    def _run(self, data, loss_fn, loss_fn_config, backward: bool) -> ForwardResult:
+        hf = self.hf_config
+        request = check_request(data, loss_fn, loss_fn_config, hf.vocab_size, hf.max_position_embeddings)
+        logprobs: list[list[float]] = []
+        totals: dict[str, torch.Tensor] = {}
+        with torch.compiler.set_stance(self.eager_stance):
+            for group in self._groups([len(t) for t in request.tokens]):
+                rows, inputs = self._datum_rows(request, group)
+                logp, sums = self.forward_rows(rows, request.loss, request.config, inputs, backward)
+                logprobs += self._gathered(logp, [len(request.tokens[i]) for i in group])
+                totals = {name: totals.get(name, 0) + value.double() for name, value in sums.items()}
+        reduced = all_reduce_(torch.stack(list(totals.values())), ps.get_data_parallel_group()).tolist()
+        return ForwardResult(logprobs, metrics(dict(zip(totals, reduced, strict=True))))
+
+    def _groups(self, lengths: list[int]) -> Iterator[list[int]]:
+        """Consecutive datums whose padded rows fit `batch_tokens` per rank (at least one datum each)."""
+        dp, group, longest = self.layout.dp, [], 0
+        for i, n in enumerate(lengths):
+            padded = _round_up(max(longest, n))
+            if group and math.ceil((len(group) + 1) / dp) * padded > self.batch_tokens:
+                yield group
+                group, longest = [], 0
+            group.append(i)
+            longest = max(longest, n)
+        yield group
+
+    def _datum_rows(self, request: CheckedRequest, group: list[int]) -> tuple[Rows, dict[str, torch.Tensor]]:
+        """This rank's rows of the datums `group`: one datum per row from position 0, then a padding segment;
+        the group is padded with empty rows to split evenly over the data-parallel ranks."""
+        per_rank = math.ceil(len(group) / self.layout.dp)
+        mine = group[self.layout.dp_rank * per_rank :][:per_rank]
+        width = _round_up(max(len(request.tokens[i]) for i in group))
+        ids = torch.zeros((per_rank, width), dtype=torch.long)
+        segments = torch.ones((per_rank, width), dtype=torch.long)
+        mask = torch.zeros((per_rank, width))
+        inputs = {name: torch.zeros((per_rank, width), dtype=t.dtype) for name, t in request.inputs[group[0]].items()}
+        for row, i in enumerate(mine):
+            n = len(request.tokens[i])
+            ids[row, :n] = request.tokens[i]
+            segments[row, :n] = 0
+            mask[row, :n] = 1.0
+            for name, values in request.inputs[i].items():
+                inputs[name][row, :n] = values
+        targets = inputs.pop(TARGETS)
+        rows = Rows(ids, segments, targets, mask).to(self.device)
+        return rows, {name: t.to(self.device) for name, t in inputs.items()}
+
+    def _gathered(self, logp: torch.Tensor, lengths: list[int]) -> list[list[float]]:
+        """Every rank's logprob rows of one group, in datum order, cut to each datum's length."""
+        group = ps.get_data_parallel_group()
+        if dist.get_world_size(group) > 1:
+            parts = [torch.empty_like(logp) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, logp.contiguous(), group=group)
+            logp = torch.cat(parts)
+        rows = logp.cpu().tolist()
+        return [row[:n] for row, n in zip(rows, lengths, strict=False)]
+
+    # ---- the optimizer -------------------------------------------------------------------------------------
+
+    def optim_step(self, params: AdamParams) -> dict[str, float]:
+        """Apply the accumulated gradients: sum them over the data-parallel ranks, clip their global norm to
+        `params.grad_clip_norm` (0: no clipping), take one AdamW step with `params`, zero them.
+
+        Returns `grad_norm:mean` (before clipping), `learning_rate:mean` and `step:max` (steps taken so far).
+        """
+        for group in self.optimizer.param_groups:
+            group["lr"], group["betas"], group["eps"] = params.learning_rate, (params.beta1, params.beta2), params.eps
+            group["weight_decay"] = params.weight_decay
+        self._reduce_grads()
+        norm = self.grad_norm()
+        if params.grad_clip_norm > 0:
+            limit = params.grad_clip_norm
+            scale = torch.where(norm > limit, limit / (norm + 1e-6), 1.0)
+            for p in self.params:
+                p.grad.mul_(scale)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm:mean": norm.item(), "learning_rate:mean": params.learning_rate, "step:max": float(self.step)}
+
+    def _reduce_grads(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        groups = {
+            "dense": (ps.get_data_parallel_group(), [p for p in self.params if p.ep_dim is None]),
+            "expert": (ps.get_expert_data_parallel_group(), [p for p in self.params if p.ep_dim is not None]),
+        }
+        for group, params in groups.values():
+            if not params or dist.get_world_size(group) == 1:
+                continue
+            flat = _flatten_dense_tensors([p.grad for p in params])
+            dist.all_reduce(flat, group=group)
+            for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True):
+                p.grad.copy_(g)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm (float64, on the device): each parameter's squared norm divided by how many ranks hold
+        the same shard."""
+        lay = self.layout
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.params:
+            distinct = (lay.tp if p.tp_dim is not None else 1) * (lay.ep if p.ep_dim is not None else 1)
+            total += p.grad.double().pow(2).sum() * distinct / lay.world
+        all_reduce_(total, dist.group.WORLD)
+        return total.sqrt()
+
+    # ---- state ---------------------------------------------------------------------------------------------
+
+    def meta(self) -> dict:
+        """What a saved state records besides its tensors: the base model, the LoRA spec, the layout, the seed."""
+        return {
+            "base_model": self.identity.to_dict(),
+            "lora": self.lora.model_dump(mode="json"),
+            "layout": {"tp": self.layout.tp, "ep": self.layout.ep, "nproc": self.layout.world},
+            "seed": self.seed,
+        }
+
+    def save_state(self, path: Path) -> Path:
+        """Collective: adapter, AdamW moments, step and every rank's RNG at `path` (trainer/checkpoint.py).
+        Gradients accumulated since the last optim_step are not part of the state."""
+        return ckpt.save_checkpoint(path, self.step, self.params, self.optimizer, self.meta(), self.layout.is_main)
+
+    def load_state(self, path: Path, with_optimizer: bool = True) -> None:
+        """Continue from the state at `path` (same base model and LoRA spec; any layout): the adapter, and with
+        the optimizer its moments, step and (same layout) RNG, so the next step equals the uninterrupted one.
+        Without the optimizer: those weights with fresh moments at step 0. Accumulated gradients are dropped."""
+        meta = ckpt.read_meta(path)
+        ckpt.check_compatible(meta, self.identity, self.lora.model_dump(mode="json"))
+        optimizer = self.optimizer if with_optimizer else None
+        same_layout = meta["layout"] == self.meta()["layout"]
+        step = ckpt.load_checkpoint(path, self.params, optimizer, restore_rng=same_layout)
+        if not with_optimizer:
+            self.optimizer.state.clear()
+        self.step = step if with_optimizer else 0
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def adapter(self, metadata: dict | None = None) -> Adapter:
+        """Collective: a snapshot of the LoRA tensors (later steps leave it as it is), gathered whole on every rank,
+        as an Adapter of this base."""
+        tensors = {name: t.clone() for name, t in gather_state(self.model, lora=True).items()}
+        return Adapter(self.lora, tensors, self.identity, metadata or {})
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
