@@ -76,13 +76,12 @@ class Loss:
     defaults: Mapping[str, float]
     terms: Callable[[torch.Tensor, Inputs, Config], torch.Tensor]
     config_problem: Callable[[Config], tuple[str, str] | None] = lambda config: None
-    clips: bool = False  # clip thresholds: reports clip_fraction:mean
 
     def sums(self, logp: torch.Tensor, inputs: Inputs, config: Config, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         """This batch's sums over its `valid` tokens: `loss` (differentiable) and, for a clipping loss, the
         counts `clipped` and `advantaged` behind the clip fraction. Sums add up across batches and ranks."""
         out = {"loss": torch.where(valid, self.terms(logp, inputs, config), 0.0).sum()}
-        if self.clips:
+        if "clip_low_threshold" in self.defaults:  # a clipping loss
             ratio = _ratio(logp.detach(), inputs)
             outside = (ratio < config["clip_low_threshold"]) | (ratio > config["clip_high_threshold"])
             advantaged = valid & (inputs["advantages"] != 0)
@@ -111,9 +110,9 @@ LOSSES: dict[str, Loss] = {
     for loss in (
         Loss("cross_entropy", (TARGETS, "weights"), {}, _cross_entropy),
         Loss("importance_sampling", _RL_INPUTS, {}, _importance_sampling),
-        Loss("ppo", _RL_INPUTS, _clip(0.8, 1.2), _ppo, _clip_problem, clips=True),
+        Loss("ppo", _RL_INPUTS, _clip(0.8, 1.2), _ppo, _clip_problem),
         # Tutorial 202: CISPO clips one side by default (no lower bound, the coefficient capped at 4)
-        Loss("cispo", _RL_INPUTS, _clip(0.0, 4.0), _cispo, _clip_problem, clips=True),
+        Loss("cispo", _RL_INPUTS, _clip(0.0, 4.0), _cispo, _clip_problem),
         # Tinker's docs give beta no default; 0.05 is the value they pass
         Loss("dro", _RL_INPUTS, {"beta": 0.05}, _dro, _beta_problem),
     )
