@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from inkwell.adapters.io import load_adapter
 from inkwell.models import base_model_identity, load_base_config
 from inkwell.serving import messages
 from inkwell.serving.contract import AdapterIncompatibleError, EngineConfig
@@ -68,7 +67,7 @@ def loader_main(model_dir: str, engine: EngineConfig, inbox, worker_inbox, ring_
             while waiting and ring.free:
                 load = waiting.popleft()
                 try:
-                    adapter = load_adapter(load.source.fetch(scratch), config)
+                    adapter = load.source.load(scratch, config)
                     check_adapter(adapter, identity, layout)
                     staged = ring.stage(adapter)
                 except AdapterIncompatibleError as exc:

@@ -1,13 +1,19 @@
-"""Where the loader fetches an adapter version from: a local directory or the registry's S3 objects.
+"""Where the loader gets an adapter version from: a local directory, the registry's S3 objects, or memory.
 
 Sources are small picklable descriptions, so the service can hand one to a loader process that
-opens its own S3 connection. Every source ends as a local adapter directory that
-`inkwell.adapters.io.load_adapter` verifies against its manifest (sha256 of every file).
+opens its own S3 connection. A directory or S3 source ends as a local adapter directory that
+`inkwell.adapters.io.load_adapter` verifies against its manifest (sha256 of every file); a memory source is a
+training session's adapter handed over in shared memory, which never touches disk or S3 on its way.
 """
 
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from transformers import InklingTextConfig
+
+from inkwell.adapters.adapter import Adapter
+from inkwell.adapters.io import load_adapter
 
 
 class SourceError(RuntimeError):
@@ -17,6 +23,9 @@ class SourceError(RuntimeError):
 @dataclass(frozen=True)
 class DirectorySource:
     path: str
+
+    def load(self, scratch: Path, config: InklingTextConfig) -> Adapter:
+        return load_adapter(self.fetch(scratch), config)
 
     def fetch(self, scratch: Path) -> Path:
         directory = Path(self.path)
@@ -37,6 +46,9 @@ class S3Source:
     access_key: str | None = None
     secret_key: str | None = None
 
+    def load(self, scratch: Path, config: InklingTextConfig) -> Adapter:
+        return load_adapter(self.fetch(scratch), config)
+
     def fetch(self, scratch: Path) -> Path:
         from inkwell.service.storage import ObjectStore  # boto3 only where S3 is used (not on a GPU box)
 
@@ -53,4 +65,15 @@ class S3Source:
         return directory
 
 
-AdapterSource = DirectorySource | S3Source
+@dataclass(frozen=True)
+class MemorySource:
+    """An adapter in memory: its tensors travel to the loader as shared memory (CUDA IPC handles for GPU
+    tensors), pickled by torch.multiprocessing."""
+
+    adapter: Adapter
+
+    def load(self, scratch: Path, config: InklingTextConfig) -> Adapter:
+        return self.adapter
+
+
+AdapterSource = DirectorySource | S3Source | MemorySource

@@ -87,7 +87,7 @@ class ServingTier:
 
     async def preload(self, base: str, adapter: AdapterRef) -> None:
         """Put an adapter on the workers of `base` before any request names it (a training session's sampler
-        weights: the adapter only, from the session's own export, not through the object store)."""
+        weights: the adapter only, in memory, not through the object store)."""
         await self.router.preload(base, adapter)
 
     def close(self) -> None:

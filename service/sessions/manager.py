@@ -3,8 +3,8 @@ their requests in submission order, keep them alive on heartbeats, close idle on
 
 A session's saved states live in the object store under `sessions/<tenant>/<session>/states/<name>/` (the
 trainer's checkpoint plus `session.json`: the base model and LoRA spec a new session starts from). Sampler weights
-are published as immutable registry versions and pushed to the serving workers of the base model straight from
-the session's export (the adapter only; the base stays resident).
+are published as immutable registry versions and handed to the serving workers of the base model in shared
+memory (the adapter only; the base stays resident; no disk or S3 on the way).
 """
 
 import asyncio
@@ -32,9 +32,8 @@ from inkwell.service.sessions.handle import Finish, FinishError, SessionHandle, 
 from inkwell.service.sessions.settings import SessionSettings
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectMissing, ObjectStore
-from inkwell.serving.resolve import SERVING_LAYOUT
 from inkwell.serving.router import AdapterRef
-from inkwell.serving.sources import DirectorySource
+from inkwell.serving.sources import MemorySource
 from inkwell.serving.tier import ServingTier
 
 log = logging.getLogger("inkwell.sessions")
@@ -308,8 +307,7 @@ class SessionManager:
                 published = time.perf_counter()
                 key = f"{live.tenant_id}/{live.adapter_name}@{version}"
                 if self.serving is not None:
-                    source = DirectorySource(result["dirs"][SERVING_LAYOUT])
-                    await self.serving.preload(live.base_model, AdapterRef(key, source))
+                    await self.serving.preload(live.base_model, AdapterRef(key, MemorySource(result["adapter"])))
             finally:
                 await asyncio.to_thread(shutil.rmtree, dest, True)
             model = f"{live.base_model}:{live.adapter_name}@{version}"

@@ -69,7 +69,8 @@ class SessionWorker:
                 root = Path(dest)
                 shutil.rmtree(root, ignore_errors=True)
                 dirs = {layout: str(save_adapter(adapter, root / layout, layout, core.hf_config)) for layout in LAYOUTS}
-                return {"dirs": dirs, "step": core.step}
+                # the tensors themselves too: they reach the serving workers in shared memory, not through the files
+                return {"dirs": dirs, "step": core.step, "adapter": adapter}
 
     def load(self, prefix: str, with_optimizer: bool) -> None:
         with tempfile.TemporaryDirectory(dir=self.scratch) as tmp:

@@ -145,7 +145,7 @@ def test_a_saved_state_resumes_bit_for_bit(client):
         assert resumed.forward(data).result(timeout=60)["logprobs"] == expected  # exactly, float for float
 
 
-def test_sampler_weights_sample_as_the_trainer_scores(client, service, tmp_path):
+def test_sampler_weights_sample_as_the_trainer_scores(client, service, tenant, tmp_path):
     """save_weights_for_sampler publishes a version the serving tier samples from at once; the sampler's logprobs
     of its own tokens equal compute_logprobs and the trainer's forward on the same tokens (fp32, CPU)."""
     data = [_datum([5, 9, 12, 40, 41, 7, 3, 2, 11, 13])]
@@ -155,6 +155,9 @@ def test_sampler_weights_sample_as_the_trainer_scores(client, service, tmp_path)
             session.optim_step(learning_rate=3e-2, **ADAM).result(timeout=60)
         weights = session.save_weights_for_sampler("step-3").result(timeout=120)
         assert weights.model == f"inkling-tiny:sess-sampler@{weights.version}" and weights.step == 3
+        # the adapter reached the serving workers with the save itself (in memory), before any request named it
+        workers = service.app.state.serving.router.workers["inkling-tiny"]
+        assert any(f"{tenant[0]}/sess-sampler@{weights.version}" in w.adapters for w in workers)
         version = client.adapters.version("sess-sampler", "step-3")
         assert version.version == weights.version and version.lineage.source == "session"
         sampler = session.sampling_client(weights)

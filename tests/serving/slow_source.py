@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import InklingTextConfig
+
+from inkwell.adapters.adapter import Adapter
 from inkwell.serving.sources import DirectorySource
 
 
@@ -15,6 +18,6 @@ class SlowSource:
     inner: DirectorySource
     delay: float
 
-    def fetch(self, scratch: Path) -> Path:
+    def load(self, scratch: Path, config: InklingTextConfig) -> Adapter:
         time.sleep(self.delay)
-        return self.inner.fetch(scratch)
+        return self.inner.load(scratch, config)
