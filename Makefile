@@ -36,7 +36,18 @@ $(SGLANG_STAMP): $(STAMP)
 	$(PY) -m pip install -q $(SGLANG_TEST_DEPS)
 	touch $(SGLANG_STAMP)
 
-test: $(STAMP) $(SGLANG_STAMP)
+# tinker-cookbook 0.6.1 drives the Tinker door in tests/tinker (its own training loops). It requires
+# tml-renderers>=0.4.1, which the package index does not have and which only its Thinking Machines model
+# tokenizers import (lazily): install it without deps, plus the dependencies its loops import.
+COOKBOOK_STAMP := $(VENV)/.cookbook
+COOKBOOK_TEST_DEPS := aiohttp anyio blobfile chz cloudpickle datasets huggingface-hub pillow pyrage termcolor tiktoken
+
+$(COOKBOOK_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
+	$(PY) -m pip install -q $(COOKBOOK_TEST_DEPS)
+	touch $(COOKBOOK_STAMP)
+
+test: $(STAMP) $(SGLANG_STAMP) $(COOKBOOK_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 

@@ -35,7 +35,11 @@ from inkwell.service.storage.seaweed import start_embedded
 
 log = logging.getLogger("inkwell.service")
 CORE_ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, datasets.router, jobs.router, adapters.router)
-EXTENSION_MODULES: tuple[str, ...] = ("inkwell.service.routers.openai", "inkwell.service.routers.sessions")
+EXTENSION_MODULES: tuple[str, ...] = (
+    "inkwell.service.routers.openai",
+    "inkwell.service.routers.sessions",
+    "inkwell.service.routers.tinker",
+)
 CLEANUP_INTERVAL_SECONDS = 600.0
 # Multipart framing on top of the file itself.
 UPLOAD_OVERHEAD_BYTES = 64 * 1024

@@ -1,0 +1,484 @@
+"""The Tinker door: Tinker's sessions, training models and sampling sessions, each a handle on what inkwell
+already has.
+
+A Tinker session (one `ServiceClient`) holds training models and samplers. A training model is one inkwell
+training session (`SessionManager`), named `<tinker session>:train:<n>` as the client derives it; its requests
+pass its `SeqGate` in seq_id order and become the manager's operations, each answered by the manager's futures.
+A sampler names a serving model (`<base>` or `<base>:<adapter>@<version|alias>`) and samples through the
+sessions' `sampling.sample`. How each future's result leaves (protobuf or JSON) is kept beside its id until it
+expires.
+"""
+
+import asyncio
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Response
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from tinker import types
+
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import load_base_config
+from inkwell.service.errors import APIError, not_found
+from inkwell.service.sessions import messages, sampling
+from inkwell.service.sessions import schemas as session_schemas
+from inkwell.service.sessions.futures import Future, FutureError
+from inkwell.service.sessions.manager import STATE_META, LiveSession, SessionManager, state_prefix
+from inkwell.service.storage import ObjectMissing
+from inkwell.service.tinker import codec
+from inkwell.service.tinker.errors import future_failure
+from inkwell.service.tinker.ordering import SeqGate
+from inkwell.service.tinker.paths import TinkerPath, check_name
+from inkwell.service.tinker.runs import RunRecord, Runs
+from inkwell.serving.resolve import ModelMismatchError, ModelNotFoundError
+from inkwell.serving.rules import context_limit
+from inkwell.serving.tier import ServingTier
+from inkwell.trainer.core import AdamParams
+from inkwell.trainer.datums import DatumError, check_request
+from inkwell.trainer.losses import LOSSES
+
+LORA_ALPHA = 32.0  # Tinker's fixed LoRA alpha: the learning rate does not depend on the rank
+SEQ_WAIT_SECONDS = 50.0  # under the client's 60 s timeout; it sends the request again on the 408
+LONG_POLL_SECONDS = 30.0  # under retrieve_future's 45 s timeout
+PRUNE_EVERY = 512
+SUPPORTED_LOSSES = ", ".join(LOSSES)
+
+type Render = Callable[[Any], Response]
+
+
+def lora_spec(config: types.LoraConfig | None) -> LoraSpec:
+    """Tinker's LoRA config as inkwell's: train_mlp covers the dense MLP and both kinds of experts."""
+    config = config or types.LoraConfig(rank=32)
+    targets = ["attn"] if config.train_attn else []
+    targets += ["mlp", "experts", "shared_experts"] if config.train_mlp else []
+    targets += ["lm_head"] if config.train_unembed else []
+    try:
+        return LoraSpec(rank=config.rank, alpha=LORA_ALPHA, targets=tuple(targets))
+    except ValidationError as exc:
+        raise APIError(400, "validation_error", f"lora_config: {exc.errors()[0]['msg']}", field="lora_config") from exc
+
+
+@dataclass
+class TinkerSession:
+    id: str
+    tenant_id: str
+    models: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class TinkerModel:
+    id: str
+    session: TinkerSession
+    live: LiveSession
+    created: Future  # settles when the session worker is up; a repeated create answers with it again
+    gate: SeqGate = field(default_factory=SeqGate)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    id: str
+    tenant_id: str
+    base_model: str
+    model: str  # the serving tier's model name
+    model_path: str | None
+    max_context: int
+
+
+def _json(value: Any) -> Response:
+    return JSONResponse(value)
+
+
+class TinkerDoor:
+    def __init__(self, manager: SessionManager, runs: Runs, tier: ServingTier | None) -> None:
+        self.manager, self.runs, self.tier = manager, runs, tier
+        self.sessions: dict[str, TinkerSession] = {}
+        self.models: dict[str, TinkerModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._renders: dict[str, tuple[str, Render]] = {}
+
+    # ---- futures -----------------------------------------------------------------------------------------
+
+    def _answer(self, tenant_id: str, future: Future, render: Render) -> Future:
+        if len(self._renders) % PRUNE_EVERY == 0:
+            gone = [fid for fid, (tenant, _) in self._renders.items() if self.manager.futures.get(tenant, fid) is None]
+            for fid in gone:
+                del self._renders[fid]
+        self._renders[future.id] = (tenant_id, render)
+        return future
+
+    async def retrieve(self, tenant_id: str, request_id: str) -> Response:
+        """The future's result once settled (long-polled), else `try_again`; a failure as `{error, category}`,
+        or 410 for a sample that may work when sent again (the client resubmits it)."""
+        future = self.manager.futures.get(tenant_id, request_id)
+        if future is None:
+            raise not_found("request", request_id)
+        if not await future.wait(LONG_POLL_SECONDS):
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if future.error is not None:
+            body = future_failure(future.error)
+            return JSONResponse(body, status_code=410 if future.kind == "sample" and future.error.retryable else 200)
+        _, render = self._renders.get(request_id, (tenant_id, _json))
+        return await asyncio.to_thread(render, future.result)
+
+    # ---- sessions ----------------------------------------------------------------------------------------
+
+    def create_session(self, tenant_id: str) -> str:
+        session = TinkerSession(f"ts_{secrets.token_hex(12)}", tenant_id)
+        self.sessions[session.id] = session
+        return session.id
+
+    def session(self, tenant_id: str, session_id: str) -> TinkerSession:
+        session = self.sessions.get(session_id)
+        if session is None or session.tenant_id != tenant_id:
+            raise not_found("session", session_id)
+        if session.finished:
+            raise APIError(410, "session_finished", f"session {session_id} has finished; create a new ServiceClient")
+        return session
+
+    def heartbeat(self, tenant_id: str, session_id: str) -> None:
+        """Keep the session's training models open (an idle model is closed after the sessions' idle timeout)."""
+        for model_id in self.session(tenant_id, session_id).models:
+            live = self.models[model_id].live
+            if live.state != "closed":
+                live.touch()
+
+    async def finish(self, tenant_id: str, session_id: str) -> None:
+        """Close the session's training models: their devices (and session slots) are released."""
+        session = self.session(tenant_id, session_id)
+        session.finished = True
+        for model_id in session.models:
+            await self.manager.close(
+                self.models[model_id].live, "closed_by_owner", f"Tinker session {session_id} finished"
+            )
+
+    # ---- training models ---------------------------------------------------------------------------------
+
+    async def _open(
+        self,
+        tenant_id: str,
+        session_id: str,
+        model_seq_id: int,
+        open_session: Callable[[], Any],
+        result: dict[str, Any],
+        user_metadata: dict[str, Any] | None,
+    ) -> Future:
+        """The training model `<session>:train:<n>` on a new inkwell session (`open_session()`); its future
+        settles with `result` once the session worker is up."""
+        session = self.session(tenant_id, session_id)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.models:  # the client sent its create again
+            return self.models[model_id].created
+        live: LiveSession = await open_session()
+        record = RunRecord(
+            run_id=live.id,
+            model_id=model_id,
+            base_model=live.base_model,
+            lora=live.lora.model_dump(mode="json"),
+            adapter_name=live.adapter_name,
+            user_metadata={k: str(v) for k, v in (user_metadata or {}).items()},
+        )
+        await asyncio.to_thread(self.runs.write, tenant_id, record)
+        created = self.manager.futures.create(tenant_id, "create_model", live.id)
+        self.models[model_id] = TinkerModel(model_id, session, live, created)
+        session.models.append(model_id)
+        asyncio.ensure_future(self._settle_when_up(live, created, {**result, "model_id": model_id}))
+        return self._answer(tenant_id, created, _json)
+
+    async def _settle_when_up(self, live: LiveSession, future: Future, result: dict[str, Any]) -> None:
+        while live.state == "starting":
+            await asyncio.sleep(0.1)
+        if live.state == "active":
+            self.manager.futures.succeed(future, result)
+        else:
+            code = live.closed_code or "session_start_failed"
+            self.manager.futures.fail(future, FutureError(code, live.closed_reason or "the session did not start"))
+
+    async def create_model(self, tenant_id: str, req: types.CreateModelRequest) -> Future:
+        _check_optimizer(req.optimizer_config)
+        lora = lora_spec(req.lora_config)
+        seed = req.lora_config.seed if req.lora_config and req.lora_config.seed is not None else 0
+
+        def open_session():
+            return self.manager.create(tenant_id, req.base_model, lora, seed, None, None, True)
+
+        return await self._open(tenant_id, req.session_id, req.model_seq_id, open_session, {}, req.user_metadata)
+
+    async def create_from_state(self, tenant_id: str, req: types.LoadWeightsRequest) -> Future:
+        """create_training_client_from_state[_with_optimizer]: a new model from a saved state (its base model and
+        LoRA spec; the optimizer's moments and step too when `optimizer`)."""
+        _check_optimizer(req.optimizer_config)
+        path = _training_state(req.path)
+        base = (await asyncio.to_thread(self._state_meta, tenant_id, path))["base_model"]
+        if req.base_model is not None and req.base_model != base:
+            raise APIError(
+                400, "validation_error", f"base_model: {path} was trained on {base!r}, not {req.base_model!r}"
+            )
+
+        def open_session():
+            return self.manager.create(tenant_id, base, LoraSpec(), 0, None, path.state_ref, req.optimizer)
+
+        return await self._open(
+            tenant_id, req.session_id, req.model_seq_id, open_session, {"path": str(path)}, req.user_metadata
+        )
+
+    def _state_meta(self, tenant_id: str, path: TinkerPath) -> dict[str, Any]:
+        try:
+            return json.loads(
+                self.manager.store.get_bytes(state_prefix(tenant_id, path.run_id, path.name) + STATE_META)
+            )
+        except ObjectMissing:
+            raise not_found("checkpoint", str(path)) from None
+
+    def model(self, tenant_id: str, model_id: str | None) -> TinkerModel:
+        model = self.models.get(model_id or "")
+        if model is None or model.session.tenant_id != tenant_id:
+            raise not_found("model", str(model_id))
+        return model
+
+    def info(self, model: TinkerModel) -> dict[str, Any]:
+        """get_info: the tokenizer is the base model's directory on this host (AutoTokenizer loads it offline)."""
+        live = model.live
+        return {
+            "type": "get_info",
+            "model_id": model.id,
+            "model_data": {
+                "arch": "inkling",
+                "model_name": live.base_model,
+                "tokenizer_id": str(Path(live.base_dir).resolve()),
+            },
+            "is_lora": True,
+            "lora_rank": live.lora.rank,
+        }
+
+    async def _in_order(self, tenant_id: str, model_id: str | None, seq_id: int | None, submit) -> Future:
+        """`submit(live)` in the model's seq_id order, on its open session (410 once it closed). Every refusal
+        is raised inside `submit`: a refused request still takes its turn, or the ones after it would wait."""
+        model = self.model(tenant_id, model_id)
+        if seq_id is None:
+            raise APIError(400, "validation_error", "seq_id: required for a training model's requests", field="seq_id")
+
+        async def run() -> Future:
+            return await submit(self.manager.use(tenant_id, model.live.id))
+
+        return await model.gate.run(seq_id, run, SEQ_WAIT_SECONDS)
+
+    async def forward_backward(self, tenant_id: str, body: codec.ForwardBackwardBody) -> Future:
+        async def submit(live: LiveSession) -> Future:
+            if body.loss_fn not in LOSSES:
+                raise APIError(
+                    400,
+                    "unsupported_loss",
+                    f"loss_fn {body.loss_fn!r} is not supported by inkwell; use one of {SUPPORTED_LOSSES} "
+                    "(forward_backward_custom works: the client computes its loss from forward's logprobs)",
+                    field="loss_fn",
+                )
+            try:
+                await asyncio.to_thread(
+                    check_request, body.data, body.loss_fn, body.loss_fn_config, live.vocab_size, live.max_context
+                )
+            except DatumError as exc:
+                raise APIError(400, "invalid_datum", str(exc), field=exc.field, index=exc.index) from exc
+            kind = "forward" if body.forward_only else "forward_backward"
+            config = {k: float(v) for k, v in body.loss_fn_config.items()}
+
+            def op(fid: str) -> messages.ForwardBackward:
+                return messages.ForwardBackward(fid, body.data, body.loss_fn, config, not body.forward_only)
+
+            future = self.manager.submit(live, kind, op)
+            return self._answer(tenant_id, future, _proto(codec.encode_forward_backward))
+
+        return await self._in_order(tenant_id, body.model_id, body.seq_id, submit)
+
+    async def optim_step(self, tenant_id: str, req: types.OptimStepRequest) -> Future:
+        async def submit(live: LiveSession) -> Future:
+            if not isinstance(req.optim_params, types.AdamParams):
+                raise APIError(400, "unsupported_optimizer", "inkwell's optimizer is AdamW: send AdamParams")
+            try:
+                adam = session_schemas.AdamParams.model_validate(req.optim_params.model_dump())
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                raise APIError(400, "validation_error", f"adam_params.{err['loc'][0]}: {err['msg']}") from exc
+            future = self.manager.optim_step(live, AdamParams(**adam.model_dump()))
+            return self._answer(tenant_id, future, lambda result: _json({"metrics": result["metrics"]}))
+
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+
+    async def save_state(self, tenant_id: str, req: types.SaveWeightsRequest) -> Future:
+        async def submit(live: LiveSession) -> Future:
+            path = TinkerPath(live.id, "weights", check_name(req.path, "path"))
+            if req.overwrite:
+                await asyncio.to_thread(self._delete_state, tenant_id, path)
+            future = await asyncio.to_thread(self.manager.save_state, live, path.name)
+            return self._answer(tenant_id, future, lambda result: _json({"path": str(path)}))
+
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+
+    def _delete_state(self, tenant_id: str, path: TinkerPath) -> None:
+        keys = [o.key for o in self.manager.store.list_objects(state_prefix(tenant_id, path.run_id, path.name))]
+        if keys:
+            self.manager.store.delete(keys)
+
+    async def load_state(self, tenant_id: str, req: types.LoadWeightsRequest) -> Future:
+        """The deprecated TrainingClient.load_state*: the saved state into this model (same base and LoRA)."""
+
+        async def submit(live: LiveSession) -> Future:
+            path = _training_state(req.path)
+            future = await asyncio.to_thread(self.manager.load_state, live, path.state_ref, req.optimizer)
+            return self._answer(tenant_id, future, lambda result: _json({"path": str(path)}))
+
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+
+    async def save_for_sampler(self, tenant_id: str, req: types.SaveWeightsForSamplerRequest) -> Future:
+        """Publish the adapter as a registry version (and push it to the serving workers). Named: the alias
+        `tinker-<name>` points at it and the answer is its path; unnamed: a sampler of that version."""
+        model = self.model(tenant_id, req.model_id)
+
+        async def submit(live: LiveSession) -> Future:
+            if req.kind != "snapshot":
+                raise APIError(400, "unsupported_kind", f"kind {req.kind!r}: inkwell publishes snapshots only")
+            if req.path is not None:
+                path = TinkerPath(live.id, "sampler_weights", check_name(req.path, "path"))
+                future = self.manager.save_weights_for_sampler(live, path.alias)
+                return self._answer(tenant_id, future, lambda result: _json({"path": str(path)}))
+            if req.sampling_session_seq_id is None:
+                raise APIError(400, "validation_error", "sampling_session_seq_id: required without a path")
+            sampler_id = f"{model.session.id}:sample:{req.sampling_session_seq_id}"
+            future = self.manager.save_weights_for_sampler(live, None)
+
+            def render(result: dict[str, Any]) -> Response:
+                # the sampler exists before its id reaches the client, which samples from it next
+                context = self.context_of(live.base_dir)
+                sampler = Sampler(sampler_id, tenant_id, live.base_model, result["model"], None, context)
+                self.samplers.setdefault(sampler_id, sampler)
+                return _json({"sampling_session_id": sampler_id})
+
+            return self._answer(tenant_id, future, render)
+
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+
+    # ---- sampling ----------------------------------------------------------------------------------------
+
+    def _tier(self) -> ServingTier:
+        if self.tier is None:
+            raise APIError(503, "serving_unavailable", "this service runs no serving tier")
+        return self.tier
+
+    def context_of(self, base_dir: str | Path) -> int:
+        """The context a serving worker gives a request on this base (prompt and generated tokens)."""
+        return context_limit(load_base_config(base_dir), self._tier().settings.max_context)
+
+    async def _sampler(
+        self, tenant_id: str, sampler_id: str, model_path: str | None, base_model: str | None
+    ) -> Sampler:
+        """A sampler of `model_path` (sampler weights) or else `base_model`, checked to exist for the tenant."""
+        if model_path is not None:
+            base, model = await asyncio.to_thread(
+                self.runs.sampler_model, tenant_id, TinkerPath.parse(model_path, "model_path")
+            )
+        elif base_model is not None:
+            base = model = base_model
+        else:
+            raise APIError(400, "validation_error", "model_path or base_model: give one to sample from")
+        try:
+            resolved = await self._tier().resolve(tenant_id, model)
+        except ModelNotFoundError as exc:
+            raise APIError(404, "model_not_found", str(exc), field="model_path") from exc
+        except ModelMismatchError as exc:
+            raise APIError(400, "model_mismatch", str(exc), field="model_path") from exc
+        max_context = await asyncio.to_thread(self.context_of, resolved.model_dir)
+        return Sampler(sampler_id, tenant_id, base, model, model_path, max_context)
+
+    async def create_sampler(self, tenant_id: str, req: types.CreateSamplingSessionRequest) -> str:
+        session = self.session(tenant_id, req.session_id)
+        sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}"
+        self.samplers[sampler_id] = await self._sampler(tenant_id, sampler_id, req.model_path, req.base_model)
+        return sampler_id
+
+    def sampler(self, tenant_id: str, sampler_id: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None or sampler.tenant_id != tenant_id:
+            raise not_found("sampler", sampler_id)
+        return sampler
+
+    async def sample(self, tenant_id: str, req: types.SampleRequest) -> Future:
+        """sample / compute_logprobs through the serving tier; the answer is a SampleResponse protobuf."""
+        if req.sampling_session_id is not None:
+            sampler = self.sampler(tenant_id, req.sampling_session_id)
+        else:
+            sampler = await self._sampler(tenant_id, "", req.model_path, req.base_model)
+        unsupported = [
+            name
+            for name, given in (
+                ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
+                ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+                ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
+                ("record_stability_info", bool(req.record_stability_info)),
+            )
+            if given
+        ]
+        if unsupported:
+            raise APIError(400, "unsupported_parameter", f"{', '.join(unsupported)}: not supported by inkwell")
+        tokens = _prompt_tokens(req.prompt)
+        last_n = req.prompt_logprobs_last_n
+        if last_n is not None and not 1 <= last_n <= len(tokens) - 1:
+            raise APIError(400, "validation_error", f"prompt_logprobs_last_n: {last_n} is not in 1..{len(tokens) - 1}")
+        params = req.sampling_params
+        stop = [params.stop] if isinstance(params.stop, str) else (list(params.stop) if params.stop else None)
+        max_tokens = params.max_tokens if params.max_tokens is not None else sampler.max_context - len(tokens)
+        try:
+            body = session_schemas.SampleRequest(
+                model=sampler.model,
+                prompt_tokens=tokens,
+                num_samples=req.num_samples,
+                max_tokens=max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                seed=params.seed,
+                stop=stop,
+                prompt_logprobs=bool(req.prompt_logprobs),
+                topk_prompt_logprobs=req.topk_prompt_logprobs,
+            )
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise APIError(400, "validation_error", f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from exc
+        future = await sampling.sample(self._tier(), self.manager.futures, tenant_id, body)
+
+        def render(result: dict[str, Any]) -> Response:
+            return _proto(codec.encode_sample)(result, last_n, req.topk_prompt_logprobs)
+
+        return self._answer(tenant_id, future, render)
+
+
+def _training_state(tinker_path: str) -> TinkerPath:
+    path = TinkerPath.parse(tinker_path)
+    if path.kind != "weights":
+        raise APIError(400, "invalid_path", f"{path} is sampler weights; load a training state (save_state)")
+    return path
+
+
+def _check_optimizer(config: types.OptimizerConfig | None) -> None:
+    if config is not None and config.type != "adamw":
+        raise APIError(400, "unsupported_optimizer", f"optimizer {config.type!r}: inkwell trains with AdamW only")
+
+
+def _prompt_tokens(prompt: types.ModelInput) -> list[int]:
+    try:
+        return prompt.to_ints()
+    except ValueError as exc:
+        raise APIError(
+            400, "validation_error", "prompt: only encoded_text chunks are supported", field="prompt"
+        ) from exc
+
+
+def _proto(encode: Callable[..., bytes]) -> Callable[..., Response]:
+    def render(*args: Any) -> Response:
+        return Response(encode(*args), media_type="application/x-protobuf")
+
+    return render

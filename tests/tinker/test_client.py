@@ -1,0 +1,186 @@
+"""The real `tinker` 0.38 client, unmodified, against inkwell's /api/v1 on inkling-tiny (fp32, CPU): a LoRA
+training client runs every supported loss, forward_backward_custom, optim_step and save_state; a client made from
+the state with its optimizer takes the step the first one took; sampler weights sample with logprobs that
+compute_logprobs and the trainer agree with; the REST client lists, inspects and deletes checkpoints. Two session
+workers in all (the service's default capacity)."""
+
+import math
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import tinker
+import torch
+from tinker import types
+
+ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+TOKENS = [5, 9, 12, 40, 41, 7, 3, 2, 11, 13]
+
+
+def _datum(tokens: list[int], **extra) -> types.Datum:
+    n = len(tokens) - 1
+    inputs = {"target_tokens": tokens[1:], "weights": [1.0] * n} if not extra else {"target_tokens": tokens[1:]}
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={**inputs, **extra})
+
+
+def _logprobs(out: types.ForwardBackwardOutput) -> list[list[float]]:
+    return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+def _flat(rows: list[list[float]]) -> list[float]:
+    return [x for row in rows for x in row]
+
+
+@pytest.fixture(scope="module")
+def client(service, tenant) -> Iterator[tinker.ServiceClient]:
+    with tinker.ServiceClient(base_url=service.url, api_key=tenant[1]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def training(client) -> tinker.TrainingClient:
+    return client.create_lora_training_client("inkling-tiny", rank=2, seed=3).result()
+
+
+def test_info_and_tokenizer(training, base_dir):
+    info = training.get_info()
+    assert info.model_data.model_name == "inkling-tiny" and info.lora_rank == 2 and info.is_lora
+    tokenizer = training.get_tokenizer()  # the base model's own tokenizer, from its directory, offline
+    assert tokenizer.decode(tokenizer.encode("hello", add_special_tokens=False)) == "hello"
+
+
+def test_every_supported_loss_and_a_custom_one(training):
+    data = [_datum(TOKENS), _datum(TOKENS[:6])]
+    ce = training.forward_backward(data, "cross_entropy").result()
+    logprobs = _logprobs(ce)
+    assert [len(x) for x in logprobs] == [9, 5]
+    assert ce.metrics["loss:sum"] == pytest.approx(-sum(map(sum, logprobs)), rel=1e-5)
+    forward = training.forward(data, "cross_entropy").result()
+    assert _flat(_logprobs(forward)) == pytest.approx(_flat(logprobs), abs=1e-6)  # no step since: same weights
+    for loss, config in [
+        ("importance_sampling", None),
+        ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+        ("cispo", None),
+        ("dro", {"beta": 0.1}),
+    ]:
+        rl = [
+            _datum(TOKENS, logprobs=logprobs[0], advantages=[1.0] * 9),
+            _datum(TOKENS[:6], logprobs=logprobs[1], advantages=[-0.5] * 5),
+        ]
+        out = training.forward_backward(rl, loss, config).result()
+        assert _flat(_logprobs(out)) == pytest.approx(_flat(logprobs), abs=1e-5), loss
+        # the sampler's own logprobs: ratio 1, so every loss's sum is -sum(A) (cispo and dro: -sum(A log p))
+        expected = {
+            "importance_sampling": -(9 * 1.0 - 5 * 0.5),
+            "ppo": -(9 * 1.0 - 5 * 0.5),
+            "cispo": -(sum(logprobs[0]) - 0.5 * sum(logprobs[1])),
+            "dro": -(sum(logprobs[0]) - 0.5 * sum(logprobs[1])),
+        }[loss]
+        assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4), loss
+        if loss in ("ppo", "cispo"):
+            assert out.metrics["clip_fraction:mean"] == 0.0
+
+    def custom(data, logprobs_list):
+        loss = sum((-2.0 * lp).sum() for lp in logprobs_list)
+        return loss, {"custom:sum": loss.item()}
+
+    out = training.forward_backward_custom(data, custom).result()
+    assert out.metrics["loss:sum"] == pytest.approx(-2 * sum(map(sum, logprobs)), rel=1e-5)
+    assert out.metrics["custom:sum"] == pytest.approx(out.metrics["loss:sum"])
+    assert "surrogate_loss:sum" in out.metrics
+    step = training.optim_step(ADAM).result()
+    assert step.metrics["step:max"] == 1.0 and step.metrics["grad_norm:mean"] > 0
+
+
+@pytest.mark.parametrize("loss", ["gspo", "stable_reinforce", "custom"])
+def test_unsupported_losses_are_refused_by_name(training, loss):
+    with pytest.raises(tinker.BadRequestError) as err:
+        training.forward_backward([_datum(TOKENS)], loss).result()
+    body = err.value.body
+    assert body["category"] == "user" and body["code"] == "unsupported_loss"
+    assert all(name in body["error"] for name in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro"))
+
+
+def test_a_state_resumes_with_its_optimizer_to_the_same_step(client, training):
+    data = [_datum(TOKENS)]
+    saved = training.save_state("before-two").result()
+    run_id = saved.path.removeprefix("tinker://").split("/")[0]
+    assert saved.path == f"tinker://{run_id}/weights/before-two"
+    training.forward_backward(data, "cross_entropy")
+    training.optim_step(ADAM).result()
+    expected = _logprobs(training.forward(data, "cross_entropy").result())
+    resumed = client.create_training_client_from_state_with_optimizer(saved.path).result()
+    assert resumed.get_info().model_data.model_name == "inkling-tiny" and resumed.get_info().lora_rank == 2
+    resumed.forward_backward(data, "cross_entropy")
+    assert resumed.optim_step(ADAM).result().metrics["step:max"] == 2.0
+    assert _logprobs(resumed.forward(data, "cross_entropy").result()) == expected  # float for float
+
+
+def test_sampling_clients_agree_with_the_trainer(client, training):
+    prompt = types.ModelInput.from_ints(TOKENS[:4])
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(prompt, 2, greedy).result()
+    first, second = out.sequences
+    assert first.tokens == second.tokens and 1 <= len(first.tokens) <= 6
+    assert first.stop_reason == ("length" if len(first.tokens) == 6 else "stop")
+    assert first.sequence_id and first.sequence_id != second.sequence_id
+    full = TOKENS[:4] + first.tokens
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert scored[0] is None and len(scored) == len(full)
+    assert scored[4:] == pytest.approx(first.logprobs, abs=1e-4)
+    trained = _logprobs(training.forward([_datum(full)], "cross_entropy").result())[0]
+    assert trained[3:] == pytest.approx(first.logprobs, abs=1e-4)
+    with_prompt = sampler.sample(prompt, 1, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    assert with_prompt.prompt_logprobs[0] is None and with_prompt.prompt_logprobs[1:] == pytest.approx(scored[1:4])
+    assert with_prompt.topk_prompt_logprobs[1][0][1] >= with_prompt.prompt_logprobs[1] - 1e-5
+    seeded = types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)
+    assert sampler.sample(prompt, 1, seeded).result().sequences[0].tokens == (
+        sampler.sample(prompt, 1, seeded).result().sequences[0].tokens
+    )
+
+    named = training.save_weights_for_sampler("final").result()
+    assert named.path.endswith("/sampler_weights/final")
+    by_path = client.create_sampling_client(model_path=named.path).result()
+    assert by_path.get_base_model() == "inkling-tiny"
+    assert by_path.sample(prompt, 1, greedy).result().sequences[0].tokens == first.tokens
+    base = client.create_sampling_client(base_model="inkling-tiny").result().sample(prompt, 1, greedy).result()
+    assert base.sequences[0].logprobs != first.logprobs  # the adapter, not the base, answered
+
+
+def test_rest_client_lists_inspects_and_deletes_checkpoints(service, tenant, training):
+    rest = tinker.RestClient(base_url=service.url, api_key=tenant[1])
+    sampler_path = training.save_weights_for_sampler("000001").result().path  # the cookbook's digit names
+    run_id = sampler_path.removeprefix("tinker://").split("/")[0]
+    listed = rest.list_checkpoints(run_id).result().checkpoints
+    ids = {c.checkpoint_id: c for c in listed}
+    assert {"weights/before-two", "sampler_weights/final", "sampler_weights/000001"} <= set(ids)
+    assert ids["weights/before-two"].checkpoint_type == "training" and ids["weights/before-two"].size_bytes > 0
+    run = rest.get_training_run_by_tinker_path(sampler_path).result()
+    assert run.training_run_id == run_id and run.base_model == "inkling-tiny" and run.lora_rank == 2
+    info = rest.get_weights_info_by_tinker_path(f"tinker://{run_id}/weights/before-two").result()
+    assert (info.base_model, info.lora_rank, info.train_mlp, info.train_unembed) == ("inkling-tiny", 2, True, True)
+    rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+    assert "sampler_weights/000001" not in {c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints}
+    models = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
+    assert "inkling-tiny" in models
+
+
+def test_errors_have_the_clients_shape(service, tenant, training):
+    """Bad keys are 401s with a body; a full service is a 429 with Retry-After (two session workers are open)."""
+    url = f"{service.url}/api/v1"
+    bad = httpx.post(f"{url}/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"})
+    assert bad.status_code == 401 and bad.json()["category"] == "user"
+    headers = {"X-API-Key": tenant[1]}
+    session = httpx.post(
+        f"{url}/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}, headers=headers
+    ).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 0, "base_model": "inkling-tiny", "lora_config": {"rank": 2}}
+    full = httpx.post(f"{url}/create_model", json=body, headers=headers)
+    assert full.status_code == 429 and full.headers["Retry-After"] == "10", full.text
+    assert full.json()["category"] == "server" and full.json()["code"] == "too_many_sessions"
+    unknown = httpx.post(f"{url}/create_model", json={**body, "base_model": "nope"}, headers=headers)
+    assert unknown.status_code in (404, 429) and unknown.json()["error"]
+    invalid = httpx.post(f"{url}/optim_step", json={"model_id": training.model_id}, headers=headers)
+    assert invalid.status_code == 400 and "optim_params" in invalid.json()["error"]
+    assert math.isfinite(torch.tensor(1.0).item())
