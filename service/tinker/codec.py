@@ -3,7 +3,8 @@
 
 Arrays are little-endian bytes: tokens int32, loss inputs float32 or int64 (dense, or sparse CSR for 2-D ones),
 outputs float32 with per-datum byte offsets. inkwell's losses take one value per token, so an input must be 1-D
-or `[N, 1]`.
+or `[N, 1]`. Provenance spans, which only stable_reinforce reads, are ignored (the cookbook sends them with every
+RL datum).
 """
 
 import math
@@ -99,9 +100,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardBody:
     except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError (and others) for bad bytes
         raise CodecError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from exc
     data = []
-    for i, datum in enumerate(msg.data):
-        if len(datum.model_input_spans) or len(datum.loss_fn_input_spans):
-            raise CodecError(f"data[{i}]: provenance spans (stable_reinforce) are not supported")
+    for i, datum in enumerate(msg.data):  # provenance spans (stable_reinforce's) are left unread
         inputs = {name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}") for name, t in datum.loss_fn_inputs.items()}
         data.append(Datum(tokens=_tokens(datum, i), loss_fn_inputs=inputs))
     return ForwardBackwardBody(msg.model_id, msg.seq_id, msg.loss_fn, _config(msg), msg.forward_only, data)
