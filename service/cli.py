@@ -25,6 +25,7 @@ from inkwell.service.registry import cleanup_orphans
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
 from inkwell.service.storage.seaweed import start_embedded
+from inkwell.service.tinker.auth import tinker_key
 
 console = Console()
 admin_app = typer.Typer(
@@ -88,6 +89,7 @@ def serve(
     if key:
         console.print(f"created tenant '{LOCAL_TENANT}'; its API key (shown once): [bold]{key}[/]")
         console.print(f"  export INKWELL_URL=http://{host}:{port} INKWELL_API_KEY={key}")
+        console.print(f"  tinker client: export TINKER_BASE_URL=http://{host}:{port} TINKER_API_KEY={tinker_key(key)}")
     else:
         console.print(f"tenant '{LOCAL_TENANT}' exists; make a new key with `inkwell admin create-key {LOCAL_TENANT}`")
     # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so `finally` runs.
@@ -123,7 +125,7 @@ def create_tenant(name: str, data_dir: Path = typer.Option(None)) -> None:
         tenant = repo.create_tenant(s, name)
         _, key = repo.create_api_key(s, tenant.id)
         s.commit()
-    console.print(f"tenant {name} ({tenant.id})\nAPI key (shown once): {key}")
+    console.print(f"tenant {name} ({tenant.id})\nAPI key (shown once): {key}\n  as a Tinker key: {tinker_key(key)}")
 
 
 @admin_app.command("create-key")
@@ -137,7 +139,7 @@ def create_key(tenant: str, name: str = typer.Option("default"), data_dir: Path 
             raise typer.Exit(1)
         key_row, key = repo.create_api_key(s, row.id, name)
         s.commit()
-    console.print(f"key {key_row.id} for {tenant} (shown once): {key}")
+    console.print(f"key {key_row.id} for {tenant} (shown once): {key}\n  as a Tinker key: {tinker_key(key)}")
 
 
 @admin_app.command("revoke-key")
