@@ -27,6 +27,9 @@ def _no_nul(value: str) -> str:
 # A string of a request body that is looked up in SQL: PostgreSQL cannot hold a NUL, so one is refused here
 # (422) rather than by the driver (a 500), and the same on SQLite.
 SqlText = Annotated[str, AfterValidator(_no_nul)]
+# An id a request body names: no object has the empty one, and "" must not read as "none given" (a job's dataset
+# lookup skipped, its row refused by the database's foreign key: a 500).
+SqlId = Annotated[SqlText, Field(min_length=1)]
 
 
 class Schema(BaseModel):
@@ -103,8 +106,8 @@ class JobCreate(Schema):
     model_config = ConfigDict(extra="forbid")
 
     base_model: SqlText = Field(description="a name from GET /v1/models")
-    dataset_id: SqlText
-    eval_dataset_id: SqlText | None = None
+    dataset_id: SqlId
+    eval_dataset_id: SqlId | None = None
     adapter_name: str = Field(description=f"registry name of the adapter this job publishes; {NAME_RULE}")
     method: Literal["sft"] = "sft"
     lora: LoraSpec = Field(default_factory=LoraSpec)

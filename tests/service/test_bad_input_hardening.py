@@ -53,6 +53,15 @@ def test_non_finite_floats_and_unbounded_counts_are_422(tenant, job_body):
         assert assert_error(resp, 422, "validation_error")["details"]["errors"][0]["loc"][-1] == field
 
 
+@pytest.mark.parametrize("field", ["dataset_id", "eval_dataset_id"])
+def test_an_empty_dataset_id_in_a_job_is_422(tenant, job_body, field):
+    """Found by the API fuzz (tests/service/test_fuzz.py): an empty id was taken for "none given", skipped the
+    dataset lookup and failed on the jobs table's foreign key (a 500). No id is empty."""
+    _, client = tenant
+    err = assert_error(client.post("/v1/jobs", json={**job_body, field: ""}), 422, "validation_error")
+    assert err["details"]["errors"][0]["loc"][-1] == field, err
+
+
 @pytest.mark.parametrize(
     "targets, says",
     [(None, "must be a list"), ("attn", "not a bare string"), (5, "must be a list"), ({"attn": 1}, "must be a list")],
