@@ -45,6 +45,9 @@ class AdapterIncompatibleError(ValueError):
 
 
 MAX_LOGPROBS = 20
+# Below this temperature a request decodes greedily, as SGLang decodes it (its _SAMPLING_EPS): logits divided by a
+# smaller one can overflow fp32 (5e-324 is 0 there), making the draw NaN, and its distribution is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-6
 # a request's seed: any 64-bit integer, read signed or unsigned (OpenAI's clients send either)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -89,6 +92,11 @@ class SamplingParams:
             isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX
         ):
             raise SamplingError("seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the request decodes by argmax: temperature 0, or one below GREEDY_TEMPERATURE."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def choice_seed(self, index: int) -> int | None:
         """The seed of choice `index` (None: unseeded), so the choices of one seeded request draw apart.

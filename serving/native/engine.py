@@ -324,7 +324,7 @@ class Engine:
     ) -> torch.Tensor:
         """Each scored row's next token on the device: greedy, or for a sequence that samples, drawn at a uniform
         from its own generator (one draw per token it yields, so the same alone or in any batch)."""
-        draws = [c for c in chunks if c.yields and c.seq.request.params.temperature > 0.0]
+        draws = [c for c in chunks if c.yields and not c.seq.request.params.greedy]
         if not draws:
             return greedy
         rows = [row_of[c.last_row] for c in draws]

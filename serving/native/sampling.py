@@ -21,11 +21,11 @@ def make_generator(seed: int | None) -> torch.Generator:
 def sample_rows(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row of fp32 logits [n, V], drawn with the row's temperature (> 0), top_k and top_p at its
-    uniform u in [0, 1): in order of falling probability, among the row's top_k tokens (`top_k` < 1: all), the
-    first token whose cumulative probability within the top_p prefix exceeds u times that prefix's total. Every
-    op works row by row, so a row's token depends on its own logits and u alone, whatever else is in the batch;
-    on the GPU nothing waits for the host."""
+    """One token per row of fp32 logits [n, V], drawn with the row's temperature (at least GREEDY_TEMPERATURE, so
+    that the logits divided by it stay finite), top_k and top_p at its uniform u in [0, 1): in order of falling
+    probability, among the row's top_k tokens (`top_k` < 1: all), the first token whose cumulative probability
+    within the top_p prefix exceeds u times that prefix's total. Every op works row by row, so a row's token
+    depends on its own logits and u alone, whatever else is in the batch; on the GPU nothing waits for the host."""
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs

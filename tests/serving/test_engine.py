@@ -142,6 +142,16 @@ def test_n_choices_logprobs_and_tiny_top_p(engine):
         assert step.logprob == pytest.approx(step.top[0][1]) and step.top[0][1] >= step.top[1][1] >= step.top[2][1]
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 1e-7])
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(engine, temperature):
+    """Found by the API fuzz (tests/service/test_fuzz.py): temperature 5e-324 is 0 in fp32 and the logits divided
+    by 1e-40 overflow it, so the draw was NaN, indexed past the vocabulary and killed the serving worker. Below
+    GREEDY_TEMPERATURE (SGLang's own threshold) a request decodes greedily, as SGLang's engine does."""
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, ignore_eos=True)
+    tiny = engine.generate([Request("t", PROMPT, params, "a1"), Request("g", PROMPT, GREEDY, "a1")])
+    assert tiny["t"][0].token_ids == tiny["g"][0].token_ids[:6]
+
+
 def test_stop_string_cuts_text_and_stop_token_ends(engine):
     full = engine.generate([Request("f", PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])[
         "f"
