@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
@@ -22,6 +23,8 @@ ENGINES: dict[str, str] = {
     "native": "inkwell.serving.native.engine:Engine",
     "sglang": "inkwell.serving.sglang.engine:SglangEngine",  # extra inkwell[sglang], CUDA only
 }
+# the engine kinds that record routing traces (SamplingParams.return_routing, prompt_routing)
+ROUTING_ENGINES = ("native",)
 
 
 class EngineError(ValueError):
@@ -68,12 +71,16 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k
     prompt_logprobs: bool = False
     ignore_eos: bool = False
+    # routing traces (inkwell.models.routing): of each generated token, and of the prompt's tokens 1..P-1
+    return_routing: bool = False
+    prompt_routing: bool = False
 
     def validate(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs else 1):
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs or self.prompt_routing else 1):
             raise SamplingError(
                 "max_tokens",
-                f"max_tokens must be at least 1, got {self.max_tokens} (0 only scores the prompt: echo with logprobs)",
+                f"max_tokens must be at least 1, got {self.max_tokens} (0 only scores the prompt: echo with logprobs, "
+                "or its routing)",
             )
         if not 0.0 <= self.temperature <= 2.0:
             raise SamplingError("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
@@ -155,6 +162,10 @@ class StepOutput:
     completion_tokens: int
     prompt_logprobs: list[float | None] | None = None  # first output only; [0] is None (no context)
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # with SamplingParams.logprobs = k
+    # routing traces [tokens, MoE layers, top_k] (inkwell.models.routing), compact ints: with return_routing, of
+    # `token_ids` (the forwards that scored them); with prompt_routing, first output only, of prompt tokens 1..P-1
+    routing: np.ndarray | None = None
+    prompt_routing: np.ndarray | None = None
 
 
 @dataclass
@@ -169,6 +180,8 @@ class Choice:
     completion_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    routing: np.ndarray | None = None
+    prompt_routing: np.ndarray | None = None
 
     def extend(self, out: StepOutput) -> None:
         self.token_ids += out.token_ids
@@ -179,6 +192,10 @@ class Choice:
         self.completion_tokens = out.completion_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+        if out.routing is not None:
+            self.routing = out.routing if self.routing is None else np.concatenate([self.routing, out.routing])
+        if out.prompt_routing is not None:
+            self.prompt_routing = out.prompt_routing
 
 
 class ServingEngine(Protocol):

@@ -3,6 +3,7 @@
 - `context_limit`: the context a worker serves, from the model and the configured cap;
 - `check_prompt` / `validate_request`: what a request must satisfy before any work (the API runs the first,
   so a bad request gets its 400 before a stream starts; every engine runs the second);
+- `check_routing`: whether an engine kind can record the routing traces a request asks for;
 - `Finisher`: where and why a choice ends (stop tokens, stop strings, max_tokens, the context);
 - `AdapterTable`: which loaded adapters may be unloaded to make room, and when an unload is refused.
 """
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterable
 from transformers import InklingTextConfig, PreTrainedTokenizerBase
 
 from inkwell.adapters.adapter import Adapter
-from inkwell.serving.contract import EngineError, Request, SamplingParams
+from inkwell.serving.contract import ROUTING_ENGINES, EngineError, Request, SamplingParams
 from inkwell.serving.text import TextTracker
 
 
@@ -50,6 +51,17 @@ def validate_request(request: Request, adapters: Iterable[str], vocab: int, max_
         raise EngineError("adapter_not_loaded", f"adapter {request.adapter!r} is not loaded", "model")
     if request.params.n > max_seqs:
         raise EngineError("invalid_n", f"n must be at most {max_seqs} on this engine", "n")
+
+
+def check_routing(params: SamplingParams, engine_kind: str) -> None:
+    """EngineError when `params` ask for a routing trace that engines of `engine_kind` cannot record."""
+    if (params.return_routing or params.prompt_routing) and engine_kind not in ROUTING_ENGINES:
+        raise EngineError(
+            "routing_not_supported",
+            f"the {engine_kind} engine cannot record routing traces (return_routing, prompt_routing); serve this "
+            f"model with the {' or '.join(ROUTING_ENGINES)} engine, or sample without them",
+            "return_routing" if params.return_routing else "prompt_routing",
+        )
 
 
 class Finisher:

@@ -16,7 +16,7 @@ from inkwell.serving.contract import EngineError, SamplingParams
 from inkwell.serving.handle import RequestStream, WorkerHandle
 from inkwell.serving.resolve import ModelName, ModelResolver, ResolvedModel
 from inkwell.serving.router import AdapterRef, ServingRouter
-from inkwell.serving.rules import check_prompt, context_limit
+from inkwell.serving.rules import check_prompt, check_routing, context_limit
 from inkwell.serving.settings import ServingSettings
 from inkwell.serving.worker import WorkerConfig
 
@@ -60,11 +60,12 @@ class ServingTier:
         return _tokenizer(str(resolved.model_dir))
 
     def check(self, resolved: ResolvedModel, prompt_ids: list[int], params: SamplingParams) -> None:
-        """EngineError where the workers would refuse the request (sampling, prompt, context): raised here, a
+        """EngineError where the workers would refuse the request (sampling, prompt, context, routing): raised here, a
         bad request gets its answer before any stream starts."""
         config = _config(str(resolved.model_dir))
         vocab = len(self.tokenizer(resolved))  # token ids the tokenizer can also turn back into text
         check_prompt(prompt_ids, params, vocab, context_limit(config, self.settings.max_context))
+        check_routing(params, self.settings.engine)
 
     def check_fits(self, prompts: int) -> None:
         """EngineError when a request's prompts can never be in flight together: each prompt is one request on a

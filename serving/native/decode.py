@@ -80,9 +80,13 @@ class DecodeForward:
         self.key_positions = torch.arange(state.max_context, device=device)
 
     @torch.inference_mode()
-    def __call__(self, inputs: DecodeInputs, context: int, use_lora: bool = True) -> torch.Tensor:
+    def __call__(
+        self, inputs: DecodeInputs, context: int, use_lora: bool = True, routing: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """fp32 next-token logits [B, vocab] of every row; full-attention keys cover positions < `context`,
-        which must exceed every row's position. Updates each row's sequence state."""
+        which must exceed every row's position. Updates each row's sequence state. Each MoE layer's routed expert
+        ids [B, top_k] are appended to `routing` where one is given (in layer order)."""
+        routing = [] if routing is None else routing
         m, cfg = self.model, self.model.config
         lora = self.lora if use_lora else None
         slots = inputs.lora_slots
@@ -97,7 +101,7 @@ class DecodeForward:
             if cfg.mlp_layer_types[layer] == "dense":
                 out = m.dense_mlp(x, layer, slots, lora)
             else:
-                out = self._moe(x, layer, slots, lora)
+                out = self._moe(x, layer, slots, lora, routing)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
             h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, seq, norm)
@@ -190,8 +194,11 @@ class DecodeForward:
 
     # ---- MoE ------------------------------------------------------------------------------------
 
-    def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
-        """Routed and shared experts (one id space) as one gate/up and one down GEMM over the dispatched rows."""
+    def _moe(
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None, routing: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Routed and shared experts (one id space) as one gate/up and one down GEMM over the dispatched rows; the
+        routed ids [B, top_k] are appended to `routing`."""
         m = self.model
         p = f"model.layers.{layer}.mlp.all_experts"
         experts = lora.experts.get(layer) if lora is not None else None
@@ -201,7 +208,9 @@ class DecodeForward:
         else:
             with side.fork():
                 shrunk = m.expert_shrink(x, slots, experts)
-        rows = Dispatch.of(*m.route(x, layer), slots, m.expert_ids)
+        index, weights = m.route(x, layer)
+        routing.append(index[:, : m.config.num_experts_per_tok])
+        rows = Dispatch.of(index, weights, slots, m.expert_ids)
         gate_up_w, down_w = m.w[f"{p}.gate_up_proj"], m.w[f"{p}.down_proj"]
         if self.grouped_mm:
             gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, None)

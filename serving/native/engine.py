@@ -9,7 +9,9 @@ On CUDA, steps in which every sequence decodes one token replay a captured CUDA 
 (`CudaGraphDecoder`); steps with prefill chunks run the eager forward. Every step picks its tokens on
 the device (greedy, or drawn at a uniform from the sequence's own generator); while no sequence needs
 its logits on the host (logprobs), the next step is queued before this one's tokens reach the host
-(`Engine.step`), so the host's work per step hides behind the GPU's.
+(`Engine.step`), so the host's work per step hides behind the GPU's. A request may ask for routing traces
+(`SamplingParams.return_routing`, `prompt_routing`): every step's routed expert ids come back to the host beside
+its tokens, and each token gets the routing of the forward that scored it (`inkwell.models.routing`).
 """
 
 import itertools
@@ -17,10 +19,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from inkwell.adapters.adapter import Adapter
 from inkwell.models import base_model_identity, load_base_config, load_base_weights, load_tokenizer, stop_token_ids
+from inkwell.models.routing import RoutingShape
 from inkwell.serving.contract import Choice, EngineConfig, EngineError, Request, StepOutput, TokenLogprob, generate
 from inkwell.serving.native.graphs import CudaGraphDecoder
 from inkwell.serving.native.lora import LoraSlots
@@ -43,8 +47,10 @@ class _Sequence:
     lora_slot: int = -1
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=lambda: [[]])
+    prompt_routing: list[np.ndarray] | None = None  # per prompt chunk: the routing of the prompt tokens it scored
     pending: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_routing: list[np.ndarray] = field(default_factory=list)  # [1, MoE layers, top_k] per pending token
     text_delta: str = ""
 
     @property
@@ -76,7 +82,8 @@ class _Chunk:
 class _Launched:
     """A step queued on the device: its chunks, the index among its logits of each batch row it scores, their next
     tokens (greedy or drawn) on the device and on the host (there once `ready` has fired; None: already there),
-    and the host logits where a row reports logprobs."""
+    the host logits where a row reports logprobs, and every batch row's routing [rows, MoE layers, top_k] on the
+    host (there once `ready` has fired) where a sequence records routing."""
 
     chunks: list[_Chunk]
     row_of: dict[int, int]
@@ -84,6 +91,7 @@ class _Launched:
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
     logits: torch.Tensor | None
+    routing: torch.Tensor | None
 
 
 class Engine:
@@ -96,6 +104,7 @@ class Engine:
         self.identity = base_model_identity(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.stop_ids = tuple(stop_token_ids(self.tokenizer))
+        self.routing_shape = RoutingShape.of(self.model_config)
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.max_context = context_limit(self.model_config, config.max_context)
@@ -165,6 +174,7 @@ class Engine:
                     generator=make_generator(params.choice_seed(index)),
                     finisher=Finisher(self.tokenizer, params, len(request.prompt_ids), self.stop_ids, self.max_context),
                     prompt_logprobs=[None] if params.prompt_logprobs else None,
+                    prompt_routing=[] if params.prompt_routing else None,
                 )
             )
 
@@ -290,11 +300,18 @@ class Engine:
         """Whether a step must bring `seq`'s logits to the host: to report logprobs."""
         return seq.request.params.logprobs is not None or seq.prompt_logprobs is not None
 
+    def _records_routing(self, seq: _Sequence) -> bool:
+        """Whether a step must bring `seq`'s routing to the host."""
+        return seq.request.params.return_routing or seq.prompt_routing is not None
+
     def _launch(self, chunks: list[_Chunk], ids: list[int] | torch.Tensor, logit_rows: list[int]) -> "_Launched":
         """Queue a step's forward on the device; returns before it ends unless some row needs its logits."""
         seq_slots = [c.seq.seq_slot for c in chunks]
+        records = any(self._records_routing(c.seq) for c in chunks)
         if self.decoder is not None and len(ids) == len(chunks) == len(logit_rows):  # one token each, all scored
-            logits, greedy = self.decoder(ids, seq_slots, [c.start for c in chunks], [c.seq.lora_slot for c in chunks])
+            logits, greedy, table = self.decoder(
+                ids, seq_slots, [c.start for c in chunks], [c.seq.lora_slot for c in chunks]
+            )
         else:
             device = self.device
             batch = ForwardBatch(
@@ -305,19 +322,25 @@ class Engine:
                 segments=[Segment(slot, c.start, c.length) for slot, c in zip(seq_slots, chunks, strict=True)],
                 logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             )
-            logits = self.model.forward(batch, self.state, self.lora)
+            routing: list[torch.Tensor] = []
+            logits = self.model.forward(batch, self.state, self.lora, routing)
             greedy = logits.argmax(-1)
+            table = self.model.routing_table(routing, len(ids)) if records else None
         row_of = {r: i for i, r in enumerate(logit_rows)}
         tokens = self._draw(chunks, row_of, logits, greedy)
         host_logits = logits.cpu() if any(self._needs_logits(c.seq) for c in chunks) else None
+        # int16 holds any expert id; and a copy off the graph's output buffer, which the next step overwrites
+        host_routing = table.to(torch.int16) if records else None
         ready = None
         if tokens.is_cuda:  # the tokens come back through pinned memory, so the host need not wait here
             ready = torch.cuda.Event()
             host_tokens = tokens.to("cpu", non_blocking=True)
+            if host_routing is not None:
+                host_routing = host_routing.to("cpu", non_blocking=True)
             ready.record()
         else:
             host_tokens = tokens.clone()
-        return _Launched(chunks, row_of, tokens, host_tokens, ready, host_logits)
+        return _Launched(chunks, row_of, tokens, host_tokens, ready, host_logits, host_routing)
 
     def _draw(
         self, chunks: list[_Chunk], row_of: dict[int, int], logits: torch.Tensor, greedy: torch.Tensor
@@ -344,6 +367,7 @@ class Engine:
             launched.ready.synchronize()
         self.steps += 1
         row_of = launched.row_of
+        routing = None if launched.routing is None else launched.routing.numpy().astype(self.routing_shape.dtype)
         outputs = []
         for c in launched.chunks:
             seq = c.seq
@@ -353,6 +377,10 @@ class Engine:
             if seq.prompt_logprobs is not None and c.start < seq.num_prompt:
                 rows = [row_of[r] for r in range(c.first, c.first + c.length)]
                 self._record_prompt_logprobs(seq, launched.logits, rows, c.start)
+            if seq.prompt_routing is not None and c.start < seq.num_prompt - 1:
+                # positions c.start.. score prompt tokens c.start+1..; the last prompt position scores no prompt token
+                scored = min(c.length, seq.num_prompt - 1 - c.start)
+                seq.prompt_routing.append(routing[c.first : c.first + scored])
             if seq.computed < len(seq.tokens):
                 continue
             if seq.request.params.max_tokens == 0:  # scoring the prompt only
@@ -361,7 +389,8 @@ class Engine:
                 continue
             row = row_of[c.last_row]
             logits = launched.logits[row] if launched.logits is not None else None
-            out = self._advance(seq, int(launched.host_tokens[row]), logits)
+            token_routing = None if routing is None else routing[c.last_row : c.last_row + 1]
+            out = self._advance(seq, int(launched.host_tokens[row]), logits, token_routing)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -376,12 +405,17 @@ class Engine:
                 seq.prompt_logprobs.append(chosen)
                 seq.prompt_top_logprobs.append(best)
 
-    def _advance(self, seq: _Sequence, token: int, logits: torch.Tensor | None) -> StepOutput | None:
-        """Append the sequence's next token (its logprobs from the host `logits` where the request asks)."""
+    def _advance(
+        self, seq: _Sequence, token: int, logits: torch.Tensor | None, routing: np.ndarray | None
+    ) -> StepOutput | None:
+        """Append the sequence's next token (its logprobs from the host `logits` and its `routing` [1, MoE layers,
+        top_k] where the request asks)."""
         params = seq.request.params
         if params.logprobs is not None:
             chosen, top = token_logprobs(torch.log_softmax(logits, dim=-1), token, params.logprobs)
             seq.pending_logprobs.append(TokenLogprob(token, chosen, top))
+        if params.return_routing:
+            seq.pending_routing.append(routing)
         seq.tokens.append(token)
         seq.pending.append(token)
         seq.text_delta, reason = seq.finisher.advance(seq.generated)
@@ -394,6 +428,7 @@ class Engine:
 
     def _output(self, seq: _Sequence, reason: str | None) -> StepOutput:
         text, seq.text_delta = seq.text_delta, ""
+        empty = self.routing_shape.empty()
         out = StepOutput(
             request_id=seq.request.request_id,
             index=seq.index,
@@ -405,8 +440,11 @@ class Engine:
             completion_tokens=len(seq.generated),
             prompt_logprobs=seq.prompt_logprobs,
             prompt_top_logprobs=seq.prompt_top_logprobs if seq.prompt_logprobs is not None else None,
+            routing=np.concatenate([empty, *seq.pending_routing]) if seq.request.params.return_routing else None,
+            prompt_routing=None if seq.prompt_routing is None else np.concatenate([empty, *seq.prompt_routing]),
         )
         seq.pending, seq.pending_logprobs, seq.prompt_logprobs = [], [], None
+        seq.pending_routing, seq.prompt_routing = [], None
         return out
 
     # ---- convenience -------------------------------------------------------------------------

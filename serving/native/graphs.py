@@ -11,7 +11,8 @@ run one at a time on one stream and each graph's output buffer stays alive.
 
 Each step also picks every row's greedy next token on the device (captured with the forward), so a
 step reads back a few token ids instead of the logits, and the next step can take its input tokens
-straight from this one's output without the host in between (`Engine` overlaps steps so).
+straight from this one's output without the host in between (`Engine` overlaps steps so). Every row's
+routed expert ids come out the same way (one small copy per step), for requests that record routing.
 
 On the CPU (or with `graphs=False`) the same bucketed forward runs eagerly, which is how the CPU
 tests check everything but the capture itself.
@@ -48,11 +49,12 @@ def context_bucket(max_position: int, max_context: int) -> int:
 
 
 class Decoded(NamedTuple):
-    """A decode step's fp32 next-token logits [n, vocab] and each row's greedy next token [n] (long), on the device;
-    views of the graph's output buffers, valid until the next step."""
+    """A decode step's fp32 next-token logits [n, vocab], each row's greedy next token [n] and routed expert ids
+    [n, MoE layers, top_k] (long), on the device; views of the graph's output buffers, valid until the next step."""
 
     logits: torch.Tensor
     greedy: torch.Tensor
+    routing: torch.Tensor
 
 
 class CudaGraphDecoder:
@@ -119,11 +121,12 @@ class CudaGraphDecoder:
         else:
             graph, out = self.graphs[key]
             graph.replay()
-        return Decoded(out.logits[:n], out.greedy[:n])
+        return Decoded(out.logits[:n], out.greedy[:n], out.routing[:n])
 
     def _step(self, inputs: DecodeInputs, context: int, use_lora: bool) -> Decoded:
-        logits = self.forward(inputs, context, use_lora)
-        return Decoded(logits, logits.argmax(-1))
+        routing: list[torch.Tensor] = []
+        logits = self.forward(inputs, context, use_lora, routing)
+        return Decoded(logits, logits.argmax(-1), self.forward.model.routing_table(routing, logits.shape[0]))
 
     def _capture(self, inputs: DecodeInputs, context: int, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, Decoded]:
         """Warm up on a side stream, then capture, both over a padding-only batch (scratch slot only)."""

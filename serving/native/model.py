@@ -508,11 +508,20 @@ class InklingModel:
         shared = self.expert_ids[cfg.n_routed_experts :].expand(x.shape[0], -1)
         return torch.cat([index, shared], dim=1), weights
 
-    def _moe(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
-        """Routed and shared experts on their dispatched rows."""
+    def routing_table(self, ids: list[torch.Tensor], rows: int) -> torch.Tensor:
+        """The routed ids [rows, top_k] of each MoE layer (as `forward` appends them) as one [rows, layers, top_k]."""
+        if not ids:  # a model of dense MLPs only
+            return torch.empty(rows, 0, self.config.num_experts_per_tok, dtype=torch.long, device=self.device)
+        return torch.stack(ids, dim=1)
+
+    def _moe(
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None, routing: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`."""
         p = f"model.layers.{layer}.mlp.all_experts"
         experts = lora.experts.get(layer) if lora is not None else None
         index, weights = self.route(x, layer)
+        routing.append(index[:, : self.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, self.expert_ids)  # grouped by expert
         xs = x[rows.tokens]
         bounds = None if self.grouped_mm else rows.ends.tolist()
@@ -527,8 +536,16 @@ class InklingModel:
     # ---- the whole model ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, state: StatePool, lora: LoraSlots | None = None) -> torch.Tensor:
-        """fp32 next-token logits [N, vocab] at `batch.logit_rows`; updates every sequence's state."""
+    def forward(
+        self,
+        batch: ForwardBatch,
+        state: StatePool,
+        lora: LoraSlots | None = None,
+        routing: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """fp32 next-token logits [N, vocab] at `batch.logit_rows`; updates every sequence's state. Each MoE layer's
+        routed expert ids [T, top_k] of every row are appended to `routing` where one is given (in layer order)."""
+        routing = [] if routing is None else routing
         cfg = self.config
         slots = batch.lora_slots
         if lora is not None and not bool((slots >= 0).any()):
@@ -544,7 +561,7 @@ class InklingModel:
             if cfg.mlp_layer_types[layer] == "dense":
                 x = self.dense_mlp(x, layer, slots, lora)
             else:
-                x = self._moe(x, layer, slots, lora)
+                x = self._moe(x, layer, slots, lora, routing)
             h = h + self._sconv(x, layer, MLP_SITE, batch, state)
         h = rms_norm(h, self.w["model.norm.weight"], self.eps)
         h = h[batch.logit_rows] / cfg.logits_mup_width_multiplier

@@ -43,7 +43,7 @@ from inkwell.serving.contract import (
     StepOutput,
     TokenLogprob,
 )
-from inkwell.serving.rules import AdapterTable, Finisher, context_limit, validate_request
+from inkwell.serving.rules import AdapterTable, Finisher, check_routing, context_limit, validate_request
 from inkwell.serving.sglang.checkpoint import write_sglang_checkpoint
 from inkwell.serving.slot_copy import check_adapter, slot_layout
 
@@ -292,9 +292,11 @@ class SglangEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Validate as the native engine does, then start one streaming SGLang request per choice."""
+        """Validate as the native engine does (SGLang records no routing traces), then start one streaming SGLang
+        request per choice."""
         params = request.params
         validate_request(request, self.adapters, self.model_config.vocab_size, self.max_context, self.config.max_seqs)
+        check_routing(params, "sglang")
         if request.adapter is not None:
             self._table.touch(request.adapter)  # evicted least recently used first
         for index in range(params.n):

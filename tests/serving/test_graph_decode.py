@@ -79,12 +79,14 @@ def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
         if step == 32:
             live.remove(0)  # 3 rows in the 4-bucket
         segments = [Segment(eager_slots[i], positions[i], 1) for i in live]
+        recorded = []
         expected = model.forward(
             batch_of([tokens[i] for i in live], [adapters[i] for i in live], segments, list(range(len(live)))),
             eager,
             lora,
+            recorded,
         )
-        got, greedy = decoder(
+        got, greedy, routing = decoder(
             [tokens[i] for i in live],
             [pool_slots[i] for i in live],
             [positions[i] for i in live],
@@ -92,6 +94,7 @@ def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
         )
         assert got.shape == expected.shape
         assert greedy.tolist() == got.argmax(-1).tolist()
+        assert torch.equal(routing.sort(-1).values, model.routing_table(recorded, len(live)).sort(-1).values)
         worst = max(worst, (got - expected).abs().max().item())
         for row, i in enumerate(live):
             tokens[i] = int(expected[row].argmax())
