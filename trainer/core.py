@@ -7,7 +7,8 @@ cross-entropy loss, and each step ends in `optim_step`. Built inside `model_para
 method with the same arguments.
 
 Datums become rows padded to a multiple of ROW_MULTIPLE tokens, the padding its own segment (attention and
-ShortConv never see it) and outside the loss. Under data parallelism each rank runs its share of the rows and the
+ShortConv never see it) and outside the loss. A datum's routing trace is replayed (trainer/replay.py); padding and
+datums without one route themselves. Under data parallelism each rank runs its share of the rows and the
 logprobs are gathered. Non-expert LoRA gradients are summed over the data-parallel group (which spans EP ranks:
 shared-outer factors are replicated across EP), per-expert factors over the expert-data-parallel group; the grad
 norm counts every distinct shard once.
@@ -29,13 +30,16 @@ from transformers import InklingTextConfig
 from inkwell.adapters.adapter import Adapter, init_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import BaseModelIdentity, base_model_identity, load_base_config, load_base_weights
+from inkwell.models.routing import RoutingShape
 from inkwell.trainer import checkpoint as ckpt
 from inkwell.trainer.bridge import gather_state, is_lora, load_state
+from inkwell.trainer.consistency import consistency_metrics
 from inkwell.trainer.dataset import Rows
 from inkwell.trainer.datums import CheckedRequest, Datum, check_request
 from inkwell.trainer.losses import TARGETS, Config, Inputs, Loss, metrics
 from inkwell.trainer.model import InklingGPT
 from inkwell.trainer.parallel import all_reduce_, current_layout
+from inkwell.trainer.replay import replay_routing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # transformers' own eager arithmetic everywhere; on GPUs each layer is compiled, which fuses the bias,
@@ -60,7 +64,8 @@ class AdamParams:
 
 @dataclass(frozen=True)
 class ForwardResult:
-    """Per datum, the logprob of each target token; the loss's `name:reduction` metrics (see trainer/losses.py)."""
+    """Per datum, the logprob of each target token; the loss's `name:reduction` metrics (see trainer/losses.py),
+    and for a loss of the sampler's logprobs the consistency metrics (trainer/consistency.py)."""
 
     logprobs: list[list[float]]
     metrics: dict[str, float]
@@ -86,6 +91,7 @@ class TrainingCore:
         """A fresh adapter (seeded) on the given base. `batch_tokens` bounds one rank's forward over datums
         (rows x padded length); larger requests run as several forwards, their gradients accumulated."""
         self.hf_config, self.identity, self.lora, self.seed = hf_config, identity, lora, seed
+        self.routing_shape = RoutingShape.of(hf_config)
         self.layout = current_layout()
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         # CUDA-graph trees record one graph per shape, and treat every call without autograd as a new step that
@@ -127,16 +133,24 @@ class TrainingCore:
             self.model.train()
 
     def forward_rows(
-        self, rows: Rows, loss: Loss, config: Config, inputs: Inputs, backward: bool
+        self,
+        rows: Rows,
+        loss: Loss,
+        config: Config,
+        inputs: Inputs,
+        backward: bool,
+        routing: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The one forward of every path (SFT steps and evaluation, sessions' forward_backward and forward).
 
         `rows` (on the device) are this rank's; a position takes part in the loss where `rows.loss_mask` is
-        nonzero; `inputs` are the loss's per-token inputs besides the targets, shaped like the rows. With
-        `backward` the gradient of the loss is added to the accumulated ones. Returns the targets' logprobs [b, s]
-        and the batch's `Loss.sums`, detached and on the device: nothing here waits for the device.
+        nonzero; `inputs` are the loss's per-token inputs besides the targets, shaped like the rows; `routing`, the
+        expert ids to replay per MoE layer (trainer/replay.py). With `backward` the gradient of the loss is added to
+        the accumulated ones. Returns the targets' logprobs [b, s] and the batch's `Loss.sums`, detached and on the
+        device: nothing here waits for the device.
         """
-        with contextlib.nullcontext() if backward else self._inference():
+        replay = replay_routing(self.model, routing) if routing else contextlib.nullcontext()
+        with contextlib.nullcontext() if backward else self._inference(), replay:
             logits = self.model(rows.input_ids, rows.segments)
             logp = -vocab_parallel_cross_entropy(logits.float(), rows.targets)
             sums = loss.sums(logp, {TARGETS: rows.targets, **inputs}, config, rows.loss_mask > 0)
@@ -159,17 +173,23 @@ class TrainingCore:
 
     def _run(self, data, loss_fn, loss_fn_config, backward: bool) -> ForwardResult:
         hf = self.hf_config
-        request = check_request(data, loss_fn, loss_fn_config, hf.vocab_size, hf.max_position_embeddings)
+        request = check_request(
+            data, loss_fn, loss_fn_config, hf.vocab_size, hf.max_position_embeddings, self.routing_shape
+        )
         logprobs: list[list[float]] = []
         totals: dict[str, torch.Tensor] = {}
         with torch.compiler.set_stance(self.eager_stance):
             for group in self._groups([len(t) for t in request.tokens]):
-                rows, inputs = self._datum_rows(request, group)
-                logp, sums = self.forward_rows(rows, request.loss, request.config, inputs, backward)
+                rows, inputs, routing = self._datum_rows(request, group)
+                logp, sums = self.forward_rows(rows, request.loss, request.config, inputs, backward, routing)
                 logprobs += self._gathered(logp, [len(request.tokens[i]) for i in group])
                 totals = {name: totals.get(name, 0) + value.double() for name, value in sums.items()}
         reduced = all_reduce_(torch.stack(list(totals.values())), ps.get_data_parallel_group()).tolist()
-        return ForwardResult(logprobs, metrics(dict(zip(totals, reduced, strict=True))))
+        out = metrics(dict(zip(totals, reduced, strict=True)))
+        if "logprobs" in request.loss.inputs:  # the sampler's: how far the two sides are apart
+            given = request.inputs
+            out |= consistency_metrics(logprobs, [i["logprobs"] for i in given], [i["advantages"] for i in given])
+        return ForwardResult(logprobs, out)
 
     def _groups(self, lengths: list[int]) -> Iterator[list[int]]:
         """Consecutive datums whose padded rows fit `batch_tokens` per rank (at least one datum each)."""
@@ -183,9 +203,12 @@ class TrainingCore:
             longest = max(longest, n)
         yield group
 
-    def _datum_rows(self, request: CheckedRequest, group: list[int]) -> tuple[Rows, dict[str, torch.Tensor]]:
+    def _datum_rows(
+        self, request: CheckedRequest, group: list[int]
+    ) -> tuple[Rows, dict[str, torch.Tensor], dict[int, torch.Tensor] | None]:
         """This rank's rows of the datums `group`: one datum per row from position 0, then a padding segment;
-        the group is padded with empty rows to split evenly over the data-parallel ranks."""
+        the group is padded with empty rows to split evenly over the data-parallel ranks. With the rows, the loss
+        inputs and, where a datum of the group has a routing trace, the ids to replay per MoE layer."""
         per_rank = math.ceil(len(group) / self.layout.dp)
         mine = group[self.layout.dp_rank * per_rank :][:per_rank]
         width = _round_up(max(len(request.tokens[i]) for i in group))
@@ -202,7 +225,25 @@ class TrainingCore:
                 inputs[name][row, :n] = values
         targets = inputs.pop(TARGETS)
         rows = Rows(ids, segments, targets, mask).to(self.device)
-        return rows, {name: t.to(self.device) for name, t in inputs.items()}
+        return (
+            rows,
+            {name: t.to(self.device) for name, t in inputs.items()},
+            self._replayed([request.routing[i] for i in mine], ids.shape),
+        )
+
+    def _replayed(self, traces: list[torch.Tensor | None], rows: torch.Size) -> dict[int, torch.Tensor] | None:
+        """Per MoE layer, the ids [b * s, top_k] to replay in rows of shape [b, s] whose first rows hold datums
+        with these `traces` (-1 where a token routes itself); None when none has a trace."""
+        if all(trace is None for trace in traces):
+            return None
+        shape = self.routing_shape
+        ids = torch.full((*rows, len(shape.moe_layers), shape.top_k), -1, dtype=torch.long)
+        for row, trace in enumerate(traces):
+            if trace is not None:
+                ids[row, : len(trace)] = trace
+        return {
+            layer: ids[:, :, j].reshape(-1, shape.top_k).to(self.device) for j, layer in enumerate(shape.moe_layers)
+        }
 
     def _gathered(self, logp: torch.Tensor, lengths: list[int]) -> list[list[float]]:
         """Every rank's logprob rows of one group, in datum order, cut to each datum's length."""

@@ -1,9 +1,11 @@
 """A datum (one sequence of a training session's request) and the rules every request must follow.
 
 Tinker's convention: `tokens` is the model's input and every `loss_fn_inputs` array has one value per token,
-position i of the input predicting `target_tokens[i]`. `check_request` runs before anything is computed, so a
-refused request changes nothing (no gradient is half-accumulated); its `DatumError` names the field and the
-datum. Token ids may arrive as whole-number floats (a JSON body typed as floats): they are checked as ids.
+position i of the input predicting `target_tokens[i]`. A datum may also carry the sampler's routing trace
+(`inkwell.models.routing`), one entry per token in the same alignment, which the forward replays. `check_request`
+runs before anything is computed, so a refused request changes nothing (no gradient is half-accumulated); its
+`DatumError` names the field and the datum. Token ids may arrive as whole-number floats (a JSON body typed as
+floats): they are checked as ids.
 """
 
 import math
@@ -12,15 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
+from inkwell.models.routing import RoutingShape
 from inkwell.trainer.losses import LOSSES, TARGETS, Loss
+
+# a routing trace: nested lists [tokens][MoE layers][top_k] of expert ids, or an integer array (torch, numpy)
+type Trace = list[list[list[int]]] | torch.Tensor
 
 
 @dataclass(frozen=True)
 class Datum:
-    """One sequence: the model's input tokens and the loss's per-token inputs."""
+    """One sequence: the model's input tokens, the loss's per-token inputs and, to replay the sampler's experts,
+    its routing trace."""
 
     tokens: list[int]
     loss_fn_inputs: dict[str, list[int] | list[float]]
+    routing: Trace | None = None
 
 
 class DatumError(ValueError):
@@ -36,12 +44,14 @@ class DatumError(ValueError):
 @dataclass(frozen=True)
 class CheckedRequest:
     """A request that passed: its loss, its full config, and each datum's tokens and inputs as 1-D tensors
-    (token ids long, everything else float32), all of one length per datum."""
+    (token ids long, everything else float32), all of one length per datum, and its routing trace [tokens, MoE
+    layers, top_k] (long) or None."""
 
     loss: Loss
     config: dict[str, float]
     tokens: list[torch.Tensor]
     inputs: list[dict[str, torch.Tensor]]
+    routing: list[torch.Tensor | None]
 
 
 def _finite_number(value: object) -> bool:
@@ -93,7 +103,41 @@ def _values(values: object, field: str, index: int, vocab_size: int | None) -> t
     return tensor.long()
 
 
-def _datum(datum: Datum, index: int, loss: Loss, vocab_size: int, max_tokens: int):
+def _trace(trace: object, index: int, tokens: int, shape: RoutingShape | None) -> torch.Tensor:
+    """`trace` as a long tensor [tokens, MoE layers, top_k] of distinct routed expert ids per layer and position."""
+    if shape is None:
+        raise DatumError("routing", "routing traces are not taken here; send the datum without one", index)
+    layers, top_k = len(shape.moe_layers), shape.top_k
+    want = f"expert ids shaped [tokens][MoE layers][top_k] = [{tokens}][{layers}][{top_k}]"
+    try:
+        ids = torch.as_tensor(trace)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise DatumError("routing", f"must be {want}", index) from None
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool or ids.ndim != 3:
+        raise DatumError("routing", f"must be {want}", index)
+    if len(ids) != tokens:
+        raise DatumError(
+            "routing",
+            f"{len(ids)} positions for {tokens} tokens; a trace has one entry per token (position i: the forward "
+            "of tokens[i], aligned as the sampler's logprobs are)",
+            index,
+        )
+    if ids.shape[1:] != (layers, top_k):
+        raise DatumError("routing", f"shaped {list(ids.shape)}; must be {want}", index)
+    bad = ((ids < 0) | (ids >= shape.experts)).nonzero()
+    if len(bad):
+        at = bad[0].tolist()
+        raise DatumError(
+            "routing", f"{int(ids[tuple(at)])} at {at} is not a routed expert (0..{shape.experts - 1})", index
+        )
+    ordered = ids.sort(dim=-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1).nonzero()
+    if len(repeated):
+        raise DatumError("routing", f"{repeated[0].tolist()} names one expert twice", index)
+    return ids.long()
+
+
+def _datum(datum: Datum, index: int, loss: Loss, vocab_size: int, max_tokens: int, routing: RoutingShape | None):
     tokens = _values(datum.tokens, "tokens", index, vocab_size)
     if len(tokens) == 0:
         raise DatumError("tokens", "empty; a datum needs at least one token", index)
@@ -116,20 +160,28 @@ def _datum(datum: Datum, index: int, loss: Loss, vocab_size: int, max_tokens: in
         inputs[name] = _values(given[name], field, index, vocab_size if name == TARGETS else None)
         if len(inputs[name]) != len(tokens):
             raise DatumError(field, f"{len(inputs[name])} values for {len(tokens)} tokens; give one per token", index)
-    return tokens, inputs
+    trace = None if datum.routing is None else _trace(datum.routing, index, len(tokens), routing)
+    return tokens, inputs, trace
 
 
 def check_request(
-    data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, object] | None, vocab_size: int, max_tokens: int
+    data: Sequence[Datum],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, object] | None,
+    vocab_size: int,
+    max_tokens: int,
+    routing: RoutingShape | None = None,
 ) -> CheckedRequest:
     """The request as tensors, or the first DatumError: unknown loss or config key, a bad config value, no datums,
     an empty or too long datum, inputs missing, unknown or of the wrong length, ids outside the vocabulary,
-    values that are not finite numbers."""
+    values that are not finite numbers, a routing trace not of the model's `routing` shape and the datum's length
+    (None: datums may not carry one)."""
     if loss_fn not in LOSSES:
         raise DatumError("loss_fn", f"{loss_fn!r} is not supported; use one of {', '.join(LOSSES)}")
     loss = LOSSES[loss_fn]
     config = _config(loss, loss_fn_config)
     if not data:
         raise DatumError("data", "no datums; send at least one")
-    checked = [_datum(datum, i, loss, vocab_size, max_tokens) for i, datum in enumerate(data)]
-    return CheckedRequest(loss, config, [tokens for tokens, _ in checked], [inputs for _, inputs in checked])
+    checked = [_datum(datum, i, loss, vocab_size, max_tokens, routing) for i, datum in enumerate(data)]
+    tokens, inputs, traces = (list(column) for column in zip(*checked, strict=True))
+    return CheckedRequest(loss, config, tokens, inputs, traces)

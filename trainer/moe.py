@@ -6,8 +6,8 @@ the TP group. Dispatch all-gathers the EP group's tokens, each rank runs its loc
 the tokens routed to them, and a reduce-scatter returns the sums (fp32) to their owners.
 LoRA shared-outer factors: gate/up A [r, H] shared by the experts (applied once per token,
 before dispatch), B [E, F, r] per expert; down A [E, r, F] per expert, B [H, r] shared (applied
-once per token after the combine). Routing replay: `replay_ids` replaces the top-k choice
-while the weights are still recomputed from the current router.
+once per token after the combine). Routing replay: `replay_ids` replaces the top-k choice (of the
+tokens whose row is not -1) while the weights are still recomputed from the current router.
 
 Under sequence parallelism the layer all-gathers the tokens first (routing sees every token, as at
 TP=1) and reduce-scatters the result after its ShortConv, so the MoE returns this rank's partial
@@ -72,15 +72,15 @@ class TopKRouter(nn.Module):
     def forward(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(flat, self.weight)
         routed_logits, shared_logits = logits[..., : -self.n_shared], logits[..., -self.n_shared :]
+        with torch.no_grad():
+            choice = routed_logits.sigmoid() + self.e_score_correction_bias
+            ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
         if self.replay_ids is not None:
-            ids = self.replay_ids.to(flat.device)
-            if ids.shape != (flat.shape[0], self.top_k):
-                need = (flat.shape[0], self.top_k)
-                raise ValueError(f"routing replay ids have shape {tuple(ids.shape)}; need {need} (tokens, top_k)")
-        else:
-            with torch.no_grad():
-                choice = routed_logits.sigmoid() + self.e_score_correction_bias
-                ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+            replay = self.replay_ids.to(flat.device)
+            if replay.shape != ids.shape:
+                need = tuple(ids.shape)
+                raise ValueError(f"routing replay ids have shape {tuple(replay.shape)}; need {need} (tokens, top_k)")
+            ids = torch.where(replay[:, :1] >= 0, replay, ids)  # a row of -1: the token routes itself
         self.last_ids = ids.detach()
         topk_log_probs = F.logsigmoid(torch.cat([routed_logits.gather(-1, ids), shared_logits], dim=-1))
         weights = torch.exp(topk_log_probs - torch.logsumexp(topk_log_probs, dim=-1, keepdim=True))

@@ -2,8 +2,9 @@
 
 RL recomputes log-probs of sampled tokens under the routing the sampler used. Replayed ids
 replace the router's top-k choice; the routing weights are still computed from the current
-router logits at those ids, so they stay differentiable. Ids are [tokens, top_k] per MoE layer,
-tokens in this rank's (batch, sequence) order.
+router logits at those ids (the shared experts in the same normalisation), so they stay
+differentiable. Ids are [tokens, top_k] per MoE layer, tokens in this rank's (batch, sequence)
+order; a token whose row is -1 routes itself (padding, a datum without a trace).
 """
 
 import contextlib

@@ -3,11 +3,15 @@ datum, and says what to do."""
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
+from inkwell.models.routing import RoutingShape
 from inkwell.trainer.datums import Datum, DatumError, check_request
 
 VOCAB, CONTEXT = 50, 16
+ROUTING = RoutingShape(moe_layers=(1, 3), top_k=2, experts=8)
 
 
 def rl(n: int = 4, **change) -> Datum:
@@ -19,8 +23,16 @@ def ce(n: int = 4, **change) -> Datum:
     return Datum([2] * n, {"target_tokens": [3] * n, "weights": [1.0] * n, **change})
 
 
+def traced(trace, n: int = 4) -> Datum:
+    return Datum([2] * n, rl(n).loss_fn_inputs, trace)
+
+
+def trace(n: int = 4, ids=(0, 5)) -> list:
+    return [[list(ids), [7, 1]] for _ in range(n)]
+
+
 def check(data, loss_fn="importance_sampling", config=None):
-    return check_request(data, loss_fn, config, VOCAB, CONTEXT)
+    return check_request(data, loss_fn, config, VOCAB, CONTEXT, ROUTING)
 
 
 def test_a_good_request_comes_back_as_tensors_of_one_length_per_datum():
@@ -29,6 +41,18 @@ def test_a_good_request_comes_back_as_tensors_of_one_length_per_datum():
     assert [len(t) for t in request.tokens] == [3, 5]
     assert request.inputs[1]["target_tokens"].tolist() == [4] * 5  # whole-number floats are token ids
     assert request.inputs[1]["target_tokens"].dtype.is_floating_point is False
+    assert request.routing == [None, None]
+
+
+def test_routing_traces_come_back_as_long_tensors():
+    request = check([traced(trace(3), 3), rl(), traced(np.array(trace(), dtype=np.uint8))])
+    assert request.routing[0].tolist() == trace(3) and request.routing[0].dtype == torch.long
+    assert request.routing[1] is None and request.routing[2].tolist() == trace()
+
+
+def test_routing_traces_are_refused_where_the_model_is_not_known():
+    with pytest.raises(DatumError, match=r"data\[0\]\.routing: routing traces are not taken here"):
+        check_request([traced(trace())], "importance_sampling", None, VOCAB, CONTEXT)
 
 
 BAD = [
@@ -64,6 +88,16 @@ BAD = [
     ([rl()], "dro", {"beta": -1.0}, "loss_fn_config.beta", None, "negative"),
     ([rl()], "dro", {"beta": math.nan}, "loss_fn_config.beta", None, "finite"),
     ([rl()], "dro", {"beta": "big"}, "loss_fn_config.beta", None, "finite"),
+    ([rl(), traced(trace(5))], "ppo", None, "routing", 1, "5 positions for 4 tokens"),
+    ([traced(trace(3))], "ppo", None, "routing", 0, "3 positions for 4 tokens"),
+    ([traced([[[0, 1]]] * 4)], "ppo", None, "routing", 0, "shaped [4, 1, 2]; must be expert ids shaped"),
+    ([traced([[[0, 1, 2], [3, 4, 5]]] * 4)], "ppo", None, "routing", 0, "[4][2][2]"),
+    ([traced(trace(ids=(0, 8)))], "ppo", None, "routing", 0, "8 at [0, 0, 1] is not a routed expert (0..7)"),
+    ([traced(trace(ids=(-1, 2)))], "ppo", None, "routing", 0, "not a routed expert"),
+    ([traced(trace(ids=(3, 3)))], "ppo", None, "routing", 0, "[0, 0] names one expert twice"),
+    ([traced(trace(ids=(0.5, 3)))], "ppo", None, "routing", 0, "must be expert ids"),
+    ([traced([[[0, 1], [2]]] * 4)], "ppo", None, "routing", 0, "must be expert ids"),
+    ([traced(trace(ids=(0, 10**30)))], "ppo", None, "routing", 0, "must be expert ids"),
 ]
 
 
