@@ -149,13 +149,15 @@ class TinkerDoor:
                 live.touch()
 
     async def finish(self, tenant_id: str, session_id: str) -> None:
-        """Close the session's training models: their devices (and session slots) are released."""
+        """Close the session's training models (their devices and session slots are released) and forget its models
+        and samplers; their checkpoints stay."""
         session = self.session(tenant_id, session_id)
         session.finished = True
         for model_id in session.models:
-            await self.manager.close(
-                self.models[model_id].live, "closed_by_owner", f"Tinker session {session_id} finished"
-            )
+            model = self.models.pop(model_id)
+            await self.manager.close(model.live, "closed_by_owner", f"Tinker session {session_id} finished")
+        for sampler_id in [sid for sid in self.samplers if sid.startswith(f"{session_id}:")]:
+            del self.samplers[sampler_id]
 
     # ---- training models ---------------------------------------------------------------------------------
 
