@@ -51,9 +51,11 @@ def datum(value: DatumLike) -> DatumIn:
     if isinstance(value, DatumIn):
         return value
     try:
+        routing = value.get("routing")
         return DatumIn(
             tokens=_plain(value["tokens"]),
             loss_fn_inputs={k: _plain(v) for k, v in dict(value.get("loss_fn_inputs", {})).items()},
+            routing=None if routing is None else _plain(routing),
         )
     except (KeyError, TypeError) as exc:
         raise ValidationError(
@@ -284,7 +286,8 @@ class SamplingClient(_Primitives):
 
     def sample(self, prompt_tokens: Iterable[int], num_samples: int = 1, **params: Any):
         """Draw `num_samples` completions (max_tokens, temperature, top_p, top_k, seed, stop, prompt_logprobs,
-        topk_prompt_logprobs); each sequence has its tokens, their logprobs and its finish_reason."""
+        topk_prompt_logprobs, return_routing, prompt_routing); each sequence has its tokens, their logprobs, its
+        finish_reason and (return_routing) its routing trace."""
         try:
             body = SampleRequest(
                 model=self.model, prompt_tokens=_plain(prompt_tokens), num_samples=num_samples, **params

@@ -134,9 +134,9 @@ async def close_session(
 
 
 def _datums(live: LiveSession, body: ForwardBackwardRequest) -> list[Datum]:
-    datums = [Datum(tokens=d.tokens, loss_fn_inputs=d.loss_fn_inputs) for d in body.data]
+    datums = [Datum(tokens=d.tokens, loss_fn_inputs=d.loss_fn_inputs, routing=d.routing) for d in body.data]
     try:
-        check_request(datums, body.loss_fn, body.loss_fn_config, live.vocab_size, live.max_context)
+        check_request(datums, body.loss_fn, body.loss_fn_config, live.vocab_size, live.max_context, live.routing)
     except DatumError as exc:
         raise APIError(422, "invalid_datum", str(exc), field=exc.field, index=exc.index) from exc
     return datums

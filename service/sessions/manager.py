@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import load_base_config
+from inkwell.models.routing import RoutingShape
 from inkwell.service.db import repo
 from inkwell.service.db.models import utcnow
 from inkwell.service.errors import APIError, not_found
@@ -57,6 +58,7 @@ class LiveSession:
     adapter_name: str
     vocab_size: int
     max_context: int
+    routing: RoutingShape  # the routing traces its datums may carry
     created_at: datetime = field(default_factory=utcnow)
     last_active: float = field(default_factory=time.monotonic)
     last_active_at: datetime = field(default_factory=utcnow)
@@ -136,6 +138,7 @@ class SessionManager:
             adapter_name=adapter_name or f"session-{session_id[5:17]}",
             vocab_size=hf.vocab_size,
             max_context=hf.max_position_embeddings,
+            routing=RoutingShape.of(hf),
         )
         service = self.service
         config = messages.SessionConfig(

@@ -9,6 +9,8 @@ import asyncio
 import logging
 from typing import Any
 
+import numpy as np
+
 from inkwell.service.errors import APIError
 from inkwell.service.sessions.futures import Future, FutureError, FutureStore
 from inkwell.service.sessions.schemas import ComputeLogprobsRequest, SampleRequest
@@ -34,6 +36,8 @@ def sample_params(body: SampleRequest) -> SamplingParams:
         stop_token_ids=tuple(s for s in stop if isinstance(s, int)),
         logprobs=body.topk_prompt_logprobs,
         prompt_logprobs=body.prompt_logprobs or body.topk_prompt_logprobs > 0,
+        return_routing=body.return_routing,
+        prompt_routing=body.prompt_routing,
     )
 
 
@@ -94,6 +98,11 @@ def _run(futures: FutureStore, future: Future, work, shape) -> None:
     asyncio.ensure_future(run())
 
 
+def _trace(routing: np.ndarray | None) -> list | None:
+    """A routing trace as JSON: per token, per MoE layer, the top_k expert ids."""
+    return None if routing is None else routing.tolist()
+
+
 def _sequences(choices: list[Choice]) -> dict[str, Any]:
     first = choices[0]
     return {
@@ -102,11 +111,14 @@ def _sequences(choices: list[Choice]) -> dict[str, Any]:
                 "tokens": c.token_ids,
                 "logprobs": [lp.logprob for lp in c.logprobs],
                 "finish_reason": c.finish_reason,
+                "routing": _trace(c.routing),
             }
             for c in choices
         ],
         "prompt_logprobs": first.prompt_logprobs,
         "topk_prompt_logprobs": first.prompt_top_logprobs,
+        # the first prompt token is scored by no forward, as its logprob is None
+        "prompt_routing": None if first.prompt_routing is None else [None, *_trace(first.prompt_routing)],
     }
 
 

@@ -65,6 +65,11 @@ class DatumIn(_Body):
     loss_fn_inputs: dict[str, list[float]] = Field(
         description="per-token arrays: target_tokens, weights, logprobs (the sampler's), advantages"
     )
+    routing: list[list[list[int]]] | None = Field(
+        None,
+        description="the sampler's routing trace to replay, one entry per token: per MoE layer the top_k expert ids "
+        "(prompt_routing[1:] + routing of a /v1/sample sequence)",
+    )
 
 
 class ForwardBackwardRequest(_Body):
@@ -119,6 +124,8 @@ class SampleRequest(_Body):
     stop: list[str] | list[int] | None = Field(None, description="stop strings, or stop token ids")
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    return_routing: bool = Field(False, description="each sequence's routing trace (native engine only)")
+    prompt_routing: bool = Field(False, description="the prompt's routing trace (native engine only)")
 
 
 class ComputeLogprobsRequest(_Body):

@@ -174,6 +174,23 @@ def test_sampler_weights_sample_as_the_trainer_scores(client, service, tenant, t
         trained = session.forward([_datum(full)]).result(timeout=60)["logprobs"][0]
         gap = max(abs(a - b) for a, b in zip(trained[len(prompt) - 1 :], seqs[0]["logprobs"], strict=True))
         assert gap < 1e-4, gap
+        # the sampler's routing traces, fed back with its logprobs, replay its experts (docs/api.md's recipe)
+        traced = sampler.sample(prompt, max_tokens=6, temperature=0.0, return_routing=True, prompt_routing=True)
+        traced = traced.result(timeout=120)
+        seq, pad = traced["sequences"][0], [0.0] * (len(prompt) - 1)
+        assert seq["tokens"] == seqs[0]["tokens"] and traced["prompt_routing"][0] is None
+        assert len(seq["routing"]) == len(seq["tokens"]) and out["sequences"][0]["routing"] is None
+        rl = {
+            "tokens": full[:-1],
+            "loss_fn_inputs": {
+                "target_tokens": full[1:],
+                "logprobs": pad + seq["logprobs"],
+                "advantages": pad + [1.0] * len(seq["tokens"]),
+            },
+            "routing": traced["prompt_routing"][1:] + seq["routing"],
+        }
+        metrics = session.forward([rl], "importance_sampling").result(timeout=60)["metrics"]
+        assert abs(metrics["kl_k1:mean"]) < 1e-4 and metrics["logprob_diff:max"] < 1e-4, metrics
         # the oracle: transformers' Inkling with the published version's peft layout decodes the same greedy tokens
         got = client.adapters.download("sess-sampler", weights.version, layout="peft", dest=tmp_path / "peft")
         model = peft.PeftModel.from_pretrained(load_base_model(_base(service)), str(got.path)).eval()
@@ -205,6 +222,10 @@ def test_bad_input_is_refused_and_leaves_the_session_as_it_was(client, service, 
             with pytest.raises(sdk.ValidationError) as err:
                 session.forward_backward(datums, loss)
             assert field in str(err.value.details.get("field")), err.value
+        short = dict(good[0], routing=[[[0, 1]] * 3] * 3)  # a routing trace of 3 positions for 4 tokens
+        with pytest.raises(sdk.ValidationError) as err:
+            session.forward_backward([good[0], short])
+        assert (err.value.details["index"], err.value.details["field"]) == (1, "routing") and err.value.status == 422
         nan = dict(good[0], loss_fn_inputs={**good[0]["loss_fn_inputs"], "weights": [1.0, float("nan"), 1.0, 1.0]})
         with pytest.raises(sdk.ValidationError) as err:  # refused by the SDK: JSON has no NaN
             session.forward_backward([good[0], nan])
