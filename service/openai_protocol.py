@@ -9,7 +9,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from transformers import PreTrainedTokenizerBase
 
-from inkwell.serving.contract import SEED_MAX, SEED_MIN, SamplingParams, TokenLogprob
+from inkwell.serving.contract import SamplingParams, TokenLogprob
+from inkwell.serving.limits import SEED_MAX, SEED_MIN
 
 
 class StreamOptions(BaseModel):

@@ -17,6 +17,7 @@ from transformers import InklingTextConfig
 from inkwell.adapters.adapter import Adapter
 from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.models.base import BaseModelIdentity
+from inkwell.serving.limits import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 # engine kind -> "module:Class"; the class takes (model_dir, EngineConfig)
 ENGINES: dict[str, str] = {
@@ -47,12 +48,9 @@ class AdapterIncompatibleError(ValueError):
     """An adapter this engine cannot serve (other base, rank too high, group not enabled)."""
 
 
-MAX_LOGPROBS = 20
 # Below this temperature a request decodes greedily, as SGLang decodes it (its _SAMPLING_EPS): logits divided by a
 # smaller one can overflow fp32 (5e-324 is 0 there), making the draw NaN, and its distribution is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-6
-# a request's seed: any 64-bit integer, read signed or unsigned (OpenAI's clients send either)
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inkwell.adapters.spec import LoraSpec
 from inkwell.service.schemas import ErrorBody, SqlText
-from inkwell.serving.contract import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from inkwell.serving.limits import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from inkwell.trainer.config import MAX_INT64, NAME_RULE, name_problem
 
 SessionState = Literal["starting", "active", "closed"]
