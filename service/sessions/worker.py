@@ -6,6 +6,8 @@ the service's end. Saved states go to and come from the object store here, so a 
 same name is ordered like every other request.
 """
 
+import multiprocessing
+import queue
 import shutil
 import tempfile
 import traceback
@@ -34,8 +36,14 @@ class SessionWorker:
         self.scratch = Path(config.scratch_dir)
 
     def run(self, inbox) -> None:
+        parent = multiprocessing.parent_process()
         while True:
-            msg = inbox.get()
+            try:
+                msg = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    return  # the service was killed without stopping us: free the device
+                continue
             if isinstance(msg, messages.Stop):
                 self.outbox.put(messages.Stopped())
                 return
