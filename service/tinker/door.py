@@ -12,7 +12,7 @@ expires.
 import asyncio
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +27,12 @@ from inkwell.models import load_base_config
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.sessions import messages, sampling
 from inkwell.service.sessions import schemas as session_schemas
-from inkwell.service.sessions.futures import Future, FutureError
+from inkwell.service.sessions.futures import Future, FutureError, FutureStore
 from inkwell.service.sessions.manager import STATE_META, LiveSession, SessionManager, state_prefix
 from inkwell.service.storage import ObjectMissing
 from inkwell.service.tinker import codec
 from inkwell.service.tinker.errors import future_failure
-from inkwell.service.tinker.ordering import SeqGate
+from inkwell.service.tinker.ordering import Admitted, SeqGate
 from inkwell.service.tinker.paths import TinkerPath, check_name
 from inkwell.service.tinker.runs import RunRecord, Runs
 from inkwell.serving.resolve import ModelMismatchError, ModelNotFoundError
@@ -258,20 +258,50 @@ class TinkerDoor:
             "lora_rank": live.lora.rank,
         }
 
-    async def _in_order(self, tenant_id: str, model_id: str | None, seq_id: int | None, submit) -> Future:
-        """`submit(live)` in the model's seq_id order, on its open session (410 once it closed). Every refusal
-        is raised inside `submit`: a refused request still takes its turn, or the ones after it would wait."""
+    async def _in_order[P](
+        self,
+        tenant_id: str,
+        model_id: str | None,
+        seq_id: int | None,
+        kind: str,
+        check: Callable[[LiveSession], Awaitable[P]],
+        submit: Callable[[LiveSession, P], Awaitable[tuple[Future, Render]]],
+    ) -> Future:
+        """A training request: `check(live)` on arrival, then, in the model's seq_id order, `submit(live, checked)`
+        queues it on the session. The client gets a future at once, which settles as the session's future does, or
+        fails with what `check` or `submit` raised (a bad datum, a closed session). Refusals go through the future,
+        not the POST: a forward_backward whose later chunk's POST failed would never send its first chunk."""
         model = self.model(tenant_id, model_id)
         if seq_id is None:
             raise APIError(400, "validation_error", "seq_id: required for a training model's requests", field="seq_id")
+        futures = self.manager.futures
 
-        async def run() -> Future:
-            return await submit(self.manager.use(tenant_id, model.live.id))
+        async def accept() -> Admitted[Future]:
+            answer = futures.create(tenant_id, kind, model.live.id)
+            try:
+                checked = await check(model.live)
+            except APIError as exc:  # refused through its future: the client sends every chunk before it looks
+                futures.fail(answer, _as_failure(exc))
+                return Admitted(answer, _nothing, lambda reason: None)
 
-        return await model.gate.run(seq_id, run, SEQ_WAIT_SECONDS)
+            async def start() -> None:
+                try:
+                    inner, render = await submit(self.manager.use(tenant_id, model.live.id), checked)
+                except Exception as exc:  # noqa: BLE001 - the future says why the request did not run
+                    futures.fail(answer, _as_failure(exc))
+                    return
+                self._answer(tenant_id, answer, render)
+                asyncio.ensure_future(_mirror(inner, answer, futures))
+
+            def abandon(reason: str) -> None:
+                futures.fail(answer, FutureError("request_timeout", reason))
+
+            return Admitted(answer, start, abandon)
+
+        return await model.gate.admit(seq_id, accept, SEQ_WAIT_SECONDS)
 
     async def forward_backward(self, tenant_id: str, body: codec.ForwardBackwardBody) -> Future:
-        async def submit(live: LiveSession) -> Future:
+        async def check(live: LiveSession) -> dict[str, float]:
             if body.loss_fn not in LOSSES:
                 raise APIError(
                     400,
@@ -286,19 +316,20 @@ class TinkerDoor:
                 )
             except DatumError as exc:
                 raise APIError(400, "invalid_datum", str(exc), field=exc.field, index=exc.index) from exc
-            kind = "forward" if body.forward_only else "forward_backward"
-            config = {k: float(v) for k, v in body.loss_fn_config.items()}
+            return {k: float(v) for k, v in body.loss_fn_config.items()}
 
+        async def submit(live: LiveSession, config: dict[str, float]) -> tuple[Future, Render]:
             def op(fid: str) -> messages.ForwardBackward:
                 return messages.ForwardBackward(fid, body.data, body.loss_fn, config, not body.forward_only)
 
-            future = self.manager.submit(live, kind, op)
-            return self._answer(tenant_id, future, _proto(codec.encode_forward_backward))
+            future = self.manager.submit(live, "forward" if body.forward_only else "forward_backward", op)
+            return future, _proto(codec.encode_forward_backward)
 
-        return await self._in_order(tenant_id, body.model_id, body.seq_id, submit)
+        kind = "forward" if body.forward_only else "forward_backward"
+        return await self._in_order(tenant_id, body.model_id, body.seq_id, kind, check, submit)
 
     async def optim_step(self, tenant_id: str, req: types.OptimStepRequest) -> Future:
-        async def submit(live: LiveSession) -> Future:
+        async def check(live: LiveSession) -> AdamParams:
             if not isinstance(req.optim_params, types.AdamParams):
                 raise APIError(400, "unsupported_optimizer", "inkwell's optimizer is AdamW: send AdamParams")
             try:
@@ -306,20 +337,24 @@ class TinkerDoor:
             except ValidationError as exc:
                 err = exc.errors()[0]
                 raise APIError(400, "validation_error", f"adam_params.{err['loc'][0]}: {err['msg']}") from exc
-            future = self.manager.optim_step(live, AdamParams(**adam.model_dump()))
-            return self._answer(tenant_id, future, lambda result: _json({"metrics": result["metrics"]}))
+            return AdamParams(**adam.model_dump())
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+        async def submit(live: LiveSession, adam: AdamParams) -> tuple[Future, Render]:
+            return self.manager.optim_step(live, adam), lambda result: _json({"metrics": result["metrics"]})
+
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, "optim_step", check, submit)
 
     async def save_state(self, tenant_id: str, req: types.SaveWeightsRequest) -> Future:
-        async def submit(live: LiveSession) -> Future:
-            path = TinkerPath(live.id, "weights", check_name(req.path, "path"))
+        async def check(live: LiveSession) -> TinkerPath:
+            return TinkerPath(live.id, "weights", check_name(req.path, "path"))
+
+        async def submit(live: LiveSession, path: TinkerPath) -> tuple[Future, Render]:
             if req.overwrite:
                 await asyncio.to_thread(self._delete_state, tenant_id, path)
             future = await asyncio.to_thread(self.manager.save_state, live, path.name)
-            return self._answer(tenant_id, future, lambda result: _json({"path": str(path)}))
+            return future, lambda result: _json({"path": str(path)})
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, "save_state", check, submit)
 
     def _delete_state(self, tenant_id: str, path: TinkerPath) -> None:
         keys = [o.key for o in self.manager.store.list_objects(state_prefix(tenant_id, path.run_id, path.name))]
@@ -329,29 +364,33 @@ class TinkerDoor:
     async def load_state(self, tenant_id: str, req: types.LoadWeightsRequest) -> Future:
         """The deprecated TrainingClient.load_state*: the saved state into this model (same base and LoRA)."""
 
-        async def submit(live: LiveSession) -> Future:
-            path = _training_state(req.path)
-            future = await asyncio.to_thread(self.manager.load_state, live, path.state_ref, req.optimizer)
-            return self._answer(tenant_id, future, lambda result: _json({"path": str(path)}))
+        async def check(live: LiveSession) -> TinkerPath:
+            return _training_state(req.path)
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+        async def submit(live: LiveSession, path: TinkerPath) -> tuple[Future, Render]:
+            future = await asyncio.to_thread(self.manager.load_state, live, path.state_ref, req.optimizer)
+            return future, lambda result: _json({"path": str(path)})
+
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, "load_state", check, submit)
 
     async def save_for_sampler(self, tenant_id: str, req: types.SaveWeightsForSamplerRequest) -> Future:
         """Publish the adapter as a registry version (and push it to the serving workers). Named: the alias
         `tinker-<name>` points at it and the answer is its path; unnamed: a sampler of that version."""
         model = self.model(tenant_id, req.model_id)
 
-        async def submit(live: LiveSession) -> Future:
+        async def check(live: LiveSession) -> str | None:
             if req.kind != "snapshot":
                 raise APIError(400, "unsupported_kind", f"kind {req.kind!r}: inkwell publishes snapshots only")
-            if req.path is not None:
-                path = TinkerPath(live.id, "sampler_weights", check_name(req.path, "path"))
-                future = self.manager.save_weights_for_sampler(live, path.alias)
-                return self._answer(tenant_id, future, lambda result: _json({"path": str(path)}))
-            if req.sampling_session_seq_id is None:
+            if req.path is None and req.sampling_session_seq_id is None:
                 raise APIError(400, "validation_error", "sampling_session_seq_id: required without a path")
+            return None if req.path is None else check_name(req.path, "path")
+
+        async def submit(live: LiveSession, name: str | None) -> tuple[Future, Render]:
+            if name is not None:
+                path = TinkerPath(live.id, "sampler_weights", name)
+                future = self.manager.save_weights_for_sampler(live, path.alias)
+                return future, lambda result: _json({"path": str(path)})
             sampler_id = f"{model.session.id}:sample:{req.sampling_session_seq_id}"
-            future = self.manager.save_weights_for_sampler(live, None)
 
             def render(result: dict[str, Any]) -> Response:
                 # the sampler exists before its id reaches the client, which samples from it next
@@ -360,9 +399,9 @@ class TinkerDoor:
                 self.samplers.setdefault(sampler_id, sampler)
                 return _json({"sampling_session_id": sampler_id})
 
-            return self._answer(tenant_id, future, render)
+            return self.manager.save_weights_for_sampler(live, None), render
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, submit)
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, "save_weights_for_sampler", check, submit)
 
     # ---- sampling ----------------------------------------------------------------------------------------
 
@@ -463,6 +502,27 @@ def _training_state(tinker_path: str) -> TinkerPath:
     if path.kind != "weights":
         raise APIError(400, "invalid_path", f"{path} is sampler weights; load a training state (save_state)")
     return path
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def _mirror(inner: Future, outer: Future, futures: FutureStore) -> None:
+    """Settle `outer` as `inner` settles."""
+    while not await inner.wait(3600.0):
+        pass
+    if inner.error is not None:
+        futures.fail(outer, inner.error)
+    else:
+        futures.succeed(outer, inner.result)
+
+
+def _as_failure(exc: Exception) -> FutureError:
+    if isinstance(exc, APIError):
+        details = {k: v for k, v in exc.details.items() if k != "retryable"}
+        return FutureError(exc.code, exc.message, bool(exc.details.get("retryable")), details)
+    return FutureError("session_error", f"{type(exc).__name__}: {exc}")
 
 
 def _check_optimizer(config: types.OptimizerConfig | None) -> None:

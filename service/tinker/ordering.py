@@ -1,62 +1,81 @@
-"""Each training model's requests run in `seq_id` order, whatever order they arrive in.
+"""Each training model's requests reach its session in `seq_id` order, whatever order they arrive in.
 
 The client numbers a model's requests 1, 2, 3, ... and POSTs request n+1 once POST n has returned, except the
-chunks of one forward_backward, which it sends at once with the first chunk last. A request arriving early waits
-here until every earlier one has been submitted to the session (its queue then keeps the order). A request sent
-again (the client retries a timed-out POST) gets the answer its first arrival got; a failed request counts as
-done, so the ones after it still run.
+chunks of one forward_backward: it sends them at once, the first one last, and waits for the POSTs of the later
+chunks before it sends the first. So every request is answered at once (its future), and a request that arrives
+early is started, in order, once every one before it has been. A request sent again (the client retries a POST
+that timed out) gets the answer its first arrival got; one refused on arrival still takes its turn; one whose
+predecessor never arrives is abandoned after a while (its future fails), so nothing waits forever.
 """
 
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from inkwell.service.errors import APIError
 
 ANSWERS_KEPT = 256  # per model: a retry comes back within the client's retry window, long before this many requests
 
 
+@dataclass
+class Admitted[T]:
+    """A request taken in: what the client gets now, how to start it in its turn, how to give it up."""
+
+    answer: T
+    start: Callable[[], Awaitable[None]]
+    abandon: Callable[[str], None]
+
+
 class SeqGate:
     def __init__(self, next_seq: int = 1) -> None:
         self.next_seq = next_seq
-        self._turn = asyncio.Condition()
         self._answers: OrderedDict[int, object] = OrderedDict()
+        self._waiting: dict[int, Admitted | None] = {}  # None: refused or abandoned, nothing to start
+        self._turn = asyncio.Lock()
 
-    async def run[T](self, seq_id: int, submit: Callable[[], Awaitable[T]], wait_seconds: float) -> T:
-        """`submit()` once every request before `seq_id` has been; the first answer again for a repeated seq_id.
-        408 (which the client retries) when an earlier request has not arrived within `wait_seconds`."""
-        async with self._turn:
-            try:
-                await asyncio.wait_for(self._turn.wait_for(lambda: self.next_seq >= seq_id), wait_seconds)
-            except TimeoutError:
-                raise APIError(
-                    408,
-                    "request_timeout",
-                    f"seq_id {seq_id} waited {wait_seconds:.0f}s for seq_id {self.next_seq}, which has not arrived",
-                    retryable=True,
-                ) from None
-            if seq_id in self._answers:
-                return self._replay(seq_id)
+    async def admit[T](self, seq_id: int, accept: Callable[[], Awaitable[Admitted[T]]], wait_seconds: float) -> T:
+        """`accept()` the request now (an APIError refuses it, and it still takes its turn); start every admitted
+        request whose turn has come; return this one's answer (the first one's for a repeated seq_id)."""
+        if seq_id not in self._answers:
             if seq_id < self.next_seq:
                 raise APIError(
                     400,
                     "stale_seq_id",
-                    f"seq_id {seq_id} was already used by this model (next is {self.next_seq}); number requests 1, 2, "
-                    "3, ...",
+                    f"seq_id {seq_id} was already used by this model (next is {self.next_seq}); number requests "
+                    "1, 2, 3, ...",
                 )
             try:
-                answer: object = await submit()
-            except Exception as exc:  # noqa: BLE001 - kept and raised again: a failed request still takes its turn
-                answer = exc
-            self._answers[seq_id] = answer
-            while len(self._answers) > ANSWERS_KEPT:
-                self._answers.popitem(last=False)
-            self.next_seq = seq_id + 1
-            self._turn.notify_all()
-            return self._replay(seq_id)
-
-    def _replay(self, seq_id: int):
+                admitted: Admitted[T] | None = await accept()
+                answer: object = admitted.answer
+            except APIError as exc:
+                admitted, answer = None, exc
+            if seq_id not in self._answers:  # not taken in meanwhile by a copy of this request
+                self._remember(seq_id, answer)
+                self._waiting[seq_id] = admitted
+                if admitted is not None and seq_id > self.next_seq:
+                    asyncio.get_running_loop().call_later(wait_seconds, self._give_up, seq_id, wait_seconds)
+            await self._start_due()
         answer = self._answers[seq_id]
         if isinstance(answer, Exception):
             raise answer
-        return answer
+        return answer  # type: ignore[return-value]
+
+    async def _start_due(self) -> None:
+        async with self._turn:
+            while self.next_seq in self._waiting:
+                admitted = self._waiting.pop(self.next_seq)
+                self.next_seq += 1
+                if admitted is not None:
+                    await admitted.start()
+
+    def _give_up(self, seq_id: int, waited: float) -> None:
+        admitted = self._waiting.get(seq_id)
+        if admitted is not None:
+            self._waiting[seq_id] = None
+            admitted.abandon(f"seq_id {seq_id} waited {waited:.0f}s for seq_id {self.next_seq}, which never arrived")
+
+    def _remember(self, seq_id: int, answer: object) -> None:
+        self._answers[seq_id] = answer
+        while len(self._answers) > ANSWERS_KEPT:
+            self._answers.popitem(last=False)

@@ -1,53 +1,63 @@
-"""A model's requests are submitted in seq_id order whatever order they arrive in (the client sends a
-forward_backward's chunks at once, the first one last); a repeated seq_id gets its first answer; a refused
-request still takes its turn; a gap that never fills is a 408, which the client retries."""
+"""A model's requests start in seq_id order whatever order they arrive in, each answered at once (the client
+waits for the POSTs of a forward_backward's later chunks before it sends the first); a repeated seq_id gets its
+first answer; a request refused on arrival still takes its turn; one whose predecessor never comes is given up."""
 
 import asyncio
 
 import pytest
 
 from inkwell.service.errors import APIError
-from inkwell.service.tinker.ordering import SeqGate
+from inkwell.service.tinker.ordering import Admitted, SeqGate
 
 
-def test_early_arrivals_wait_for_their_turn():
-    async def run() -> list[int]:
-        gate, order = SeqGate(), []
+def _request(seq: int, started: list[int], given_up: list[str]):
+    async def accept() -> Admitted[int]:
+        async def start() -> None:
+            started.append(seq)
 
-        async def submit(seq: int) -> int:
-            order.append(seq)
-            return seq * 10
+        return Admitted(seq * 10, start, given_up.append)
 
-        tasks = [asyncio.ensure_future(gate.run(seq, lambda s=seq: submit(s), 5.0)) for seq in (3, 2, 4)]
-        await asyncio.sleep(0.05)
-        assert order == []  # 1 has not arrived
-        first = await gate.run(1, lambda: submit(1), 5.0)
-        answers = await asyncio.gather(*tasks)
-        again = await gate.run(2, lambda: submit(99), 5.0)  # sent again: the first answer, not a second submit
-        return [first, *answers, again, *order]
-
-    assert asyncio.run(run()) == [10, 30, 20, 40, 20, 1, 2, 3, 4]
+    return accept
 
 
-def test_a_refused_request_takes_its_turn_and_a_gap_times_out():
+def test_early_arrivals_are_answered_at_once_and_started_in_order():
     async def run() -> None:
-        gate = SeqGate()
+        gate, started, given_up = SeqGate(), [], []
+        assert [await gate.admit(seq, _request(seq, started, given_up), 5.0) for seq in (3, 2, 4)] == [30, 20, 40]
+        assert started == []  # 1 has not arrived
+        assert await gate.admit(1, _request(1, started, given_up), 5.0) == 10
+        assert started == [1, 2, 3, 4]
+        assert await gate.admit(2, _request(99, started, given_up), 5.0) == 20  # sent again: the first answer
+        assert started == [1, 2, 3, 4] and given_up == []
+        with pytest.raises(APIError) as stale:
+            await _forgotten(gate)
+        assert stale.value.code == "stale_seq_id"
 
-        async def refuse() -> None:
+    asyncio.run(run())
+
+
+async def _forgotten(gate: SeqGate) -> int:
+    gate._answers.pop(1)  # as if evicted: a seq_id below the next one is then refused, not run twice
+    return await gate.admit(1, _request(1, [], []), 5.0)
+
+
+def test_a_refused_request_takes_its_turn_and_a_gap_is_given_up():
+    async def run() -> None:
+        gate, started, given_up = SeqGate(), [], []
+
+        async def refuse() -> Admitted[int]:
             raise APIError(400, "invalid_datum", "no")
 
-        async def ok() -> str:
-            return "ok"
-
         with pytest.raises(APIError):
-            await gate.run(1, refuse, 1.0)
+            await gate.admit(1, refuse, 1.0)
         with pytest.raises(APIError) as again:
-            await gate.run(1, ok, 1.0)
+            await gate.admit(1, _request(1, started, given_up), 1.0)
         assert again.value.code == "invalid_datum"
-        assert await gate.run(2, ok, 1.0) == "ok"
-        with pytest.raises(APIError) as gap:
-            await gate.run(4, ok, 0.1)
-        assert gap.value.status == 408 and gap.value.details["retryable"]
-        assert await gate.run(3, ok, 1.0) == "ok"
+        assert await gate.admit(2, _request(2, started, given_up), 1.0) == 20 and started == [2]
+        assert await gate.admit(4, _request(4, started, given_up), 0.1) == 40
+        await asyncio.sleep(0.2)
+        assert given_up and "seq_id 3" in given_up[0]
+        await gate.admit(3, _request(3, started, given_up), 1.0)
+        assert started == [2, 3]  # 4 was given up: never started
 
     asyncio.run(run())
