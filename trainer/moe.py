@@ -8,6 +8,8 @@ LoRA shared-outer factors: gate/up A [r, H] shared by the experts (applied once 
 before dispatch), B [E, F, r] per expert; down A [E, r, F] per expert, B [H, r] shared (applied
 once per token after the combine). Routing replay: `replay_ids` replaces the top-k choice (of the
 tokens whose row is not -1) while the weights are still recomputed from the current router.
+The combine follows the serving engine's arithmetic, so that a sampler and this trainer in bf16 round alike: each
+expert's output is weighted in fp32 (a shared expert by its gamma after its down projection) and summed in fp32.
 
 Under sequence parallelism the layer all-gathers the tokens first (routing sees every token, as at
 TP=1) and reduce-scatters the result after its ShortConv, so the MoE returns this rank's partial
@@ -216,11 +218,11 @@ class InklingMoE(nn.Module):
         w = w_all.flatten()[rows].unsqueeze(-1)
         act = bank.activation(x_all[tok], None if u_all is None else u_all[tok], offsets)
         out = torch.zeros(x_all.shape, dtype=torch.float32, device=x_all.device)
-        out.index_add_(0, tok, (grouped_linear(act, bank.down, offsets) * w).float())
+        out.index_add_(0, tok, grouped_linear(act, bank.down, offsets).float() * w.float())
         v = None
         if u is not None:
             v = torch.zeros((x_all.shape[0], bank.lora.rank), dtype=torch.float32, device=x_all.device)
-            v.index_add_(0, tok, (grouped_linear(act, bank.down_A.to(act.dtype), offsets) * w).float())
+            v.index_add_(0, tok, grouped_linear(act, bank.down_A.to(act.dtype), offsets).float() * w.float())
         out = scatter_tokens(out, epg)
         return out, (scatter_tokens(v, epg) if v is not None else None)
 
@@ -252,9 +254,10 @@ class InklingMoE(nn.Module):
             r, s = bank.lora.rank, bank.lora.scaling
             gate = gate + s * torch.einsum("nr,efr->enf", u[:, :r], bank.gate_B.to(u.dtype))
             up = up + s * torch.einsum("nr,efr->enf", u[:, r:], bank.up_B.to(u.dtype))
-        act = F.silu(gate) * up * gammas.t().unsqueeze(-1)
-        out = torch.bmm(act, bank.down.transpose(1, 2)).float().sum(dim=0)
+        act = F.silu(gate) * up
+        g = gammas.t().unsqueeze(-1).float()
+        out = (torch.bmm(act, bank.down.transpose(1, 2)).float() * g).sum(dim=0)
         v = None
         if u is not None:
-            v = torch.bmm(act, bank.down_A.to(act.dtype).transpose(1, 2)).float().sum(dim=0)
+            v = (torch.bmm(act, bank.down_A.to(act.dtype).transpose(1, 2)).float() * g).sum(dim=0)
         return out, v

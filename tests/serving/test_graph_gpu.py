@@ -1,6 +1,10 @@
 """CUDA-graph decode on one GPU (run on the device machine: pytest -m gpu): replayed graphs against the eager
-engine, the LoRA side stream, and an adapter swap into a slot a captured graph reads."""
+engine, the LoRA side stream, routing traces out of the graphs, and an adapter swap into a slot a captured graph
+reads."""
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +65,23 @@ def test_graph_decode_fp32_equals_eager(tiny_model_dir, tiny_adapters):
     assert not graphs.decoder.forward.grouped_mm
     requests = mixed_requests()
     assert_close(eager.generate(requests), graphs.generate(requests), 1e-4)
+
+
+def test_graph_decode_records_the_eager_routing(tiny_model_dir, tiny_adapters):
+    """Routing traces come out of the captured graphs, through pinned memory while the next step is already queued
+    (no logprobs: decode steps overlap), as the eager engine records them: in fp32 the same experts."""
+    eager = cuda_engine(tiny_model_dir, tiny_adapters, "float32", cuda_graphs=False)
+    graphs = cuda_engine(tiny_model_dir, tiny_adapters, "float32")
+    traced = [
+        replace(r, params=replace(r.params, logprobs=None, return_routing=True, prompt_routing=True))
+        for r in mixed_requests()
+    ]
+    expected, got = eager.generate(traced), graphs.generate(traced)
+    for rid, choices in expected.items():
+        a, b = choices[0], got[rid][0]
+        assert b.token_ids == a.token_ids and len(b.routing) == len(b.token_ids), rid
+        for ours, theirs in ((b.routing, a.routing), (b.prompt_routing, a.prompt_routing)):
+            assert np.array_equal(np.sort(ours, -1), np.sort(theirs, -1)), rid
 
 
 def test_side_stream_gives_the_one_stream_results(tiny_model_dir, tiny_adapters):

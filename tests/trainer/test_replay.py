@@ -14,6 +14,7 @@ from inkwell.serving.contract import EngineConfig, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
 from inkwell.trainer.core import AdamParams, TrainingCore
 from inkwell.trainer.datums import Datum, DatumError
+from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.replay import record_routing
 from tests.trainer.conftest import ALL_GROUPS
 
@@ -24,14 +25,22 @@ SAMPLED = SamplingParams(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """inkling-tiny's ops are too small to split: a second thread only spins (tests/serving/conftest.py)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def base(tiny_model_dir):
     return load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir), load_base_weights(tiny_model_dir)
 
 
-@pytest.fixture
-def core(base, world_of_one) -> TrainingCore:
-    """A core one large step in, so that every LoRA factor (the experts' too) moves the logits."""
+def trained(base) -> TrainingCore:
+    """A core one large step in, so that every LoRA factor (the experts' too) moves the logits; the same each time."""
     core = TrainingCore(*base, SPEC, seed=0)
     ids = torch.randint(3, 300, (2, 31), generator=torch.Generator().manual_seed(9)).tolist()
     data = [Datum(x[:-1], {"target_tokens": x[1:], "weights": [1.0] * 30}) for x in ids]
@@ -40,11 +49,19 @@ def core(base, world_of_one) -> TrainingCore:
     return core
 
 
-def sampled(core: TrainingCore, tiny_model_dir) -> list[Datum]:
-    """The sampler's draws under the core's adapter as RL datums with their traces, Tinker's way: the prompt and the
-    tokens but the last as input, the prompt's positions without advantage."""
+@pytest.fixture
+def core(base, world_of_one) -> TrainingCore:
+    return trained(base)
+
+
+@pytest.fixture(scope="module")
+def data(base, tiny_model_dir) -> list[Datum]:
+    """The sampler's draws under the trained adapter as RL datums with their traces, Tinker's way: the prompt and
+    the tokens but the last as input, the prompt's positions without advantage."""
+    with model_parallel(tp=1, ep=1, device="cpu", seed=0):
+        adapter = trained(base).adapter()
     engine = Engine(tiny_model_dir, EngineConfig(max_lora_rank=16, max_batch_tokens=16))
-    engine.load_adapter("a", core.adapter())
+    engine.load_adapter("a", adapter)
     outputs = engine.generate([Request(str(i), p, SAMPLED, "a") for i, p in enumerate(PROMPTS)])
     data = []
     for i, prompt in enumerate(PROMPTS):
@@ -63,8 +80,7 @@ def traced(data: list[Datum], traces: list) -> list[Datum]:
     return [Datum(d.tokens, d.loss_fn_inputs, t) for d, t in zip(data, traces, strict=True)]
 
 
-def test_replayed_traces_keep_the_trainer_on_the_samplers_logprobs(core, tiny_model_dir):
-    data = sampled(core, tiny_model_dir)
+def test_replayed_traces_keep_the_trainer_on_the_samplers_logprobs(core, data):
     with record_routing(core.model) as own:
         routed = core.forward(traced(data, [None] * len(data)), "ppo")
     # the engine's traces are the trainer's own routing of the same sequences (one row of 64 per datum)
@@ -82,8 +98,7 @@ def test_replayed_traces_keep_the_trainer_on_the_samplers_logprobs(core, tiny_mo
     assert replayed.logprobs == routed.logprobs  # the same experts: the same numbers
 
 
-def test_replay_decides_the_experts_and_the_true_trace_restores_the_logprobs(core, tiny_model_dir):
-    data = sampled(core, tiny_model_dir)
+def test_replay_decides_the_experts_and_the_true_trace_restores_the_logprobs(core, data):
     true = core.forward(data, "ppo")
     experts = core.hf_config.n_routed_experts
     other = [(torch.as_tensor(d.routing).long() + 1) % experts for d in data]  # another expert at every slot
@@ -100,8 +115,7 @@ def test_replay_decides_the_experts_and_the_true_trace_restores_the_logprobs(cor
     assert any(not torch.allclose(p.grad, g) for p, g in zip(core.params, forced_grads, strict=True))
 
 
-def test_a_trace_of_the_wrong_length_is_refused_naming_the_datum(core, tiny_model_dir):
-    data = sampled(core, tiny_model_dir)
+def test_a_trace_of_the_wrong_length_is_refused_naming_the_datum(core, data):
     short = traced(data, [d.routing for d in data[:2]] + [data[2].routing[1:]] + [d.routing for d in data[3:]])
     with pytest.raises(DatumError) as info:
         core.forward_backward(short, "ppo")
