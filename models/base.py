@@ -1,9 +1,10 @@
 """Inkling base models on disk: create a preset checkpoint, load one, and name it.
 
-A base model is a directory with `config.json` (transformers' `InklingTextConfig`),
-`model.safetensors` and a tokenizer. transformers' `InklingForCausalLM` loads it and is the
-numerical reference for every forward pass we write; it runs with eager attention because its
-sdpa and flex paths drop the relative-position bias.
+A base model is a directory with `config.json` (transformers' `InklingTextConfig`, or the released multimodal
+config around one), its safetensors weights (one file or shards, transformers' or the released names; see
+`models/checkpoint.py`) and a tokenizer. transformers' `InklingForCausalLM` loaded with those weights is the
+numerical reference for every forward pass we write; it runs with eager attention because its sdpa and flex paths
+drop the relative-position bias.
 """
 
 import hashlib
@@ -12,20 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from transformers import InklingForCausalLM, InklingTextConfig
 
+from inkwell.models.checkpoint import BaseCheckpoint
+from inkwell.models.config import CONFIG_FILE, BaseModelError, load_base_config, read_config_json
+from inkwell.models.names import installed_weight_names
 from inkwell.models.presets import preset_config
-from inkwell.models.tokenizer import build_tokenizer
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INKLING_MODEL_TYPE = "inkling_text"
-
-
-class BaseModelError(ValueError):
-    """A base-model directory that cannot be used, with what to do about it."""
+from inkwell.models.shards import write_shards
+from inkwell.models.tokenizer import build_tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -63,8 +58,7 @@ def init_base_model(preset: str, out_dir: str | Path, seed: int = 0, name: str |
     with torch.device("cpu"):
         model = InklingForCausalLM(config)
     model.eval()
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    write_shards({k: v.detach() for k, v in model.state_dict().items()}, out)
     cfg = config.to_dict()
     cfg["inkwell_name"] = name or preset
     (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
@@ -72,31 +66,8 @@ def init_base_model(preset: str, out_dir: str | Path, seed: int = 0, name: str |
     return out
 
 
-def load_base_config(model_dir: str | Path) -> InklingTextConfig:
-    """The config of a base-model directory, or a BaseModelError saying what is wrong."""
-    path = Path(model_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise BaseModelError(
-            f"{path}: missing; a base model directory needs {CONFIG_FILE} "
-            f"(create one with `inkwell models init inkling-tiny DIR`)"
-        )
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise BaseModelError(f"{path}: not valid JSON ({exc}); restore the file from the checkpoint") from exc
-    model_type = data.get("model_type")
-    if model_type != INKLING_MODEL_TYPE:
-        raise BaseModelError(
-            f"{path}: model_type is {model_type!r}, not {INKLING_MODEL_TYPE!r}; "
-            "inkwell serves and trains Inkling text models only"
-        )
-    data = {k: v for k, v in data.items() if k not in {"inkwell_name", "transformers_version"}}
-    return InklingTextConfig(**data)
-
-
 def base_model_name(model_dir: str | Path) -> str:
-    data = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
-    return data.get("inkwell_name") or Path(model_dir).name
+    return read_config_json(model_dir).get("inkwell_name") or Path(model_dir).name
 
 
 def base_model_identity(model_dir: str | Path) -> BaseModelIdentity:
@@ -107,48 +78,36 @@ def config_identity(config: InklingTextConfig, name: str) -> BaseModelIdentity:
     return BaseModelIdentity(name, _config_fingerprint(config))
 
 
-# transformers 5.17 saves the embedding norm as `model.embed_norm`; 5.19 nests it in `embed_tokens`.
-_WEIGHT_ALIASES = {"model.embed_norm.weight": "model.embed_tokens.embed_norm.weight"}
+def load_base_weights(model_dir: str | Path) -> BaseCheckpoint:
+    """The checkpoint's tensors by (5.19) transformers name, read lazily; a BaseModelError names what is wrong."""
+    return BaseCheckpoint(model_dir)
 
 
-def canonical_weight_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict under the transformers 5.19 names every inkwell model uses."""
-    return {_WEIGHT_ALIASES.get(name, name): tensor for name, tensor in state.items()}
-
-
-def installed_weight_names(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A state dict of canonical names under the names `model` (the installed transformers) expects."""
-    expected = model.state_dict().keys()
-    back = {new: old for old, new in _WEIGHT_ALIASES.items() if old in expected and new not in expected}
-    return {back.get(name, name): tensor for name, tensor in state.items()}
-
-
-def load_base_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by (5.19) transformers name, or a BaseModelError for a bad file."""
-    path = Path(model_dir) / WEIGHTS_FILE
-    if not path.is_file():
-        raise BaseModelError(f"{path}: missing; the base model's weights must be in {WEIGHTS_FILE}")
+def check_base_model(model_dir: str | Path) -> BaseCheckpoint:
+    """The checkpoint of a base-model directory once everything a job or a serving worker reads is checked:
+    config.json, every tensor there and of its shape (headers only, `BaseCheckpoint`), and the tokenizer."""
+    checkpoint = load_base_weights(model_dir)
     try:
-        return canonical_weight_names(load_file(str(path)))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise BaseModelError(f"{path}: corrupt safetensors file ({exc}); re-download or re-create it") from exc
+        tokens = len(load_tokenizer(model_dir))
+    except (OSError, ValueError) as exc:
+        raise BaseModelError(f"{model_dir}: no usable tokenizer ({exc})") from exc
+    if tokens > checkpoint.config.vocab_size:
+        raise BaseModelError(
+            f"{model_dir}: the tokenizer has {tokens} tokens, more than the model's vocab_size "
+            f"{checkpoint.config.vocab_size}"
+        )
+    return checkpoint
 
 
 def load_base_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> InklingForCausalLM:
     """transformers' InklingForCausalLM for a base-model directory, eager attention, eval mode."""
-    config = load_base_config(model_dir)
+    weights = load_base_weights(model_dir)
+    config = weights.config
     config._attn_implementation = "eager"
     with torch.device("meta"):
         model = InklingForCausalLM(config)
-    weights = installed_weight_names(load_base_weights(model_dir), model)
-    missing = sorted(set(model.state_dict()) - set(weights))
-    unexpected = sorted(set(weights) - set(model.state_dict()))
-    if missing or unexpected:
-        raise BaseModelError(
-            f"{Path(model_dir) / WEIGHTS_FILE}: does not match config.json "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    model.load_state_dict(weights, assign=True, strict=True)
+    # the stored tensors become the parameters: the model is in memory once, then converted tensor by tensor
+    model.load_state_dict(installed_weight_names(weights, model), assign=True, strict=True)
     return model.to(device=device, dtype=dtype).eval()

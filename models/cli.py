@@ -5,7 +5,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from inkwell.models.base import BaseModelError, base_model_identity, init_base_model, load_base_config
+from inkwell.models import BaseModelError, base_model_identity, init_base_model, load_base_config
 from inkwell.models.presets import PRESETS
 
 app = typer.Typer(help="Create and inspect Inkling base models.", no_args_is_help=True)

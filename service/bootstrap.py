@@ -7,19 +7,20 @@ from pathlib import Path
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from inkwell.models import PRESETS, base_model_identity, init_base_model, load_base_config
+from inkwell.models import PRESETS, BaseCheckpoint, base_model_identity, check_base_model, init_base_model
 from inkwell.service.db import repo
-from inkwell.service.db.models import BaseModelRow
 
 log = logging.getLogger("inkwell.service")
 LOCAL_TENANT = "local"
 
 
-def register_base_model(s: Session, name: str, model_dir: Path) -> BaseModelRow:
-    """Record a base-model directory (BaseModelError if it is not an Inkling checkpoint)."""
-    config = load_base_config(model_dir)
+def register_base_model(s: Session, name: str, model_dir: Path) -> BaseCheckpoint:
+    """Record a base-model directory once it is checked (a BaseModelError names every tensor and file that is
+    wrong); the checked checkpoint's notes say what it ignored (a multimodal model's towers)."""
+    checkpoint = check_base_model(model_dir)
     identity = base_model_identity(model_dir)
-    return repo.upsert_base_model(s, name, str(Path(model_dir).resolve()), identity.config_sha256, config)
+    repo.upsert_base_model(s, name, str(Path(model_dir).resolve()), identity.config_sha256, checkpoint.config)
+    return checkpoint
 
 
 def ensure_preset_models(sm: sessionmaker[Session], presets: list[str], models_dir: Path) -> None:

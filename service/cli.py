@@ -157,15 +157,18 @@ def revoke_key(key_id: str, data_dir: Path = typer.Option(None)) -> None:
 
 @admin_app.command("add-base-model")
 def add_base_model(name: str, model_dir: Path, data_dir: Path = typer.Option(None)) -> None:
-    """Register an Inkling checkpoint directory as a base model."""
+    """Register an Inkling checkpoint directory as a base model: transformers' or the released names, one
+    safetensors file or shards with their index, a text or multimodal config. Everything is checked first."""
     sm = _sessionmaker(_settings(data_dir))
     try:
         with sm() as s:
-            register_base_model(s, name, model_dir)
+            checkpoint = register_base_model(s, name, model_dir)
             s.commit()
     except BaseModelError as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from exc
+    for note in checkpoint.notes:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"registered base model {name} -> {model_dir.resolve()}")
 
 

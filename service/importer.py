@@ -17,7 +17,7 @@ from inkwell.adapters.errors import AdapterError
 from inkwell.adapters.io import load_adapter, read_external_adapter, save_adapter
 from inkwell.adapters.layouts import LAYOUTS
 from inkwell.adapters.validate import validate
-from inkwell.models.base import BaseModelIdentity, load_base_config
+from inkwell.models import BaseModelIdentity, load_base_config
 from inkwell.service.db.models import AdapterVersionRow, BaseModelRow
 from inkwell.service.errors import APIError
 from inkwell.service.registry import Publication, check_name, publish

@@ -3,20 +3,19 @@
 Each model tensor carries `hf_name`, `tp_dim`, `ep_dim` and `hf_chunk` (see `lora.mark`): this
 rank's shard is the HF tensor, chunked (fused gate_up), then split evenly along tp_dim over
 TP ranks and along ep_dim over EP ranks. Writing back all-gathers the same splits. Adapter
-tensors use the same attributes under their canonical names (`<module>.lora_A/B`).
+tensors use the same attributes under their canonical names (`<module>.lora_A/B`). A base
+checkpoint is read shard by shard: each rank reads only its slices from disk.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-from inkwell.models import canonical_weight_names
+from inkwell.models import BaseCheckpoint
 from inkwell.trainer.parallel import ep_group, tp_group
-
-# Checkpoints written by transformers < 5.19 keep the embedding norm beside the embedding.
 
 
 def marked_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
@@ -32,16 +31,25 @@ def is_lora(t: torch.Tensor) -> bool:
     return getattr(t, "is_lora", False)
 
 
+def shard_index(shape: torch.Size, t: torch.Tensor) -> tuple[slice, ...]:
+    """This rank's part of an HF/canonical tensor of `shape` for model tensor `t`, one slice per dim: the chunk
+    (`hf_chunk`), then its TP chunk along tp_dim, then its EP chunk along ep_dim, as `torch.chunk` cuts them."""
+    cuts = [t.hf_chunk] if t.hf_chunk is not None else []
+    if t.tp_dim is not None:
+        cuts.append((t.tp_dim, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()))
+    if t.ep_dim is not None:
+        cuts.append((t.ep_dim, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()))
+    bounds = [(0, n) for n in shape]
+    for dim, index, count in cuts:
+        start, stop = bounds[dim]
+        size = -(-(stop - start) // count)
+        bounds[dim] = (min(start + index * size, stop), min(start + (index + 1) * size, stop))
+    return tuple(slice(start, stop) for start, stop in bounds)
+
+
 def local_shard(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """This rank's part of the HF/canonical tensor `full` for model tensor `t`."""
-    if t.hf_chunk is not None:
-        dim, index, count = t.hf_chunk
-        full = full.chunk(count, dim)[index]
-    if t.tp_dim is not None:
-        full = full.chunk(ps.get_tensor_model_parallel_world_size(), t.tp_dim)[ps.get_tensor_model_parallel_rank()]
-    if t.ep_dim is not None:
-        full = full.chunk(ps.get_expert_model_parallel_world_size(), t.ep_dim)[ps.get_expert_model_parallel_rank()]
-    return full
+    return full[shard_index(full.shape, t)]
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -64,19 +72,25 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_state(model: nn.Module, state: dict[str, torch.Tensor], lora: bool) -> None:
-    """Copy base (lora=False) or adapter (lora=True) tensors into this rank's shards; names must match."""
-    state = canonical_weight_names(state)
-    wanted = {t.hf_name for t in marked_tensors(model) if is_lora(t) == lora}
-    missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
+def load_state(model: nn.Module, state: Mapping[str, torch.Tensor], lora: bool) -> None:
+    """Copy base (lora=False) or adapter (lora=True) tensors into this rank's shards; names must match. From a
+    BaseCheckpoint only this rank's slices are read, in the checkpoint's order (one file after another)."""
+    targets: dict[str, list[torch.Tensor]] = {}
+    for t in marked_tensors(model):
+        if is_lora(t) == lora:
+            targets.setdefault(t.hf_name, []).append(t)
+    missing, unexpected = sorted(targets.keys() - set(state)), sorted(set(state) - targets.keys())
     if missing or unexpected:
         what = "adapter" if lora else "base model"
         raise ValueError(f"{what} tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    for t in marked_tensors(model):
-        if is_lora(t) == lora:
-            shard = local_shard(state[t.hf_name], t)
+    for name in state:
+        for t in targets[name]:
+            if isinstance(state, BaseCheckpoint):
+                shard = state.read(name, shard_index(state.shape(name), t))
+            else:
+                shard = local_shard(state[name], t)
             if shard.shape != t.shape:
-                raise ValueError(f"{t.hf_name}: shard shape {tuple(shard.shape)} != model shape {tuple(t.shape)}")
+                raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != model shape {tuple(t.shape)}")
             t.copy_(shard)
 
 

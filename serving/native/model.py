@@ -9,7 +9,7 @@ one regrouping: the shared experts run as experts E..E+n-1 beside the routed one
 their routing weights), so both take the same dispatch, grouped GEMMs and LoRA kernels.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -25,7 +25,6 @@ from inkwell.kernels import (
     lora_shrink_expand,
     one_launch_projection,
 )
-from inkwell.models import canonical_weight_names
 from inkwell.serving.native.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
 from inkwell.serving.native.streams import SideStream
@@ -259,7 +258,7 @@ class InklingModel:
     def __init__(
         self,
         config: InklingTextConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
@@ -267,7 +266,7 @@ class InklingModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.w: dict[str, torch.Tensor] = {}
-        for name, tensor in canonical_weight_names(weights).items():
+        for name, tensor in weights.items():  # one at a time: a BaseCheckpoint reads each only here
             keep_fp32 = any(f".{conv}." in name for conv in CONV_NAMES)
             self.w[name] = tensor.to(device=self.device, dtype=torch.float32 if keep_fp32 else dtype)
         # Shared experts are experts E .. E+n-1 after the routed ones, so one grouped GEMM serves both:

@@ -16,7 +16,7 @@ from inkwell.models import (
     load_tokenizer,
     preset_config,
 )
-from inkwell.models.base import WEIGHTS_FILE
+from inkwell.models.shards import WEIGHTS_FILE
 
 
 def test_tiny_preset_has_every_inkling_feature_under_10m_parameters(tiny_model_dir):

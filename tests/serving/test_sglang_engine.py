@@ -18,10 +18,11 @@ from transformers import InklingConfig, InklingForConditionalGeneration
 
 from inkwell.adapters.layouts.sglang import to_sglang
 from inkwell.models import load_base_config, load_base_weights, load_tokenizer, stop_token_ids
+from inkwell.models.released import released_config
 from inkwell.serving.contract import ENGINES, Choice, EngineConfig, Request, SamplingParams, make_engine
 from inkwell.serving.native.engine import Engine
 from inkwell.serving.rules import Finisher
-from inkwell.serving.sglang.checkpoint import interleave_gate_up, released_config, write_sglang_checkpoint
+from inkwell.serving.sglang.checkpoint import write_sglang_checkpoint
 from inkwell.serving.sglang.engine import (
     INSTALL_HINT,
     ChoiceStream,
@@ -145,11 +146,6 @@ def test_checkpoint_reads_back_in_transformers_and_sglang(sgl, tiny_model_dir, t
     assert (text.sconv_kernel_size, text.n_shared_experts, text.padded_vocab_size) == (4, 2, ours.vocab_size)
     assert text.use_sconv and text.use_embed_norm and text.use_global_scale and text.use_gate_bias
     assert text.shared_expert_sink and text.gate_activation == "sigmoid"
-
-
-def test_interleave_alternates_gate_and_up_rows():
-    gate_up = torch.tensor([[0.0], [1.0], [2.0], [10.0], [11.0], [12.0]])  # gate rows, then up rows
-    assert interleave_gate_up(gate_up, 0).flatten().tolist() == [0.0, 10.0, 1.0, 11.0, 2.0, 12.0]
 
 
 def test_dense_layer_after_moe_is_refused():
