@@ -78,14 +78,15 @@ class ShortConv(nn.Module):
         mark(self.weight, f"{hf_name}.conv1d.weight", tp_dim=0 if shard_tp else None)
 
     def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """transformers' causal conv1d (zero history) as a sum of shifted taps, each cut at sample starts."""
+        """transformers' causal conv1d (zero history) as a sum of shifted taps, each cut at sample starts; the
+        residual is added last, as the serving engine adds it."""
         h, s, k = x.float(), x.shape[1], self.kernel
         w = self.weight[:, 0, :]  # out[t] = sum_j w[k-1-j] * x[t-j]
-        out = h + h * w[:, k - 1]
+        out = h * w[:, k - 1]
         for j in range(1, k):
             earlier = F.pad(h, (0, 0, j, 0))[:, :s]
             out = out + earlier * w[:, k - 1 - j] * packing.taps[..., j : j + 1]
-        return out.to(x.dtype)
+        return (out + h).to(x.dtype)
 
 
 def causal_skew(rel: torch.Tensor) -> torch.Tensor:
