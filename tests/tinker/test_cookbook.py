@@ -114,11 +114,11 @@ class LetterDatasetBuilder(RLDatasetBuilder):
 
 def test_rl_train_on_a_local_environment(service, tmp_path):
     config = rl_train.Config(
-        learning_rate=3e-2,
-        dataset_builder=LetterDatasetBuilder(batches=6, groups=4, group_size=8),
+        learning_rate=1e-2,  # LoRA scale alpha/rank = 8: larger rates swing the tiny model's rewards
+        dataset_builder=LetterDatasetBuilder(batches=8, groups=4, group_size=16),
         model_name="inkling-tiny",
         recipe_name="inkwell_test_rl",
-        max_tokens=8,
+        max_tokens=6,
         log_path=str(tmp_path / "rl"),
         renderer_name=RENDERER,
         lora_rank=4,
@@ -130,4 +130,4 @@ def test_rl_train_on_a_local_environment(service, tmp_path):
     )
     asyncio.run(rl_train.main(config))
     rewards = [m["env/all/reward/total"] for m in _metrics(tmp_path / "rl") if "env/all/reward/total" in m]
-    assert len(rewards) == 6 and sum(rewards[-2:]) > sum(rewards[:2]), rewards
+    assert len(rewards) == 8 and sum(rewards[-2:]) > sum(rewards[:2]), rewards  # a random start: it climbs after ~4
