@@ -36,9 +36,9 @@ def shape(tiny_model_dir) -> RoutingShape:
     return RoutingShape.of(load_base_config(tiny_model_dir))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def reference(tiny_model_dir, tiny_adapters) -> list[Choice]:
-    """Traced choices of an engine that prefills the prompt in one step."""
+    """Traced choices of an engine that prefills the prompt in one step (on the conftest's one thread)."""
     engine = Engine(tiny_model_dir, EngineConfig(max_lora_rank=16, max_batch_tokens=64))
     engine.load_adapter("a", tiny_adapters[0])
     return traced(engine, WITH_PROMPT)
