@@ -56,11 +56,15 @@ class ServingWorker:
             identity.name, identity.config_sha256, engine.max_context, engine.model_config.vocab_size
         )
         self.outbox.put(messages.Ready(info))
+        service = mp.parent_process()
         while True:
             try:
-                msg = self.inbox.get_nowait() if engine.has_work() else self.inbox.get()
+                msg = self.inbox.get_nowait() if engine.has_work() else self.inbox.get(timeout=1.0)
             except queue.Empty:
-                msg = None
+                if not engine.has_work() and service is not None and not service.is_alive():
+                    msg = messages.Stop()  # the service was killed without stopping us: free the device
+                else:
+                    msg = None
             while msg is not None:
                 if isinstance(msg, messages.Stop):
                     stop_loader(self.loader, self.loader_inbox, self.receiver, timeout=5)
