@@ -6,7 +6,8 @@ tree, so `sdk/` installs as `inkwell.sdk`, `service/` as `inkwell.service`, and 
 
 from setuptools import find_packages, setup
 
-FOLDERS = ["sdk", "service", "serving", "adapters", "trainer", "kernels", "models"]  # tests/ is not installed
+# tests/ is not installed
+FOLDERS = ["sdk", "service", "serving", "adapters", "trainer", "kernels", "models", "recipes"]
 
 packages = ["inkwell"]
 package_dir = {"inkwell": "inkwell"}

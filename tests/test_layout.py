@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("inkwell", "sdk", "service", "serving", "adapters", "trainer", "kernels", "models")
+PACKAGES = ("inkwell", "sdk", "service", "serving", "adapters", "trainer", "kernels", "models", "recipes")
 SCRIPTS = ("benchmarks", "demo", "alembic")
 
 

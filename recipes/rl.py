@@ -1,0 +1,215 @@
+"""GRPO with LoRA on a training session, written against the public SDK only.
+
+    tokenizer = load_tokenizer(model_dir)                        # inkwell.models
+    problems = load_problems("problems.jsonl")                   # {"prompt", "answer"} lines
+    with client.sessions.create("inkling-tiny", lora={"rank": 8}, seed=0) as session:
+        reports = grpo(session, tokenizer, problems, verifier("exact_match"), RLConfig(steps=40))
+
+Each step samples `group_size` completions per prompt from the adapter as it stands, scores them here on the
+client, takes reward minus its group's mean as each completion's advantage, trains on the completion tokens
+against the sampler's logprobs (the prompt is not trained on), takes an optimizer step and publishes the adapter
+for the next step's sampling. Steps are the session's optimizer steps and a step's prompts and seeds follow from
+(seed, step) alone, so a run resumed from a saved state takes the steps the original run would have taken.
+"""
+
+import math
+import numbers
+import random
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from inkwell.models import encode_prompt_completion
+from inkwell.recipes.problems import Problem
+from inkwell.sdk.sessions import SamplerWeights, SamplingClient, TrainingSession
+from inkwell.trainer.verifiers import RewardFn
+
+
+class RewardError(ValueError):
+    """The reward function failed or gave no finite number; the step stops before anything is trained."""
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    steps: int = 40  # train until the session has taken this many optimizer steps
+    prompts_per_step: int = 8
+    group_size: int = 8  # completions per prompt (at most 16 per sampling request)
+    max_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 1e-3
+    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "importance_sampling"
+    loss_fn_config: Mapping[str, float] = field(default_factory=dict)
+    normalize_advantages: bool = False  # divide by the group's standard deviation as well
+    save_every: int = 0  # save_state every this many steps (0: never)
+    seed: int = 0
+    timeout: float = 600.0  # per request
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step: its mean reward, how far the trainer's logprobs of the sampled tokens were from the sampler's
+    (both under the same weights, so any gap is numerical: KL(sampler || trainer) by the k1 and k3 estimators,
+    and the mean and largest absolute difference), and where its time went."""
+
+    step: int
+    reward: float
+    kl_k1: float
+    kl_k3: float
+    logprob_diff_mean: float
+    logprob_diff_max: float
+    sample_seconds: float
+    train_seconds: float
+    sync_seconds: float
+    state: str | None = None  # the state saved after this step, if one was
+
+    def line(self) -> str:
+        return (
+            f"step {self.step:4d}  reward {self.reward:.3f}  kl k1 {self.kl_k1:+.1e} k3 {self.kl_k3:.1e}  "
+            f"|dlogp| mean {self.logprob_diff_mean:.1e} max {self.logprob_diff_max:.1e}  "
+            f"sample {self.sample_seconds:.1f}s train {self.train_seconds:.1f}s sync {self.sync_seconds:.1f}s"
+        )
+
+
+def score(
+    problems: Sequence[Problem], picked: Sequence[int], completions: Sequence[Sequence[str]], reward_fn: RewardFn
+) -> list[list[float]]:
+    """Rewards per picked problem and completion; RewardError names the problem when the function raises or gives
+    anything but a finite number."""
+    rewards = []
+    for index, texts in zip(picked, completions, strict=True):
+        row = []
+        for sample, text in enumerate(texts):
+            where = f"prompt {index} ({problems[index].prompt!r}), sample {sample}"
+            try:
+                value = reward_fn(text, problems[index].answer)
+            except Exception as exc:
+                raise RewardError(f"the reward function raised on {where}: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise RewardError(f"the reward function returned {value!r} on {where}; a reward is a finite number")
+            row.append(float(value))
+        rewards.append(row)
+    return rewards
+
+
+def advantages(rewards: Sequence[float], normalize: bool) -> list[float]:
+    """Each reward minus the group's mean (divided by the group's standard deviation when `normalize`)."""
+    mean = statistics.fmean(rewards)
+    scale = statistics.pstdev(rewards) if normalize else 1.0
+    return [(r - mean) / scale if scale > 0 else 0.0 for r in rewards]
+
+
+def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float], advantage: float) -> dict:
+    """Prompt and completion as one datum: position i predicts token i + 1; only completion tokens carry the
+    sampler's logprobs and the advantage (the prompt's positions get 0 and are not trained on)."""
+    tokens = [*prompt, *completion]
+    untrained = [0.0] * (len(prompt) - 1)
+    return {
+        "tokens": tokens[:-1],
+        "loss_fn_inputs": {
+            "target_tokens": tokens[1:],
+            "logprobs": untrained + list(logprobs),
+            "advantages": untrained + [advantage] * len(completion),
+        },
+    }
+
+
+def consistency(sampler: Sequence[float], trainer: Sequence[float]) -> tuple[float, float, float, float]:
+    """KL(sampler || trainer) over tokens drawn from the sampler, as the k1 (mean of log q - log p) and k3 (mean
+    of p/q - 1 - log p/q) estimators, and the mean and largest |log p - log q|."""
+    if not sampler:
+        return 0.0, 0.0, 0.0, 0.0
+    diffs = [p - q for q, p in zip(sampler, trainer, strict=True)]
+    k1 = -statistics.fmean(diffs)
+    k3 = statistics.fmean(math.expm1(d) - d for d in diffs)
+    gaps = [abs(d) for d in diffs]
+    return k1, k3, statistics.fmean(gaps), max(gaps)
+
+
+def rl_step(
+    session: TrainingSession,
+    sampler: SamplingClient,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[Problem],
+    reward_fn: RewardFn,
+    config: RLConfig,
+    step: int,
+) -> tuple[StepReport, SamplerWeights]:
+    """One GRPO step from the sampler's weights (the session's `step`); its report and the weights after it."""
+    rng = random.Random(f"{config.seed}:{step}")
+    picked = rng.sample(range(len(problems)), min(config.prompts_per_step, len(problems)))
+    prompts = [encode_prompt_completion(tokenizer, problems[i].prompt)[0] for i in picked]
+    began = time.perf_counter()
+    pending = [
+        sampler.sample(
+            prompt,
+            config.group_size,
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            seed=rng.randrange(2**31),
+        )
+        for prompt in prompts
+    ]
+    groups = [future.result(config.timeout)["sequences"] for future in pending]
+    sampled = time.perf_counter()
+    texts = [[tokenizer.decode(s["tokens"], skip_special_tokens=True) for s in group] for group in groups]
+    rewards = score(problems, picked, texts, reward_fn)
+    samples = [(prompt, s) for prompt, group in zip(prompts, groups, strict=True) for s in group]
+    advantage = [a for row in rewards for a in advantages(row, config.normalize_advantages)]
+    data = [rl_datum(p, s["tokens"], s["logprobs"], a) for (p, s), a in zip(samples, advantage, strict=True)]
+    out = session.forward_backward(data, config.loss_fn, config.loss_fn_config).result(config.timeout)
+    session.optim_step(learning_rate=config.learning_rate).result(config.timeout)
+    trained = time.perf_counter()
+    weights = session.save_weights_for_sampler().result(config.timeout)
+    synced = time.perf_counter()
+    state = None
+    if config.save_every and weights.step % config.save_every == 0:
+        state = session.save_state(f"step-{weights.step:06d}").result(config.timeout)["state"]
+    sampler_lps = [lp for _, s in samples for lp in s["logprobs"]]
+    trainer_lps = [lp for (p, _), lps in zip(samples, out["logprobs"], strict=True) for lp in lps[len(p) - 1 :]]
+    report = StepReport(
+        step,
+        statistics.fmean(r for row in rewards for r in row),
+        *consistency(sampler_lps, trainer_lps),
+        sample_seconds=sampled - began,
+        train_seconds=trained - sampled,
+        sync_seconds=synced - trained,
+        state=state,
+    )
+    return report, weights
+
+
+def grpo(
+    session: TrainingSession,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[Problem],
+    reward_fn: RewardFn,
+    config: RLConfig,
+    *,
+    resume_from: str | None = None,
+    progress: bool = True,
+) -> list[StepReport]:
+    """Train `session` by GRPO until it has taken `config.steps` optimizer steps (from a saved state's step with
+    `resume_from`, '<session>/<name>'); one report per step, also printed under a progress bar."""
+    if resume_from is not None:
+        session.load_state(resume_from).result(config.timeout)
+    weights = session.save_weights_for_sampler().result(config.timeout)
+    reports: list[StepReport] = []
+    bar = tqdm(total=config.steps, initial=weights.step, unit="step", desc="grpo", disable=not progress)
+    with bar:
+        for step in range(weights.step, config.steps):
+            report, weights = rl_step(
+                session, session.sampling_client(weights), tokenizer, problems, reward_fn, config, step
+            )
+            reports.append(report)
+            if progress:
+                bar.write(report.line(), file=sys.stderr)
+            seconds = report.sample_seconds + report.train_seconds + report.sync_seconds
+            bar.set_postfix(reward=f"{report.reward:.3f}", kl=f"{report.kl_k3:.1e}", step_s=f"{seconds:.1f}")
+            bar.update()
+    return reports

@@ -1,0 +1,85 @@
+"""GRPO through the SDK against the real service (session worker, serving worker, registry) on inkling-tiny, from
+the bundled `letter-case` task: the reward rises from near 0, the trainer scores the sampled tokens as the sampler
+did, a run resumes from a saved state where it stopped, and a failing reward function stops a step before
+anything is trained."""
+
+import dataclasses
+import math
+import re
+import statistics
+from collections.abc import Iterator
+
+import pytest
+
+from inkwell import sdk
+from inkwell.models import load_tokenizer
+from inkwell.recipes.rl import RewardError, StepReport, grpo
+from inkwell.recipes.tasks import TASKS
+from inkwell.trainer.verifiers import verifier
+
+TASK = TASKS["letter-case"]
+CONFIG = dataclasses.replace(TASK.config, save_every=10)
+
+
+@pytest.fixture(scope="module")
+def client(sqlite_service) -> Iterator[sdk.Client]:
+    _, key = sqlite_service.new_tenant("recipes")
+    with sdk.Client(sqlite_service.url, key) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sqlite_service):
+    return load_tokenizer(sqlite_service.settings.data_dir / "models" / "inkling-tiny")
+
+
+@pytest.fixture(scope="module")
+def run(client, tokenizer) -> list[StepReport]:
+    with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
+        return grpo(session, tokenizer, TASK.problems(), verifier(TASK.verifier), CONFIG, progress=False)
+
+
+def test_grpo_raises_the_reward_of_the_bundled_task(run):
+    rewards = [r.reward for r in run]
+    assert [r.step for r in run] == list(range(CONFIG.steps))
+    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
+    assert last >= first + 0.3, rewards
+    # the trainer's logprobs of the sampled tokens are the sampler's (fp32, same weights): KL ~ 0
+    assert max(r.logprob_diff_max for r in run) < 1e-3
+    assert max(abs(r.kl_k1) for r in run) < 1e-4 and max(r.kl_k3 for r in run) < 1e-6
+    assert all(r.sample_seconds > 0 and r.train_seconds > 0 and r.sync_seconds > 0 for r in run)
+    assert [r.step for r in run if r.state] == [9, 19, 29]
+
+
+def test_a_run_resumes_from_a_saved_state(run, client, tokenizer):
+    """From the state saved after step 10 a new session takes steps 10 and 11 on the same prompts and seeds: the
+    same adapter samples what the first run sampled."""
+    saved = run[9].state
+    config = dataclasses.replace(CONFIG, steps=12, save_every=0)
+    with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
+        resumed = grpo(session, tokenizer, TASK.problems(), verifier(TASK.verifier), config, resume_from=saved)
+    assert [r.step for r in resumed] == [10, 11]
+    assert [r.reward for r in resumed] == [r.reward for r in run[10:12]]
+
+
+def test_a_failing_reward_stops_the_step_before_training(client, tokenizer):
+    """A reward function that raises, or returns NaN, on the small-letter prompts: the error names the first such
+    prompt of the step by its index, and the session has taken no step."""
+    problems = TASK.problems()
+    config = dataclasses.replace(CONFIG, steps=1)
+
+    def raises(completion: str, answer: str) -> float:
+        if answer == "[a-z]":
+            raise KeyError("no rule for small letters")
+        return 1.0
+
+    def nan(completion: str, answer: str) -> float:
+        return math.nan if answer == "[a-z]" else 1.0
+
+    with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
+        for reward, says in [(raises, "raised on prompt .*: KeyError: 'no rule"), (nan, "returned nan on prompt")]:
+            with pytest.raises(RewardError, match=says) as err:
+                grpo(session, tokenizer, problems, reward, config, progress=False)
+            index = int(re.search(r"on prompt (\d+) ", str(err.value)).group(1))
+            assert problems[index].answer == "[a-z]" and repr(problems[index].prompt) in str(err.value)
+        assert session.refresh().info.step == 0  # nothing was trained

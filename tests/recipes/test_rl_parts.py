@@ -1,0 +1,51 @@
+"""The GRPO recipe's parts without a service: group advantages, datums, rewards checked, consistency."""
+
+import math
+
+import pytest
+
+from inkwell.recipes.problems import Problem
+from inkwell.recipes.rl import RewardError, advantages, consistency, rl_datum, score
+
+PROBLEMS = [Problem("1+1=", "2"), Problem("2+2=", "4")]
+
+
+def test_advantages_are_centred_per_group_and_optionally_scaled():
+    assert advantages([1.0, 0.0, 0.0, 1.0], normalize=False) == [0.5, -0.5, -0.5, 0.5]
+    assert advantages([1.0, 0.0, 0.0, 1.0], normalize=True) == [1.0, -1.0, -1.0, 1.0]
+    assert advantages([1.0, 1.0], normalize=True) == [0.0, 0.0]  # no spread: nothing to learn, no division by 0
+
+
+def test_a_datum_trains_the_completion_only():
+    datum = rl_datum([1, 10, 11], [20, 2], [-0.5, -0.25], 0.75)
+    assert datum["tokens"] == [1, 10, 11, 20]
+    inputs = datum["loss_fn_inputs"]
+    assert inputs["target_tokens"] == [10, 11, 20, 2]  # position i predicts token i + 1
+    assert inputs["logprobs"] == [0.0, 0.0, -0.5, -0.25]
+    assert inputs["advantages"] == [0.0, 0.0, 0.75, 0.75]
+
+
+def test_consistency_is_zero_for_equal_logprobs_and_k3_never_negative():
+    assert consistency([-1.0, -2.0], [-1.0, -2.0]) == (0.0, 0.0, 0.0, 0.0)
+    k1, k3, mean, largest = consistency([-1.0, -2.0], [-1.1, -1.8])
+    assert k1 == pytest.approx(-0.05) and k3 > 0
+    assert mean == pytest.approx(0.15) and largest == pytest.approx(0.2)
+    assert k3 == pytest.approx((math.expm1(-0.1) + 0.1 + math.expm1(0.2) - 0.2) / 2)
+
+
+def test_rewards_are_scored_per_problem():
+    assert score(PROBLEMS, [1, 0], [["4", "5"], ["2", "2"]], lambda c, a: float(c == a)) == [[1.0, 0.0], [1.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "message"),
+    [
+        (lambda c, a: 1 / 0, r"raised on prompt 1 \('2\+2='\), sample 0: ZeroDivisionError"),
+        (lambda c, a: math.nan, r"returned nan on prompt 1 \('2\+2='\), sample 0; a reward is a finite number"),
+        (lambda c, a: "1", r"returned '1' on prompt 1"),
+        (lambda c, a: None, r"returned None on prompt 1"),
+    ],
+)
+def test_a_failing_reward_names_the_prompt(reward_fn, message):
+    with pytest.raises(RewardError, match=message):
+        score(PROBLEMS, [1, 0], [["4"], ["2"]], reward_fn)
