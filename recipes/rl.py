@@ -54,8 +54,10 @@ class RLConfig:
 @dataclass(frozen=True)
 class StepReport:
     """One step: its mean reward, how far the trainer's logprobs of the sampled tokens were from the sampler's
-    (both under the same weights, so any gap is numerical: KL(sampler || trainer) by the k1 and k3 estimators,
-    and the mean and largest absolute difference), and where its time went."""
+    (both under the same weights, so any gap is numerical: KL(sampler || trainer) by the k1 and k3 estimators, the
+    mean and largest |log p - log q|, as forward_backward reports them over the tokens it trained on:
+    trainer/consistency.py), and where its time went (sampling, forward_backward + optim_step, and sync:
+    save_weights_for_sampler)."""
 
     step: int
     reward: float
@@ -119,18 +121,6 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequenc
     }
 
 
-def consistency(sampler: Sequence[float], trainer: Sequence[float]) -> tuple[float, float, float, float]:
-    """KL(sampler || trainer) over tokens drawn from the sampler, as the k1 (mean of log q - log p) and k3 (mean
-    of p/q - 1 - log p/q) estimators, and the mean and largest |log p - log q|."""
-    if not sampler:
-        return 0.0, 0.0, 0.0, 0.0
-    diffs = [p - q for q, p in zip(sampler, trainer, strict=True)]
-    k1 = -statistics.fmean(diffs)
-    k3 = statistics.fmean(math.expm1(d) - d for d in diffs)
-    gaps = [abs(d) for d in diffs]
-    return k1, k3, statistics.fmean(gaps), max(gaps)
-
-
 def rl_step(
     session: TrainingSession,
     sampler: SamplingClient,
@@ -170,12 +160,11 @@ def rl_step(
     state = None
     if config.save_every and weights.step % config.save_every == 0:
         state = session.save_state(f"step-{weights.step:06d}").result(config.timeout)["state"]
-    sampler_lps = [lp for _, s in samples for lp in s["logprobs"]]
-    trainer_lps = [lp for (p, _), lps in zip(samples, out["logprobs"], strict=True) for lp in lps[len(p) - 1 :]]
+    metrics = out["metrics"]
     report = StepReport(
         step,
         statistics.fmean(r for row in rewards for r in row),
-        *consistency(sampler_lps, trainer_lps),
+        *(metrics[k] for k in ("kl_k1:mean", "kl_k3:mean", "logprob_diff:mean", "logprob_diff:max")),
         sample_seconds=sampled - began,
         train_seconds=trained - sampled,
         sync_seconds=synced - trained,

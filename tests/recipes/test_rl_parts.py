@@ -1,11 +1,11 @@
-"""The GRPO recipe's parts without a service: group advantages, datums, rewards checked, consistency."""
+"""The GRPO recipe's parts without a service: group advantages, datums, rewards checked."""
 
 import math
 
 import pytest
 
 from inkwell.recipes.problems import Problem
-from inkwell.recipes.rl import RewardError, advantages, consistency, rl_datum, score
+from inkwell.recipes.rl import RewardError, advantages, rl_datum, score
 
 PROBLEMS = [Problem("1+1=", "2"), Problem("2+2=", "4")]
 
@@ -23,14 +23,6 @@ def test_a_datum_trains_the_completion_only():
     assert inputs["target_tokens"] == [10, 11, 20, 2]  # position i predicts token i + 1
     assert inputs["logprobs"] == [0.0, 0.0, -0.5, -0.25]
     assert inputs["advantages"] == [0.0, 0.0, 0.75, 0.75]
-
-
-def test_consistency_is_zero_for_equal_logprobs_and_k3_never_negative():
-    assert consistency([-1.0, -2.0], [-1.0, -2.0]) == (0.0, 0.0, 0.0, 0.0)
-    k1, k3, mean, largest = consistency([-1.0, -2.0], [-1.1, -1.8])
-    assert k1 == pytest.approx(-0.05) and k3 > 0
-    assert mean == pytest.approx(0.15) and largest == pytest.approx(0.2)
-    assert k3 == pytest.approx((math.expm1(-0.1) + 0.1 + math.expm1(0.2) - 0.2) / 2)
 
 
 def test_rewards_are_scored_per_problem():
