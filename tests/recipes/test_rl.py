@@ -18,6 +18,7 @@ from inkwell.recipes.tasks import TASKS
 from inkwell.trainer.verifiers import verifier
 
 TASK = TASKS["letter-case"]
+PROBLEMS, REWARD = TASK.problems(), verifier(TASK.verifier)
 CONFIG = dataclasses.replace(TASK.config, save_every=10)
 
 
@@ -36,7 +37,7 @@ def tokenizer(sqlite_service):
 @pytest.fixture(scope="module")
 def run(client, tokenizer) -> list[StepReport]:
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
-        return grpo(session, tokenizer, TASK.problems(), verifier(TASK.verifier), CONFIG, progress=False)
+        return grpo(session, tokenizer, PROBLEMS, REWARD, CONFIG, progress=False)
 
 
 def test_grpo_raises_the_reward_of_the_bundled_task(run):
@@ -52,20 +53,19 @@ def test_grpo_raises_the_reward_of_the_bundled_task(run):
 
 
 def test_a_run_resumes_from_a_saved_state(run, client, tokenizer):
-    """From the state saved after step 10 a new session takes steps 10 and 11 on the same prompts and seeds: the
+    """From the state saved after 10 steps a new session takes steps 10 and 11 on the same prompts and seeds: the
     same adapter samples what the first run sampled."""
     saved = run[9].state
     config = dataclasses.replace(CONFIG, steps=12, save_every=0)
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
-        resumed = grpo(session, tokenizer, TASK.problems(), verifier(TASK.verifier), config, resume_from=saved)
+        resumed = grpo(session, tokenizer, PROBLEMS, REWARD, config, resume_from=saved, progress=False)
     assert [r.step for r in resumed] == [10, 11]
     assert [r.reward for r in resumed] == [r.reward for r in run[10:12]]
 
 
 def test_a_failing_reward_stops_the_step_before_training(client, tokenizer):
     """A reward function that raises, or returns NaN, on the small-letter prompts: the error names the first such
-    prompt of the step by its index, and the session has taken no step."""
-    problems = TASK.problems()
+    prompt of the step by its index, and nothing reached the session: no step, no gradient."""
     config = dataclasses.replace(CONFIG, steps=1)
 
     def raises(completion: str, answer: str) -> float:
@@ -79,7 +79,9 @@ def test_a_failing_reward_stops_the_step_before_training(client, tokenizer):
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
         for reward, says in [(raises, "raised on prompt .*: KeyError: 'no rule"), (nan, "returned nan on prompt")]:
             with pytest.raises(RewardError, match=says) as err:
-                grpo(session, tokenizer, problems, reward, config, progress=False)
+                grpo(session, tokenizer, PROBLEMS, reward, config, progress=False)
             index = int(re.search(r"on prompt (\d+) ", str(err.value)).group(1))
-            assert problems[index].answer == "[a-z]" and repr(problems[index].prompt) in str(err.value)
-        assert session.refresh().info.step == 0  # nothing was trained
+            assert PROBLEMS[index].answer == "[a-z]" and repr(PROBLEMS[index].prompt) in str(err.value)
+        # nothing reached the session: no optimizer step, and no gradient waiting for one
+        assert session.refresh().info.step == 0
+        assert session.optim_step(learning_rate=1e-2).result(60)["metrics"]["grad_norm:mean"] == 0.0
