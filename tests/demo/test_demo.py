@@ -1,4 +1,4 @@
-"""`make demo`'s script on a smaller step budget: the whole product, end to end, on the CPU."""
+"""`make demo`'s script on a smaller SFT step budget: the whole product, end to end, on the CPU (GRPO included)."""
 
 import os
 import subprocess
@@ -11,8 +11,8 @@ DEMO = Path(__file__).resolve().parents[2] / "demo" / "run_demo.py"
 STEPS = int(os.environ.get("INKWELL_DEMO_TEST_STEPS", "150"))
 
 
-@pytest.mark.timeout(1200)
-def test_demo_trains_publishes_and_serves_two_adapters(tmp_path):
+@pytest.mark.timeout(1400)
+def test_demo_trains_publishes_and_serves_two_adapters_then_runs_grpo(tmp_path):
     cmd = [
         sys.executable,
         str(DEMO),
@@ -25,13 +25,12 @@ def test_demo_trains_publishes_and_serves_two_adapters(tmp_path):
         "--min-accuracy",
         "0.75",
     ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1100, env={**os.environ, "COLUMNS": "160"})
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1300, env={**os.environ, "COLUMNS": "160"})
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:] + (tmp_path / "service.log").read_text()[-4000:]
-    assert "each adapter does its own task" in out
-    for task in ("sentiment", "parity"):
-        png = tmp_path / f"{task}-loss.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "each adapter does its own task" in out and "GRPO raised the reward" in out
+    for png in ("sentiment-loss.png", "parity-loss.png", "grpo-reward.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # everything the demo started is gone: no process still serves from its data directory
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path) not in ps
