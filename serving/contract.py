@@ -129,6 +129,29 @@ class EngineConfig:
     lora_side_stream: bool = False
     # Queue the next decode step before reading this one's tokens on the host (see `native.Engine.step`).
     overlap_decode: bool = True
+    # Native engine: reuse computed prompt prefixes per adapter (`native.prefix_cache`), within this many bytes of
+    # device memory beside the state pool, in blocks of this many tokens.
+    prefix_cache: bool = True
+    prefix_cache_bytes: int = 2**30
+    prefix_cache_block: int = 16
+
+
+@dataclass
+class PrefixCacheStats:
+    """A prefix cache's counters since the engine started: prompts looked up and how many found a cached prefix,
+    their tokens and how many of those came from the cache instead of a forward, its bytes now, nodes evicted."""
+
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    bytes: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of looked-up prompt tokens that came from the cache."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass

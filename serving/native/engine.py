@@ -12,6 +12,9 @@ its logits on the host (logprobs), the next step is queued before this one's tok
 (`Engine.step`), so the host's work per step hides behind the GPU's. A request may ask for routing traces
 (`SamplingParams.return_routing`, `prompt_routing`): every step's routed expert ids come back to the host beside
 its tokens, and each token gets the routing of the forward that scored it (`inkwell.models.routing`).
+With `EngineConfig.prefix_cache`, an admitted prompt starts from the longest prefix cached under its adapter
+(`PrefixCache`), and a prompt that shares more with one still prefilling waits for that one's state there instead
+of computing the same tokens (`_attach`): the n choices of a request, a GRPO group, a shared system prompt.
 """
 
 import itertools
@@ -25,10 +28,20 @@ import torch
 from inkwell.adapters.adapter import Adapter
 from inkwell.models import base_model_identity, load_base_config, load_base_weights, load_tokenizer, stop_token_ids
 from inkwell.models.routing import RoutingShape
-from inkwell.serving.contract import Choice, EngineConfig, EngineError, Request, StepOutput, TokenLogprob, generate
+from inkwell.serving.contract import (
+    Choice,
+    EngineConfig,
+    EngineError,
+    PrefixCacheStats,
+    Request,
+    StepOutput,
+    TokenLogprob,
+    generate,
+)
 from inkwell.serving.native.graphs import CudaGraphDecoder
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment
+from inkwell.serving.native.prefix_cache import PrefixCache
 from inkwell.serving.native.sampling import make_generator, sample_rows, token_logprobs
 from inkwell.serving.native.state import StatePool
 from inkwell.serving.native.streams import SideStream
@@ -52,6 +65,9 @@ class _Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_routing: list[np.ndarray] = field(default_factory=list)  # [1, MoE layers, top_k] per pending token
     text_delta: str = ""
+    snaps: set[int] = field(default_factory=set)  # positions whose state goes into the prefix cache when passed
+    leader: "_Sequence | None" = None  # held until `leader` has cached the prefix they share (to `hold_to`)
+    hold_to: int = 0
 
     @property
     def num_prompt(self) -> int:
@@ -124,6 +140,9 @@ class Engine:
             device,
         )
         self.decoder = CudaGraphDecoder(self.model, self.state, self.lora, config.max_seqs) if graphs else None
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache:
+            self.prefix_cache = PrefixCache(self.state, config.prefix_cache_bytes, config.prefix_cache_block)
         self.device = device
         self._table = AdapterTable(config.max_loaded_adapters, self._in_use)
         self.adapters = self._table.adapters
@@ -158,6 +177,8 @@ class Engine:
         if self.lora.slot_of(key) is not None:
             self.lora.evict(key)
         self._table.remove(key)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop(key)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -196,6 +217,10 @@ class Engine:
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters (None: the cache is off)."""
+        return None if self.prefix_cache is None else self.prefix_cache.stats
+
     # ---- scheduling --------------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -211,8 +236,47 @@ class Engine:
                 seq.lora_slot = self.lora.acquire(key)
                 self._table.touch(key)  # host copies are evicted least recently used first
             seq.seq_slot = self.state.acquire()
+            self._attach(seq)
             self.running.append(seq)
         self.waiting.extendleft(reversed(blocked))
+
+    def _caches(self, seq: _Sequence) -> bool:
+        """Whether `seq`'s prompt goes through the prefix cache: not where it asks for the prompt's logprobs or
+        routing, which the cache does not keep (such a prompt is computed whole, and cached by none of it)."""
+        params = seq.request.params
+        return self.prefix_cache is not None and not (params.prompt_logprobs or params.prompt_routing)
+
+    def _attach(self, seq: _Sequence) -> None:
+        """Start a just admitted `seq` from the longest prefix of its prompt cached under its adapter, or hold it
+        while a sequence already prefilling computes a longer prefix they share (it caches its state there). What
+        `seq` then passes that others may share (where its prompt leaves the tree, its last whole block) is
+        marked for the cache."""
+        if not self._caches(seq):
+            return
+        cache, prompt, adapter = self.prefix_cache, seq.request.prompt_ids, seq.request.adapter
+        usable = cache.usable(seq.num_prompt)
+        match = cache.lookup(adapter, prompt[:usable])
+        for leader in self.running:
+            if leader.leader is not None or leader.request.adapter != adapter or not self._caches(leader):
+                continue
+            other = leader.request.prompt_ids
+            same = next((i for i, (a, b) in enumerate(zip(prompt, other, strict=False)) if a != b), len(prompt))
+            shared = cache.aligned(min(same, usable, cache.usable(len(other))))
+            if shared > match.length and leader.computed < shared:
+                leader.snaps.add(shared)
+                seq.leader, seq.hold_to = leader, shared
+                return
+        cache.attach(match, seq.seq_slot, seq.num_prompt)
+        seq.computed = match.length
+        seq.snaps = {p for p in (match.shared, usable) if p > match.length}
+
+    def _release_held(self) -> None:
+        """Attach each held sequence whose leader has passed the prefix they share (or ended)."""
+        for seq in self.running:
+            leader = seq.leader
+            if leader is not None and (leader not in self.running or leader.computed >= seq.hold_to):
+                seq.leader = None
+                self._attach(seq)
 
     def _can_admit(self) -> bool:
         """Whether `_admit` would admit a waiting sequence now (a free state slot, and its adapter placeable)."""
@@ -238,6 +302,7 @@ class Engine:
             current = None  # every sequence it decoded ended (or was aborted) after it was queued
         if current is None:
             self._admit()
+            self._release_held()
             if not self.running:
                 return []
             current = self._launch(*self._plan())
@@ -251,11 +316,15 @@ class Engine:
         their input ids and the rows whose logits it scores."""
         chunks: list[_Chunk] = []
         budget = self.config.max_batch_tokens
-        decoding = [s for s in self.running if len(s.tokens) - s.computed == 1]
-        prefilling = [s for s in self.running if len(s.tokens) - s.computed > 1]
+        active = [s for s in self.running if s.leader is None]
+        decoding = [s for s in active if len(s.tokens) - s.computed == 1]
+        prefilling = [s for s in active if len(s.tokens) - s.computed > 1]
         rows = 0
         for seq in decoding + prefilling:
             length = min(len(seq.tokens) - seq.computed, max(budget - rows, 1 if seq in decoding else 0))
+            snap = min((p for p in seq.snaps if p > seq.computed), default=None)
+            if snap is not None:  # the chunk ends there, where the prefix cache reads the state
+                length = min(length, snap - seq.computed)
             if length <= 0:
                 continue
             chunks.append(_Chunk(seq, rows, seq.computed, length, seq.computed + length == len(seq.tokens)))
@@ -326,6 +395,10 @@ class Engine:
             logits = self.model.forward(batch, self.state, self.lora, routing)
             greedy = logits.argmax(-1)
             table = self.model.routing_table(routing, len(ids)) if records else None
+        for c in chunks:  # copies queued after the forward, so they read the state it leaves
+            end = c.start + c.length
+            if end in c.seq.snaps:
+                self.prefix_cache.insert(c.seq.request.adapter, c.seq.tokens[:end], c.seq.seq_slot)
         row_of = {r: i for i, r in enumerate(logit_rows)}
         tokens = self._draw(chunks, row_of, logits, greedy)
         host_logits = logits.cpu() if any(self._needs_logits(c.seq) for c in chunks) else None

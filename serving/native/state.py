@@ -5,6 +5,12 @@ last `sliding_window_size` keys/values (position p lives at p % window), which i
 see there. Each ShortConv site keeps its last kernel-1 inputs: per layer k and v together (their channels
 back to back, as the engine runs them), attention's output, the MLP's output.
 Pools are allocated once, so admitting or finishing a request never allocates device memory.
+
+The full layers' keys and values live in one buffer [2, full layers, slots, max_context, kv heads, head dim], the
+sliding layers' rings in another, and every conv state in a third; `keys[layer]` / `values[layer]` are views. So
+one sequence's prefix (every full layer's keys and values over a range of positions), its rings and its conv
+states are each one strided slice, and the prefix cache reads or restores each in one copy
+(`read_prefix` / `write_prefix`, `read_boundary` / `write_boundary`).
 """
 
 import torch
@@ -30,29 +36,33 @@ class StatePool:
         self.max_context = max_context
         self.window = config.sliding_window_size
         self.sliding = [t == "hybrid_sliding" for t in config.layer_types]
+        n_sliding = sum(self.sliding)
+        full_shape = (max_seqs, max_context, config.num_key_value_heads, config.head_dim)
+        ring_shape = (max_seqs, self.window, config.swa_num_key_value_heads, config.swa_head_dim)
+        self.full_kv = torch.zeros(2, len(self.sliding) - n_sliding, *full_shape, dtype=dtype, device=device)
+        self.ring_kv = torch.zeros(2, n_sliding, *ring_shape, dtype=dtype, device=device)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.conv: list[list[torch.Tensor]] = []
         kernel = config.conv_kernel_size
         conv_widths = []
+        counts = {True: 0, False: 0}
         for sliding in self.sliding:
-            kv_heads = config.swa_num_key_value_heads if sliding else config.num_key_value_heads
-            head_dim = config.swa_head_dim if sliding else config.head_dim
-            length = self.window if sliding else max_context
-            shape = (max_seqs, length, kv_heads, head_dim)
-            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
-            kv_width = kv_heads * head_dim
+            buffer = self.ring_kv if sliding else self.full_kv
+            self.keys.append(buffer[0, counts[sliding]])
+            self.values.append(buffer[1, counts[sliding]])
+            counts[sliding] += 1
+            kv_width = buffer.shape[-2] * buffer.shape[-1]
             conv_widths.append((2 * kv_width, config.hidden_size, config.hidden_size))  # KV, ATTN, MLP sites
         # ShortConv runs in fp32 in the reference, and so does its state. Every site's state is a view of one
         # buffer, so admitting a sequence clears all of its conv state in one op, not one per layer and site.
         total = sum(sum(widths) for widths in conv_widths)
-        self._conv_state = torch.zeros(max_seqs, total, kernel - 1, dtype=torch.float32, device=device)
+        self.conv_state = torch.zeros(max_seqs, total, kernel - 1, dtype=torch.float32, device=device)
         offset = 0
         for widths in conv_widths:
             sites = []
             for width in widths:
-                sites.append(self._conv_state[:, offset : offset + width])
+                sites.append(self.conv_state[:, offset : offset + width])
                 offset += width
             self.conv.append(sites)
         self._free = list(range(max_seqs - 1, -1, -1))
@@ -64,7 +74,7 @@ class StatePool:
     def acquire(self) -> int:
         """A cleared sequence slot; the caller checks `free_slots` first."""
         slot = self._free.pop()
-        self._conv_state[slot].zero_()
+        self.conv_state[slot].zero_()
         return slot
 
     def release(self, slot: int) -> None:
@@ -78,3 +88,23 @@ class StatePool:
         places = positions % self.window if self.sliding[layer] else positions
         self.keys[layer][slots, places] = keys
         self.values[layer][slots, places] = values
+
+    def read_prefix(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """A copy of every full layer's keys and values at positions start..end-1 of `slot`:
+        [2, full layers, end - start, kv heads, head dim]."""
+        return self.full_kv[:, :, slot, start:end].clone()
+
+    def write_prefix(self, slot: int, start: int, kv: torch.Tensor) -> None:
+        """Put `read_prefix`'s keys and values back at positions start.. of `slot`."""
+        self.full_kv[:, :, slot, start : start + kv.shape[2]].copy_(kv, non_blocking=True)
+
+    def read_boundary(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of what `slot` carries past its last computed position besides the full layers' keys: the sliding
+        rings (the last window of keys and values, in ring order) and every ShortConv state."""
+        return self.ring_kv[:, :, slot].clone(), self.conv_state[slot].clone()
+
+    def write_boundary(self, slot: int, rings: torch.Tensor, conv: torch.Tensor) -> None:
+        """Restore `read_boundary`'s rings and conv states into `slot` (ring places depend only on positions, so a
+        ring read at position p is valid for any sequence at p with the same past)."""
+        self.ring_kv[:, :, slot].copy_(rings, non_blocking=True)
+        self.conv_state[slot].copy_(conv, non_blocking=True)
