@@ -256,9 +256,8 @@ class Engine:
         cache, prompt, adapter = self.prefix_cache, seq.request.prompt_ids, seq.request.adapter
         usable = cache.usable(seq.num_prompt)
         match = cache.lookup(adapter, prompt[:usable])
-        for leader in self.running:
-            if leader.leader is not None or leader.request.adapter != adapter or not self._caches(leader):
-                continue
+        leaders = [s for s in self.running if s is not seq and s.leader is None and s.request.adapter == adapter]
+        for leader in filter(self._caches, leaders):
             other = leader.request.prompt_ids
             same = next((i for i, (a, b) in enumerate(zip(prompt, other, strict=False)) if a != b), len(prompt))
             shared = cache.aligned(min(same, usable, cache.usable(len(other))))
