@@ -1,16 +1,21 @@
-"""Prometheus metrics: request counts/latency by route template, and job/version/job-worker gauges read
-from the database at scrape time (so every API process reports the same numbers)."""
+"""Prometheus metrics: request counts/latency by route template, job/version/job-worker gauges read
+from the database at scrape time (so every API process reports the same numbers), and the serving workers'
+prefix caches as they last reported them (`PrefixCacheCollector`, registered by the serving routes)."""
 
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inkwell.service.db import repo
 from inkwell.service.schemas import JobState
+
+if TYPE_CHECKING:  # the tier is the serving routes' (torch, transformers); the metrics only read it
+    from inkwell.serving.tier import ServingTier
 
 
 class _DatabaseCollector:
@@ -33,6 +38,35 @@ class _DatabaseCollector:
         yield jobs
         yield versions
         yield workers
+
+
+class PrefixCacheCollector:
+    """Each serving worker's prefix cache (native engine): tokens looked up and served from it, its hit rate,
+    bytes and evictions, labelled by worker."""
+
+    def __init__(self, tier: "ServingTier") -> None:
+        self.tier = tier
+
+    def collect(self):
+        prefix, label = "inkwell_prefix_cache", ["worker"]
+        prompt = CounterMetricFamily(
+            f"{prefix}_prompt_tokens", "prompt tokens looked up in the prefix cache", labels=label
+        )
+        cached = CounterMetricFamily(f"{prefix}_cached_tokens", "prompt tokens served from the cache", labels=label)
+        lookups = CounterMetricFamily(f"{prefix}_lookups", "prompts looked up", labels=label)
+        hits = CounterMetricFamily(f"{prefix}_hits", "prompts that found a cached prefix", labels=label)
+        evictions = CounterMetricFamily(f"{prefix}_evictions", "cached nodes evicted", labels=label)
+        rate = GaugeMetricFamily(f"{prefix}_hit_rate", "cached over looked-up prompt tokens", labels=label)
+        size = GaugeMetricFamily(f"{prefix}_bytes", "device memory the prefix cache holds", labels=label)
+        for worker, stats in self.tier.cache_stats().items():
+            prompt.add_metric([worker], stats.prompt_tokens)
+            cached.add_metric([worker], stats.cached_tokens)
+            lookups.add_metric([worker], stats.lookups)
+            hits.add_metric([worker], stats.hits)
+            evictions.add_metric([worker], stats.evictions)
+            rate.add_metric([worker], stats.hit_rate)
+            size.add_metric([worker], stats.bytes)
+        yield from (prompt, cached, lookups, hits, evictions, rate, size)
 
 
 class Metrics:

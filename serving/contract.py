@@ -237,6 +237,8 @@ class ServingEngine(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def cache_stats(self) -> PrefixCacheStats | None: ...
+
 
 def make_engine(kind: str, model_dir: str | Path, config: EngineConfig) -> ServingEngine:
     """Instantiate the engine registered as `kind` (ValueError naming the known kinds otherwise)."""

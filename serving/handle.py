@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch.multiprocessing as mp
 
 from inkwell.serving import messages
-from inkwell.serving.contract import EngineError, SamplingParams, StepOutput
+from inkwell.serving.contract import EngineError, PrefixCacheStats, SamplingParams, StepOutput
 from inkwell.serving.worker import WorkerConfig, worker_main
 
 if TYPE_CHECKING:  # sources import boto3, which a GPU worker that never reads S3 need not have
@@ -77,6 +77,7 @@ class WorkerHandle:
         self.info: messages.WorkerInfo | None = None
         self.adapters: set[str] = set()
         self.inflight = 0
+        self.cache_stats: PrefixCacheStats | None = None  # its engine's prefix cache counters, as last reported
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._loads: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._lock = threading.Lock()
@@ -181,6 +182,8 @@ class WorkerHandle:
                 self._answer_waiters(f"unload:{key}", failure)
             case messages.Evicted(keys=keys):
                 self.adapters.difference_update(keys)
+            case messages.CacheStats(stats=stats):
+                self.cache_stats = stats
 
     def _answer_waiters(self, waiting_key: str, failure: messages.Failure | None) -> None:
         """Settle every future waiting on a load (`key`) or an unload (`unload:key`), failed or not."""

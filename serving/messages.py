@@ -8,7 +8,7 @@ dispatches with `match` on the message's class, so a reader can follow every mes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from inkwell.serving.contract import SamplingParams, StepOutput
+from inkwell.serving.contract import PrefixCacheStats, SamplingParams, StepOutput
 
 if TYPE_CHECKING:  # sources import boto3 and transfer imports torch only where they are used
     import torch
@@ -143,10 +143,17 @@ class Evicted:
 
 
 @dataclass(frozen=True)
+class CacheStats:
+    """The engine's prefix cache counters, sent when they moved (at most once per `worker.CACHE_STATS_SECONDS`)."""
+
+    stats: PrefixCacheStats
+
+
+@dataclass(frozen=True)
 class Stopped:
     pass
 
 
 ToWorker = Generate | Abort | Load | Unload | Stop | Staged | StageFailed
 ToLoader = Load | Release | Stop
-ToHandle = Ready | StartFailed | Outputs | RequestFailed | Loaded | Unloaded | Evicted | Stopped
+ToHandle = Ready | StartFailed | Outputs | RequestFailed | Loaded | Unloaded | Evicted | CacheStats | Stopped

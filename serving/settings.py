@@ -20,6 +20,10 @@ class ServingSettings(BaseSettings):
     max_seqs: int = Field(16, ge=1, description="sequences decoding at once per worker")
     max_batch_tokens: int = Field(256, ge=1, description="tokens per engine step (prefill is chunked to fit)")
     max_context: int | None = Field(None, ge=2)
+    prefix_cache: bool = Field(EngineConfig.prefix_cache, description="native engine: reuse computed prompt prefixes")
+    prefix_cache_bytes: int = Field(
+        EngineConfig.prefix_cache_bytes, ge=0, description="device memory the prefix cache may hold, per worker"
+    )
     max_inflight_per_worker: int = Field(64, ge=1, description="beyond this on every worker: 429")
     start_timeout: float = Field(300.0, gt=0)
 
@@ -41,6 +45,8 @@ class ServingSettings(BaseSettings):
             max_seqs=self.max_seqs,
             max_batch_tokens=self.max_batch_tokens,
             max_context=self.max_context,
+            prefix_cache=self.prefix_cache,
+            prefix_cache_bytes=self.prefix_cache_bytes,
             dtype=dtype,
             device=device,
         )

@@ -12,7 +12,7 @@ from functools import cache
 from transformers import PreTrainedTokenizerFast
 
 from inkwell.models import load_base_config, load_tokenizer
-from inkwell.serving.contract import EngineError, SamplingParams
+from inkwell.serving.contract import EngineError, PrefixCacheStats, SamplingParams
 from inkwell.serving.handle import RequestStream, WorkerHandle
 from inkwell.serving.resolve import ModelName, ModelResolver, ResolvedModel
 from inkwell.serving.router import AdapterRef, ServingRouter
@@ -90,6 +90,11 @@ class ServingTier:
         """Put an adapter on the workers of `base` before any request names it (a training session's sampler
         weights: the adapter only, in memory, not through the object store)."""
         await self.router.preload(base, adapter)
+
+    def cache_stats(self) -> dict[str, PrefixCacheStats]:
+        """Each running worker's prefix cache counters as it last reported them, by worker name (for /metrics)."""
+        workers = (w for ws in list(self.router.workers.values()) for w in ws)
+        return {w.config.name: w.cache_stats for w in workers if w.alive and w.cache_stats is not None}
 
     def close(self) -> None:
         self.router.close()

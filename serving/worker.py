@@ -9,7 +9,8 @@ the service's end of this process.
 """
 
 import queue
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.multiprocessing as mp
@@ -19,6 +20,8 @@ from inkwell.serving.contract import AdapterIncompatibleError, EngineConfig, Eng
 from inkwell.serving.loader import loader_main, stop_loader
 from inkwell.serving.slot_copy import slot_layout
 from inkwell.serving.transfer import ImageReceiver
+
+CACHE_STATS_SECONDS = 1.0  # how often at most the worker reports its prefix cache's counters (for /metrics)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ServingWorker:
             daemon=True,
         )
         self.loader.start()
+        self._cache_reported: tuple[float, messages.CacheStats | None] = (0.0, None)
 
     def run(self) -> None:
         engine = self.engine
@@ -79,6 +83,18 @@ class ServingWorker:
                 outputs = engine.step()
                 if outputs:
                     self.outbox.put(messages.Outputs(outputs))
+            self._report_cache()
+
+    def _report_cache(self) -> None:
+        """Send the prefix cache's counters to the handle when they moved, at most once per CACHE_STATS_SECONDS."""
+        at, last = self._cache_reported
+        stats = self.engine.cache_stats()
+        now = time.monotonic()
+        if stats is None or now - at < CACHE_STATS_SECONDS or (last is not None and last.stats == stats):
+            return
+        report = messages.CacheStats(replace(stats))  # a copy: the engine's own goes on counting
+        self._cache_reported = (now, report)
+        self.outbox.put(report)
 
     def handle(self, msg: messages.ToWorker) -> None:
         engine = self.engine

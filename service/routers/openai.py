@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
+from inkwell.service.metrics import PrefixCacheCollector
 from inkwell.service.model_resolver import RegistryResolver
 from inkwell.service.openai_protocol import (
     ChatChoice,
@@ -86,6 +87,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.sessionmaker, app.state.store, settings.s3_region, (settings.s3_access_key, settings.s3_secret_key)
     )
     app.state.serving = ServingTier(resolver, ServingSettings())
+    app.state.metrics.registry.register(PrefixCacheCollector(app.state.serving))
     try:
         yield
     finally:

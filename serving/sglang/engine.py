@@ -350,6 +350,10 @@ class SglangEngine:
     def has_work(self) -> bool:
         return bool(self._choices)
 
+    def cache_stats(self) -> None:
+        """None: SGLang keeps its own radix cache and reports it through its own metrics."""
+        return None
+
     # ---- stepping ----------------------------------------------------------------------------
 
     async def _wait_for_output(self) -> None:
