@@ -1,0 +1,116 @@
+"""Prefix cache of the native engine (issue 26): time to first token over a cached prefix, GRPO-shaped prefill.
+
+Two engines on one model, the prefix cache on and off, each measured in this run (the ratios are against the
+engine without the cache, measured the same way).
+- TTFT: prompts of one `--prefix`-token prefix (2,048) and a different `--question`-token tail each, one request
+  at a time, timed from submission to its first token on the host; median of `--repeats`. The cached engine is
+  warmed with two such prompts first: the first caches its own prompt, the second leaves the state where the
+  two part, at the prefix's last whole block (a prefix is cached where some prompt's prefill passed it).
+  Target: cached at most 15% of uncached.
+- GRPO: `--batch` prompts (16) of `--prompt` tokens (512), each one request of n=`--samples` (8) choices
+  sampling one token, all submitted at once; prefill throughput = prompt tokens of every choice / time to the
+  last first token; new prompts in every repeat, so only a group's own prompt is shared. Target: >= 3x.
+Then the cached engine's bytes and token hit rate (over every lookup of the run).
+Run: python benchmarks/bench_prefix_cache.py            (inkling-small, bf16, CUDA)
+CPU smoke run: python benchmarks/bench_prefix_cache.py --tiny
+"""
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_serving import Clock, engine_parser, make_prompts, parse_engine_args
+
+from inkwell.models import init_base_model
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
+
+TINY = dict(preset="inkling-tiny", device="cpu", dtype="float32", prefix=64, question=8, batch=4, samples=4, prompt=40)
+
+
+def make_engine(model_dir: Path, args, cache: bool) -> Engine:
+    """An engine that holds a whole GRPO load at once (every choice its own sequence)."""
+    config = EngineConfig(
+        max_seqs=args.batch * args.samples,
+        max_batch_tokens=args.batch_tokens,
+        max_context=max(args.prefix + args.question, args.prompt) + 8,
+        dtype=args.dtype,
+        device=args.device,
+        prefix_cache=cache,
+        prefix_cache_bytes=args.cache_bytes,
+    )
+    return Engine(model_dir, config)
+
+
+def first_token_s(engine: Engine, clock: Clock, prompt: list[int]) -> float:
+    """Seconds from submitting `prompt` (one greedy token) to that token on the host."""
+    engine.add_request(Request("ttft", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    t0 = clock()
+    while not any(out.token_ids for out in engine.step()):
+        pass
+    return time.perf_counter() - t0
+
+
+def grpo_tok_s(engine: Engine, clock: Clock, args, seed: int) -> float:
+    """Prefill tokens per second of `--batch` prompts x `--samples` choices of one sampled token each."""
+    prompts = make_prompts(args.batch, args.prompt, seed=seed)
+    params = SamplingParams(max_tokens=1, temperature=1.0, n=args.samples, seed=seed, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(f"g{i}", prompt, params))
+    t0 = clock()
+    while engine.has_work():
+        engine.step()
+    return args.batch * args.samples * args.prompt / (clock() - t0)
+
+
+def main() -> None:
+    ap = engine_parser(__doc__.splitlines()[0])
+    ap.set_defaults(batch=16, prompt=512)
+    ap.add_argument("--samples", type=int, default=8, help="choices per GRPO prompt (n)")
+    ap.add_argument("--prefix", type=int, default=2048, help="shared prefix of the TTFT prompts")
+    ap.add_argument("--question", type=int, default=32, help="each TTFT prompt's own tail")
+    ap.add_argument("--batch-tokens", type=int, default=8192, help="EngineConfig.max_batch_tokens")
+    ap.add_argument("--cache-bytes", type=int, default=EngineConfig.prefix_cache_bytes)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="inkling-tiny on the CPU, short prompts: a smoke run")
+    args = parse_engine_args(ap)
+    if args.tiny:
+        vars(args).update(TINY, batch_tokens=256, repeats=2)
+    clock = Clock(torch.device(args.device))
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-cache-") as tmp:
+        model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
+        engines = {cache: make_engine(model_dir, args, cache) for cache in (False, True)}
+        prefix = make_prompts(1, args.prefix, seed=1)[0]
+        tails = make_prompts(args.repeats + 3, args.question, seed=2)
+        ttft, grpo = {}, {}
+        for cache, engine in engines.items():
+            for tail in tails[:3]:  # warm-up (and, with the cache, the prefix's boundary)
+                first_token_s(engine, clock, prefix + tail)
+            ttft[cache] = statistics.median(first_token_s(engine, clock, prefix + tail) for tail in tails[3:])
+            grpo_tok_s(engine, clock, args, seed=100)  # warm-up
+            grpo[cache] = statistics.median(grpo_tok_s(engine, clock, args, seed=101 + i) for i in range(args.repeats))
+        stats = engines[True].prefix_cache.stats
+        print(
+            f"{args.preset} {args.dtype} on {args.device}; prefix {args.prefix} + {args.question} tokens; GRPO "
+            f"{args.batch} prompts x {args.samples} samples of {args.prompt} tokens; max_batch_tokens "
+            f"{args.batch_tokens}\n"
+        )
+        print("| measure | without cache | with cache | ratio | target |\n|---|---|---|---|---|")
+        print(
+            f"| TTFT, {args.prefix}-token prefix (ms) | {ttft[False] * 1e3:.1f} | {ttft[True] * 1e3:.1f} | "
+            f"{ttft[True] / ttft[False]:.1%} | <= 15% |"
+        )
+        print(
+            f"| GRPO prefill (tok/s) | {grpo[False]:.0f} | {grpo[True]:.0f} | {grpo[True] / grpo[False]:.2f}x | >= 3x |"
+        )
+        print(
+            f"\ncache: {stats.bytes / 2**20:.1f} MiB held, token hit rate {stats.hit_rate:.1%} "
+            f"({stats.cached_tokens} of {stats.prompt_tokens} prompt tokens; {stats.hits} of {stats.lookups} "
+            f"prompts hit; {stats.evictions} evictions)"
+        )
+
+
+if __name__ == "__main__":
+    main()
