@@ -18,6 +18,20 @@ from inkwell.serving.router import AdapterRef
 from inkwell.serving.sources import S3Source
 
 
+def adapter_key(tenant_id: str, name: str, version: int) -> str:
+    """A version's key on the serving workers: unique per tenant, adapter and version (a new version, a new key)."""
+    return f"{tenant_id}/{name}@{version}"
+
+
+def owned_adapter(key: str, tenant_id: str) -> tuple[str, int] | None:
+    """(name, version) of a worker's adapter key when `tenant_id` owns it, else None (another tenant's stays hidden)."""
+    owner, _, rest = key.partition("/")
+    name, _, version = rest.rpartition("@")
+    if owner != tenant_id or not name or not version.isdigit():
+        return None
+    return name, int(version)
+
+
 class RegistryResolver:
     """Base models and adapter versions from the service's database; adapter files from its S3 store."""
 
@@ -60,4 +74,6 @@ class RegistryResolver:
             access_key=self.access_key,
             secret_key=self.secret_key,
         )
-        return ResolvedModel(name.base, model_dir, AdapterRef(f"{tenant_id}/{name.adapter}@{row.version}", source))
+        return ResolvedModel(
+            name.base, model_dir, AdapterRef(adapter_key(tenant_id, name.adapter, row.version), source)
+        )

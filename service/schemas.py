@@ -235,6 +235,33 @@ class AuditEntry(Schema):
     created_at: datetime
 
 
+# ---- serving fleet ----------------------------------------------------------------------------
+
+
+class ResidentAdapter(Schema):
+    name: str
+    version: int
+
+
+class WorkerStatus(Schema):
+    name: str = Field(description="'<base>-<index>', one worker per device")
+    base_model: str
+    device: str
+    engine: str
+    alive: bool
+    inflight: int = Field(description="requests submitted to the worker and not finished (its queue depth)")
+    max_inflight: int = Field(description="beyond this on every worker of the base, requests get 429")
+    requests: int = Field(description="requests sent to the worker since it started, every tenant's")
+    tokens: int = Field(description="tokens the worker generated since it started, every tenant's")
+    tokens_per_s: float = Field(description="tokens generated per second over the last 10 s")
+    adapters: list[ResidentAdapter] = Field(description="the caller's adapter versions loaded on the worker")
+
+
+class FleetStatus(Schema):
+    data: list[WorkerStatus]
+    starting: list[str] = Field(description="base models whose workers are starting")
+
+
 # ---- health -----------------------------------------------------------------------------------
 
 

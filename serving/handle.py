@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from inkwell.serving import messages
 from inkwell.serving.contract import EngineError, PrefixCacheStats, SamplingParams, StepOutput
+from inkwell.serving.stats import WorkerStats
 from inkwell.serving.worker import WorkerConfig, worker_main
 
 if TYPE_CHECKING:  # sources import boto3, which a GPU worker that never reads S3 need not have
@@ -78,6 +79,7 @@ class WorkerHandle:
         self.adapters: set[str] = set()
         self.inflight = 0
         self.cache_stats: PrefixCacheStats | None = None  # its engine's prefix cache counters, as last reported
+        self.stats = WorkerStats()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._loads: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._lock = threading.Lock()
@@ -116,6 +118,7 @@ class WorkerHandle:
         with self._lock:
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self.inflight += 1
+        self.stats.request()
         self.inbox.put(messages.Generate(rid, list(prompt_ids), params, adapter_key))
         return RequestStream(self, rid, params.n, q)
 
@@ -168,6 +171,7 @@ class WorkerHandle:
     def _dispatch(self, msg: messages.ToHandle) -> None:
         match msg:
             case messages.Outputs(outputs=outputs):
+                self.stats.produced(sum(len(out.token_ids) for out in outputs))
                 for out in outputs:
                     self._deliver(out.request_id, out)
             case messages.RequestFailed(request_id=rid, code=code, message=message, param=param):

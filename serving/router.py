@@ -100,6 +100,10 @@ class ServingRouter:
         workers = [w for w in await self.workers_for(base) if w.alive]
         await asyncio.gather(*(w.load_adapter(adapter.key, adapter.source) for w in workers))
 
+    def fleet(self) -> dict[str, list[WorkerHandle]]:
+        """The workers of each base model started so far; a base whose workers are still starting has none yet."""
+        return {**{base: [] for base in self._starting}, **self.workers}
+
     def close(self) -> None:
         for workers in self.workers.values():
             for worker in workers:

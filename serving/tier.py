@@ -91,6 +91,10 @@ class ServingTier:
         weights: the adapter only, in memory, not through the object store)."""
         await self.router.preload(base, adapter)
 
+    def fleet(self) -> dict[str, list[WorkerHandle]]:
+        """Each base model's workers, for the status route (the service reads their state, never drives them)."""
+        return self.router.fleet()
+
     def cache_stats(self) -> dict[str, PrefixCacheStats]:
         """Each running worker's prefix cache counters as it last reported them, by worker name (for /metrics)."""
         workers = (w for ws in list(self.router.workers.values()) for w in ws)

@@ -1,4 +1,5 @@
-"""OpenAI-compatible generation: POST /v1/completions and /v1/chat/completions.
+"""OpenAI-compatible generation: POST /v1/completions and /v1/chat/completions; GET /v1/serving/workers, the fleet's
+status.
 
 `model` is "<base>" or "<base>:<adapter>[@<version>|@<alias>]", resolved for the caller's tenant
 (another tenant's adapter is a 404, like a missing one). Responses stream as server-sent events
@@ -31,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
 from inkwell.service.metrics import PrefixCacheCollector
-from inkwell.service.model_resolver import RegistryResolver
+from inkwell.service.model_resolver import RegistryResolver, owned_adapter
 from inkwell.service.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -52,6 +53,7 @@ from inkwell.service.openai_protocol import (
     error_body,
     step_logprobs,
 )
+from inkwell.service.schemas import FleetStatus, ResidentAdapter, WorkerStatus
 from inkwell.serving.contract import Choice, EngineError, SamplingParams, StepOutput
 from inkwell.serving.handle import AdapterLoadError, RequestStream, WorkerDiedError
 from inkwell.serving.resolve import ModelMismatchError, ModelNotFoundError, ResolvedModel
@@ -407,3 +409,32 @@ async def chat_completions(request: Request, tenant: str) -> Response:
     ]
     usage = Usage.of(len(prompt), sum(c.completion_tokens for c in choices.values()))
     return _json(ChatCompletion(id=rid, created=created, model=body.model, choices=data, usage=usage))
+
+
+@router.get("/serving/workers", response_model=FleetStatus)
+def serving_workers(request: Request, tenant: str = Depends(tenant_id)) -> FleetStatus:
+    """The serving workers of every base model, their load and the caller's adapters resident on each. Workers are
+    shared by every tenant (their counts are the fleet's); another tenant's adapters are left out."""
+    tier: ServingTier = request.app.state.serving
+    fleet = tier.fleet()
+    workers = [
+        WorkerStatus(
+            name=handle.config.name,
+            base_model=base,
+            device=handle.config.engine.device,
+            engine=handle.config.engine_kind,
+            alive=handle.alive,
+            inflight=handle.inflight,
+            max_inflight=tier.settings.max_inflight_per_worker,
+            requests=handle.stats.requests,
+            tokens=handle.stats.tokens,
+            tokens_per_s=handle.stats.tokens_per_s(),
+            adapters=[
+                ResidentAdapter(name=name, version=version)
+                for name, version in sorted(filter(None, (owned_adapter(key, tenant) for key in set(handle.adapters))))
+            ],
+        )
+        for base, handles in sorted(fleet.items())
+        for handle in handles
+    ]
+    return FleetStatus(data=workers, starting=sorted(base for base, handles in fleet.items() if not handles))

@@ -1,4 +1,5 @@
-"""Training sessions (`/v1/sessions`), sampling (`/v1/sample`, `/v1/compute_logprobs`) and futures (`/v1/futures`).
+"""Training sessions (`/v1/sessions`, each with its history of metrics),
+sampling (`/v1/sample`, `/v1/compute_logprobs`) and futures (`/v1/futures`).
 
 Every training or sampling request is checked at once (bad input is a 4xx naming the field and the datum index,
 and nothing is queued) and answers 202 with a future id; `GET /v1/futures/{id}?wait=30` long-polls its result.
@@ -28,11 +29,13 @@ from inkwell.service.sessions.schemas import (
     FutureRef,
     LoadRequest,
     OptimStepRequest,
+    PendingFuture,
     SampleRequest,
     SamplerSaveRequest,
     SaveRequest,
     Session,
     SessionCreate,
+    SessionHistory,
 )
 from inkwell.service.sessions.settings import SessionSettings
 from inkwell.trainer.core import AdamParams
@@ -112,6 +115,17 @@ def list_sessions(request: Request, principal: Principal = Depends(current_princ
 def get_session(session_id: str, request: Request, principal: Principal = Depends(current_principal)) -> Session:
     manager = _manager(request)
     return _view(manager, manager.get(principal.tenant_id, session_id))
+
+
+@router.get("/sessions/{session_id}/history", response_model=SessionHistory)
+def session_history(
+    session_id: str, request: Request, principal: Principal = Depends(current_principal)
+) -> SessionHistory:
+    """The metrics of the session's training requests over its steps, and its requests in flight."""
+    manager = _manager(request)
+    live = manager.get(principal.tenant_id, session_id)
+    pending = [PendingFuture(id=f.id, kind=f.kind, created_at=f.created_at) for f in manager.futures.pending(live.id)]
+    return SessionHistory(session_id=live.id, points=list(live.history), pending=pending)
 
 
 @router.post("/sessions/{session_id}/heartbeat", response_model=Session)

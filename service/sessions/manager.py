@@ -10,9 +10,11 @@ memory (the adapter only; the base stays resident; no disk or S3 on the way).
 import asyncio
 import json
 import logging
+import math
 import secrets
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -26,10 +28,12 @@ from inkwell.models.routing import RoutingShape
 from inkwell.service.db import repo
 from inkwell.service.db.models import utcnow
 from inkwell.service.errors import APIError, not_found
+from inkwell.service.model_resolver import adapter_key
 from inkwell.service.registry import Publication, publish
 from inkwell.service.sessions import messages
 from inkwell.service.sessions.futures import Future, FutureStore
 from inkwell.service.sessions.handle import Finish, FinishError, SessionHandle, SessionStartError
+from inkwell.service.sessions.schemas import SessionPoint
 from inkwell.service.sessions.settings import SessionSettings
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectMissing, ObjectStore
@@ -40,6 +44,8 @@ from inkwell.serving.tier import ServingTier
 log = logging.getLogger("inkwell.sessions")
 STATE_META = "session.json"
 CLOSED_KEPT = 1000  # closed sessions remembered, so an owner coming back learns why
+HISTORY_KEPT = 2000  # training requests' metrics remembered per session (the console draws them)
+RECORDED_KINDS = ("forward_backward", "forward", "optim_step")
 
 
 def state_prefix(tenant_id: str, session_id: str, name: str) -> str:
@@ -68,9 +74,15 @@ class LiveSession:
     closed_reason: str | None = None
     handle: SessionHandle | None = None
     saving: set[str] = field(default_factory=set)  # state names whose save is queued or running
+    history: deque[SessionPoint] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
 
     def touch(self) -> None:
         self.last_active, self.last_active_at = time.monotonic(), utcnow()
+
+    def record(self, kind: str, metrics: dict[str, float]) -> None:
+        """Remember a finished training request's metrics at the session's step (non-finite values as null)."""
+        finite = {k: float(v) if math.isfinite(v) else None for k, v in metrics.items()}
+        self.history.append(SessionPoint(kind=kind, step=self.step, metrics=finite, finished_at=utcnow()))
 
 
 class SessionManager:
@@ -235,8 +247,11 @@ class SessionManager:
     # ---- requests ----
 
     def submit(self, live: LiveSession, kind: str, op, finish: Finish | None = None) -> Future:
-        """Queue an operation (built from the future's id) behind every earlier one of the session."""
+        """Queue an operation (built from the future's id) behind every earlier one of the session; a training
+        request's metrics go into the session's history as it finishes."""
         future = self.futures.create(live.tenant_id, kind, live.id)
+        if kind in RECORDED_KINDS:
+            finish = _recording(live, kind, finish)
         live.handle.send(op(future.id), future, finish)
         return future
 
@@ -308,7 +323,7 @@ class SessionManager:
             try:
                 version = await asyncio.to_thread(self._publish, live, result, alias)
                 published = time.perf_counter()
-                key = f"{live.tenant_id}/{live.adapter_name}@{version}"
+                key = adapter_key(live.tenant_id, live.adapter_name, version)
                 if self.serving is not None:
                     await self.serving.preload(live.base_model, AdapterRef(key, MemorySource(result["adapter"])))
             finally:
@@ -347,3 +362,14 @@ class SessionManager:
                 repo.set_alias(s, live.tenant_id, live.adapter_name, alias, row.version)
                 s.commit()
         return row.version
+
+
+def _recording(live: LiveSession, kind: str, finish: Finish | None) -> Finish:
+    """`finish` (if any), then the result's metrics recorded at the step it leaves the session at."""
+
+    async def recorded(result: dict[str, Any]) -> Any:
+        value = await finish(result) if finish is not None else result
+        live.record(kind, result.get("metrics", {}))
+        return value
+
+    return recorded

@@ -146,3 +146,24 @@ class Future(BaseModel):
     result: Any = None
     error: ErrorBody | None = None
     created_at: datetime
+
+
+class SessionPoint(BaseModel):
+    """The metrics of one training request of a session, as it finished."""
+
+    kind: Literal["forward_backward", "forward", "optim_step"]
+    step: int = Field(description="the session's optimizer steps once the request finished")
+    metrics: dict[str, float | None] = Field(description="the request's metrics (`loss:sum`, `grad_norm:mean`, ...)")
+    finished_at: datetime
+
+
+class PendingFuture(BaseModel):
+    id: str
+    kind: str
+    created_at: datetime
+
+
+class SessionHistory(BaseModel):
+    session_id: str
+    points: list[SessionPoint] = Field(description="oldest first; the last 2000 training requests")
+    pending: list[PendingFuture] = Field(description="the session's requests in flight, in submission order")
