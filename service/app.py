@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import inkwell
+from inkwell.service import console
 from inkwell.service.bootstrap import ensure_preset_models
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
@@ -34,7 +35,14 @@ from inkwell.service.storage import ObjectStore, StorageUnavailable
 from inkwell.service.storage.seaweed import start_embedded
 
 log = logging.getLogger("inkwell.service")
-CORE_ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, datasets.router, jobs.router, adapters.router)
+CORE_ROUTERS: tuple[APIRouter, ...] = (
+    health.router,
+    models.router,
+    datasets.router,
+    jobs.router,
+    adapters.router,
+    console.router,
+)
 EXTENSION_MODULES: tuple[str, ...] = (
     "inkwell.service.routers.openai",
     "inkwell.service.routers.sessions",
