@@ -88,6 +88,12 @@ class TrainingHyperparameters(BaseModel):
     eval_every: int = Field(0, ge=0, le=MAX_INT64, description="steps between eval passes; 0 = only at start and end")
 
 
+def layers_compile(device: str, dtype: str) -> bool:
+    """Whether decoder layers can be compiled: on CUDA in bf16 only (torch's grouped GEMM, the experts, has no
+    compiled fp32 form)."""
+    return device.startswith("cuda") and dtype == "bfloat16"
+
+
 class TrainJobConfig(TrainingHyperparameters):
     """One SFT job: the training knobs plus data and output paths, LoRA, resume point and parallel layout."""
 
@@ -119,8 +125,8 @@ class TrainJobConfig(TrainingHyperparameters):
     @property
     def compile_mode(self) -> str | None:
         """The torch.compile mode the layers get on this device and dtype (None: not compiled)."""
-        if self.device != "cuda" or self.dtype != "bfloat16" or self.compile == "none":
-            return None  # torch's grouped GEMM (the experts) compiles in bf16 only
+        if not layers_compile(self.device, self.dtype) or self.compile == "none":
+            return None
         if self.compile == "auto":  # compiled layers around NCCL collectives are not verified: one process only
             if self.nproc > 1:
                 return None

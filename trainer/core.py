@@ -46,7 +46,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # mask and softmax (faster than SDPA and FlexAttention here: docs/benchmarks.md)
 ATTENTION = {"cpu": "eager", "cuda": "eager"}
 # Datum rows are padded to a multiple of this many tokens: few distinct shapes for compiled layers, and rows
-# that split evenly over any power-of-two TP group under sequence parallelism.
+# that split evenly over any power-of-two TP group under sequence parallelism. Under CUDA graphs (one recorded
+# graph per shape) they are padded to a power of two instead: a handful of graphs for any mix of lengths.
 ROW_MULTIPLE = 64
 
 
@@ -94,9 +95,10 @@ class TrainingCore:
         self.routing_shape = RoutingShape.of(hf_config)
         self.layout = current_layout()
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        # CUDA-graph trees record one graph per shape, and treat every call without autograd as a new step that
-        # may overwrite an output still in use: datums (any shape) and no-grad passes run the layers eagerly
-        self.eager_stance = "force_eager" if compile_mode == "reduce-overhead" else "default"
+        # CUDA-graph trees treat every call without autograd as a new step that may overwrite an output still in
+        # use: no-grad passes (and routing replay, a per-call input the graphs do not see) run the layers eagerly
+        self.graphs = compile_mode == "reduce-overhead"
+        self.eager_stance = "force_eager" if self.graphs else "default"
         self.batch_tokens = batch_tokens
         self.model = InklingGPT(
             hf_config, lora, DTYPES[dtype], device, ATTENTION[device], compile_mode, sequence_parallel
@@ -106,6 +108,7 @@ class TrainingCore:
         self.params = [p for p in self.model.parameters() if is_lora(p)]
         # every hyper-parameter is set by each optim_step
         self.optimizer = torch.optim.AdamW(self.params, fused=self.device.type == "cuda")
+        self._zero_grads()
         self.step = 0
         self.model.train()
 
@@ -178,7 +181,8 @@ class TrainingCore:
         )
         logprobs: list[list[float]] = []
         totals: dict[str, torch.Tensor] = {}
-        with torch.compiler.set_stance(self.eager_stance):
+        replayed = any(trace is not None for trace in request.routing)
+        with torch.compiler.set_stance("default" if backward and not replayed else self.eager_stance):
             for group in self._groups([len(t) for t in request.tokens]):
                 rows, inputs, routing = self._datum_rows(request, group)
                 logp, sums = self.forward_rows(rows, request.loss, request.config, inputs, backward, routing)
@@ -191,11 +195,15 @@ class TrainingCore:
             out |= consistency_metrics(logprobs, [i["logprobs"] for i in given], [i["advantages"] for i in given])
         return ForwardResult(logprobs, out)
 
+    def _width(self, n: int) -> int:
+        """The padded row width of datums of at most `n` tokens."""
+        return max(ROW_MULTIPLE, 1 << (n - 1).bit_length()) if self.graphs else _round_up(n)
+
     def _groups(self, lengths: list[int]) -> Iterator[list[int]]:
         """Consecutive datums whose padded rows fit `batch_tokens` per rank (at least one datum each)."""
         dp, group, longest = self.layout.dp, [], 0
         for i, n in enumerate(lengths):
-            padded = _round_up(max(longest, n))
+            padded = self._width(max(longest, n))
             if group and math.ceil((len(group) + 1) / dp) * padded > self.batch_tokens:
                 yield group
                 group, longest = [], 0
@@ -211,7 +219,7 @@ class TrainingCore:
         inputs and, where a datum of the group has a routing trace, the ids to replay per MoE layer."""
         per_rank = math.ceil(len(group) / self.layout.dp)
         mine = group[self.layout.dp_rank * per_rank :][:per_rank]
-        width = _round_up(max(len(request.tokens[i]) for i in group))
+        width = self._width(max(len(request.tokens[i]) for i in group))
         ids = torch.zeros((per_rank, width), dtype=torch.long)
         segments = torch.ones((per_rank, width), dtype=torch.long)
         mask = torch.zeros((per_rank, width))
@@ -274,7 +282,7 @@ class TrainingCore:
             for p in self.params:
                 p.grad.mul_(scale)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         self.step += 1
         return {"grad_norm:mean": norm.item(), "learning_rate:mean": params.learning_rate, "step:max": float(self.step)}
 
@@ -333,7 +341,17 @@ class TrainingCore:
         if not with_optimizer:
             self.optimizer.state.clear()
         self.step = step if with_optimizer else 0
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
+
+    def _zero_grads(self) -> None:
+        """Drop the accumulated gradients. Under CUDA graphs they stay allocated (zeroed): a gradient that backward
+        adopted as the graph's own output buffer would be overwritten by the next replay, so it must add into
+        tensors of its own (which is what lets forward_backward accumulate over calls there)."""
+        self.optimizer.zero_grad(set_to_none=not self.graphs)
+        if self.graphs:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def adapter(self, metadata: dict | None = None) -> Adapter:
         """Collective: a snapshot of the LoRA tensors (later steps leave it as it is), gathered whole on every rank,

@@ -20,6 +20,7 @@ from inkwell.adapters.layouts import LAYOUTS
 from inkwell.models import load_base_config
 from inkwell.service.sessions import messages
 from inkwell.service.storage import ObjectStore
+from inkwell.trainer.config import layers_compile
 from inkwell.trainer.core import TrainingCore
 from inkwell.trainer.datums import DatumError
 from inkwell.trainer.parallel import model_parallel
@@ -99,6 +100,8 @@ def session_main(config: messages.SessionConfig, inbox, outbox) -> None:
                     seed=config.seed,
                     device=config.device,
                     dtype=config.dtype,
+                    # one process, any datum shapes: CUDA graphs per power-of-two row width (trainer/core.py)
+                    compile_mode="reduce-overhead" if layers_compile(config.device, config.dtype) else None,
                 )
                 worker = SessionWorker(config, core, outbox)
                 if config.initial_state is not None:

@@ -103,15 +103,16 @@ def test_compiled_layers_equal_eager(tiny_model_dir, mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_core_answers_datums_like_the_eager_one(tiny_model_dir, mode):
-    """Datums of several lengths through a bf16 core with compiled layers (under reduce-overhead the datum path runs
-    them eagerly) give the eager core's losses and logprobs to bf16 noise, over two steps; packed rows of one shape
-    (the SFT path, CUDA graphs under reduce-overhead) still train on the same core after them."""
+    """Datums of several lengths through a bf16 core with compiled layers (under reduce-overhead their rows are
+    padded to a power of two and replay CUDA graphs) give the eager core's losses and logprobs to bf16 noise, over
+    two steps that each accumulate two forward_backward calls of different widths; packed rows of one shape (the SFT
+    path) still train on the same core after them."""
     from inkwell.adapters.spec import LoraSpec
     from inkwell.trainer.core import AdamParams, TrainingCore
     from inkwell.trainer.dataset import Rows
     from inkwell.trainer.losses import CROSS_ENTROPY
     from inkwell.trainer.parallel import model_parallel
-    from tests.trainer.test_core import ppo_datums
+    from tests.trainer.test_core import datums, ppo_datums
 
     spec = LoraSpec(rank=4, alpha=8, targets=["attn", "mlp", "experts", "shared_experts", "lm_head"])
     adam = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
@@ -122,9 +123,9 @@ def test_compiled_core_answers_datums_like_the_eager_one(tiny_model_dir, mode):
         core = TrainingCore.create(tiny_model_dir, spec, device="cuda", dtype="bfloat16", compile_mode=compile_mode)
         steps = []
         for _ in range(2):
-            out = core.forward_backward(ppo_datums(), "ppo")
+            steps.append(core.forward_backward(ppo_datums(), "ppo"))
+            steps.append(core.forward_backward(datums([100, 70], seed=3), "cross_entropy"))
             core.optim_step(adam)
-            steps.append(out)
         for _ in range(3):
             _, sums = core.forward_rows(rows, CROSS_ENTROPY, {}, {"weights": rows.loss_mask / 192}, backward=True)
             core.optim_step(adam)
@@ -142,4 +143,4 @@ def test_compiled_core_answers_datums_like_the_eager_one(tiny_model_dir, mode):
         assert abs(ours.metrics["loss:sum"] - ref.metrics["loss:sum"]) < 2e-2 * abs(ref.metrics["loss:sum"])
         for a, b in zip(ours.logprobs, ref.logprobs, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0.05, atol=0.1)
-    assert eager[4] < eager[2], "the row steps must train"
+    assert eager[6] < eager[4], "the row steps must train"
