@@ -117,7 +117,8 @@ def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tin
     requests = [Request("x", prompt_x, GREEDY, "a2"), Request("y", prompt_y, GREEDY, "a1")]
     after = engine.generate(requests)
     assert engine.lora.slot_of("a2") == 0
-    assert engine.decoder.graphs.keys() == captured.keys()
+    # a2 may end x on another step than a0 did, so a smaller batch bucket can be captured too; the captured ones stay
+    assert captured.keys() <= engine.decoder.graphs.keys()
     assert all(engine.decoder.graphs[k][0] is graph for k, (graph, _) in captured.items())
     assert after["x"][0].token_ids != before["x"][0].token_ids  # the new adapter really decodes x
     fresh = cuda_engine(tiny_model_dir, [], "bfloat16", cuda_graphs=False)
