@@ -145,10 +145,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
+    parser.add_argument("--modes", nargs="+", default=[m or "none" for m in MODES], help="compile modes to time")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    modes = MODES if args.device == "cuda" else [None]
+    modes = [None if m == "none" else m for m in args.modes] if args.device == "cuda" else [None]
 
     base_dir = init_base_model(args.preset, Path(tempfile.mkdtemp()) / args.preset, seed=0)
     spec = LoraSpec(rank=args.rank, alpha=2 * args.rank, targets=["attn", "mlp", "experts"])
