@@ -77,9 +77,10 @@ class PrefixCache:
     def usable(self, prompt_len: int) -> int:
         """The longest prefix of a prompt of `prompt_len` tokens that may come from the cache: whole blocks, and
         never the last token, whose forward gives the first generated token's logits."""
-        return (prompt_len - 1) // self.block * self.block
+        return self.aligned(prompt_len - 1)
 
     def aligned(self, tokens: int) -> int:
+        """`tokens` rounded down to whole blocks."""
         return tokens // self.block * self.block
 
     # ---- lookup and attach -------------------------------------------------------------------------
