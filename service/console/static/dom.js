@@ -46,9 +46,10 @@ export function when(iso) {
 export function num(x, digits = 4) {
   if (x === null || x === undefined) return "—";
   if (typeof x !== "number") return String(x);
-  if (Number.isInteger(x)) return x.toLocaleString();
   const a = Math.abs(x);
-  return a !== 0 && (a < 1e-3 || a >= 1e5) ? x.toExponential(2) : x.toPrecision(digits);
+  if (Number.isInteger(x) || (a >= 1000 && a < 1e7)) return Math.round(x).toLocaleString();
+  if (a !== 0 && (a < 1e-3 || a >= 1e7)) return x.toExponential(2);
+  return String(Number(x.toPrecision(digits)));
 }
 
 export function badge(state) {
