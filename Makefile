@@ -47,7 +47,16 @@ $(COOKBOOK_STAMP): $(STAMP)
 	$(PY) -m pip install -q $(COOKBOOK_TEST_DEPS)
 	touch $(COOKBOOK_STAMP)
 
-test: $(STAMP) $(SGLANG_STAMP) $(COOKBOOK_STAMP)
+# Debian's chromium and chromium-driver run the web console's end-to-end tests (tests/console, through Selenium).
+CHROMIUM_STAMP := $(VENV)/.chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+$(CHROMIUM_STAMP): $(STAMP)
+	(command -v chromium && command -v chromedriver) >/dev/null || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver)
+	touch $(CHROMIUM_STAMP)
+
+test: $(STAMP) $(SGLANG_STAMP) $(COOKBOOK_STAMP) $(CHROMIUM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
