@@ -191,6 +191,7 @@ def main() -> int:
         console.rule("[bold]inkwell demo")
         console.print(f"starting the embedded service at {service.url} (log: {service.log_path})")
         key = service.start()
+        console.print(f"web console while the demo runs: [bold]{service.url}/console/[/] (log in with the key {key})")
         client = sdk.Client(service.url, key)
         splits = {
             task: make_split(task, args.train_examples + args.eval_examples, seed=i) for i, task in enumerate(TASKS)

@@ -29,6 +29,7 @@ def test_demo_trains_publishes_and_serves_two_adapters_then_runs_grpo(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:] + (tmp_path / "service.log").read_text()[-4000:]
     assert "each adapter does its own task" in out and "GRPO raised the reward" in out
+    assert "/console/" in out  # the web console's address
     for png in ("sentiment-loss.png", "parity-loss.png", "grpo-reward.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # everything the demo started is gone: no process still serves from its data directory
