@@ -132,6 +132,7 @@ def test_log_in_keeps_the_key_out_of_urls_and_storage(console, browser, tenant_a
     go(browser, console.url, "#/jobs")
     field = wait_for(browser, lambda d: d.find_element(By.ID, "key"), what="the login form")
     assert browser.switch_to.active_element == field  # focused: type and press Enter
+    assert not browser.find_element(By.ID, "nav").is_displayed()
     screenshot("login")
     field.send_keys("ink_not-a-key", Keys.ENTER)
     wait_for(browser, lambda d: "not accepted" in text_of(d, ".login .error"), what="the refusal")

@@ -2,7 +2,7 @@
 
 import { h, num, s } from "./dom.js";
 
-const W = 640;
+const FALLBACK_WIDTH = 640; // before the chart is on the page; then its own width in CSS pixels
 const H = 240;
 const M = { left: 60, right: 16, top: 14, bottom: 38 };
 export const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
@@ -41,7 +41,7 @@ export class Chart {
     this.xLabel = xLabel;
     this.yLabel = yLabel;
     this.series = series.map((sr, i) => ({ ...sr, color: COLORS[i % COLORS.length], points: [] }));
-    this.svg = s("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", class: "chart-svg"});
+    this.svg = s("svg", { height: H, role: "img", class: "chart-svg" });
     const legend = h(
       "ul",
       { class: "legend" },
@@ -51,6 +51,7 @@ export class Chart {
     );
     this.el = h("figure", { class: "chart", "data-chart": title }, h("figcaption", {}, title), this.svg, legend);
     this.pending = null;
+    new ResizeObserver(() => this.schedule()).observe(this.svg); // drawn at its width: text never scales
     this.draw();
   }
 
@@ -79,6 +80,8 @@ export class Chart {
 
   draw() {
     this.pending = null;
+    const W = Math.round(this.svg.getBoundingClientRect().width) || FALLBACK_WIDTH;
+    this.svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
     const all = this.series.flatMap((sr) => sr.points);
     const plot = [];
     if (!all.length) {
