@@ -271,7 +271,7 @@ def test_a_sessions_metrics_over_steps(console, browser, warm, screenshot):
     screenshot("sessions")
 
 
-def test_tenant_b_sees_none_of_tenant_as_objects(console, browser, tenant_b, running_job, screenshot):
+def test_tenant_b_sees_none_of_tenant_as_objects(console, browser, tenant_b, running_job, warm):
     browser.find_element(By.ID, "logout").click()
     log_in(browser, console.url, tenant_b[1])
     wait_for(browser, lambda d: "No jobs yet" in d.find_element(By.TAG_NAME, "main").text)
@@ -283,6 +283,9 @@ def test_tenant_b_sees_none_of_tenant_as_objects(console, browser, tenant_b, run
     go(browser, console.url, "#/serving")
     wait_for(browser, lambda d: "none of yours" in text_of(d, "#workers-table"), what="the worker without A's adapter")
     assert ADAPTER not in browser.find_element(By.TAG_NAME, "main").text
+    with console.client(tenant_b[1]) as api_b:  # the routes the pages read answer B as the API does
+        assert api_b.get(f"/v1/sessions/{warm['session'].result().id}/history").status_code == 404
+        assert all(not w["adapters"] for w in api_b.get("/v1/serving/workers").json()["data"])
 
 
 def test_narrow_window_has_no_sideways_scroll(console, browser, tenant_a, running_job, screenshot):
