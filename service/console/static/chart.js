@@ -5,7 +5,7 @@ import { h, num, s } from "./dom.js";
 const FALLBACK_WIDTH = 640; // before the chart is on the page; then its own width in CSS pixels
 const H = 240;
 const M = { left: 60, right: 16, top: 14, bottom: 38 };
-export const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
+const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
 
 /** About `count` round tick values covering [lo, hi]. */
 function ticks(lo, hi, count = 5) {
