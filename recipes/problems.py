@@ -1,28 +1,27 @@
-"""Verifiable problems for RL: a JSONL file of `{"prompt", "answer"}` lines.
+"""Verifiable problems for RL: a JSONL file of `{"prompt", "answer"}` lines, the dataset format's prompt/answer
+records (`inkwell.trainer.records`, the rules a dataset upload checks too).
 
 The answer is what a verifier (`inkwell.trainer.verifiers`) compares a completion with: the expected text for
 `exact_match`, a pattern for `regex`.
 """
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
+from inkwell.trainer.records import JsonlError, PromptAnswer, PromptCompletion, parse_jsonl
 
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
+Problem = PromptAnswer  # one record of the dataset format, not a second definition
 
 
-def load_problems(path: str | Path) -> list[Problem]:
-    """Every line of a JSONL file as a Problem; a line without a string `prompt` and `answer` is an error."""
-    problems = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("answer"), str)):
-            raise ValueError(f"{path}:{number}: a problem is an object with string 'prompt' and 'answer'")
-        problems.append(Problem(row["prompt"], row["answer"]))
-    return problems
+def load_problems(path: str | Path, answer: str | None = None) -> list[Problem]:
+    """Every line of a JSONL file as a Problem. With `answer`, every prompt gets that answer and the lines need
+    prompts only (prompt/completion lines do too); without, they are prompt/answer lines."""
+    try:
+        lines = parse_jsonl(Path(path).read_bytes())
+    except JsonlError as exc:
+        raise ValueError(f"{path}:{exc.line}: {exc.reason}") from exc
+    records = [record for _, record in lines]
+    if answer is not None and all(isinstance(r, PromptAnswer | PromptCompletion) for r in records):
+        return [PromptAnswer(r.prompt, answer) for r in records]
+    if not all(isinstance(r, PromptAnswer) for r in records):
+        raise ValueError(f'{path}: {records[0].format} lines; problems are {{"prompt", "answer"}} lines')
+    return records

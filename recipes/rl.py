@@ -1,4 +1,4 @@
-"""GRPO with LoRA on a training session, written against the public SDK only.
+"""GRPO with LoRA on a training session, written against the public SDK's primitives only.
 
     tokenizer = load_tokenizer(model_dir)                        # inkwell.models
     problems = load_problems("problems.jsonl")                   # {"prompt", "answer"} lines
@@ -10,6 +10,9 @@ client, takes reward minus its group's mean as each completion's advantage, trai
 against the sampler's logprobs (the prompt is not trained on), takes an optimizer step and publishes the adapter
 for the next step's sampling. Steps are the session's optimizer steps and a step's prompts and seeds follow from
 (seed, step) alone, so a run resumed from a saved state takes the steps the original run would have taken.
+
+The session is anything with those primitives (`inkwell.recipes.primitives`): the SDK's, or the in-process ones an
+RL job of the service runs this same loop on (`inkwell.recipes.local`, `inkwell.recipes.job`).
 """
 
 import math
@@ -18,7 +21,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,8 +29,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from inkwell.models import encode_prompt_completion
+from inkwell.recipes.primitives import Sampler, Session, Weights
 from inkwell.recipes.problems import Problem
-from inkwell.sdk.sessions import SamplerWeights, SamplingClient, TrainingSession
 from inkwell.trainer.verifiers import RewardFn
 
 
@@ -53,14 +56,16 @@ class RLConfig:
 
 @dataclass(frozen=True)
 class StepReport:
-    """One step: its mean reward, how far the trainer's logprobs of the sampled tokens were from the sampler's
-    (both under the same weights, so any gap is numerical: KL(sampler || trainer) by the k1 and k3 estimators, the
-    mean and largest |log p - log q|, as forward_backward reports them over the tokens it trained on:
-    trainer/consistency.py), and where its time went (sampling, forward_backward + optim_step, and sync:
-    save_weights_for_sampler)."""
+    """One step: its mean reward, its loss (summed over the sampled tokens), how far the trainer's logprobs of the
+    sampled tokens were from the sampler's (both under the same weights, so any gap is numerical: KL(sampler ||
+    trainer) by the k1 and k3 estimators, the mean and largest |log p - log q|, as forward_backward reports them
+    over the tokens it trained on: trainer/consistency.py), and where its time went (sampling, forward_backward +
+    optim_step, and sync: save_weights_for_sampler)."""
 
     step: int
     reward: float
+    loss: float
+    tokens: int  # sampled (and trained on)
     kl_k1: float
     kl_k3: float
     logprob_diff_mean: float
@@ -122,14 +127,14 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequenc
 
 
 def rl_step(
-    session: TrainingSession,
-    sampler: SamplingClient,
+    session: Session,
+    sampler: Sampler,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
     reward_fn: RewardFn,
     config: RLConfig,
     step: int,
-) -> tuple[StepReport, SamplerWeights]:
+) -> tuple[StepReport, Weights]:
     """One GRPO step from the sampler's weights (the session's `step`); its report and the weights after it."""
     rng = random.Random(f"{config.seed}:{step}")
     picked = rng.sample(range(len(problems)), min(config.prompts_per_step, len(problems)))
@@ -164,6 +169,8 @@ def rl_step(
     report = StepReport(
         step,
         statistics.fmean(r for row in rewards for r in row),
+        metrics["loss:sum"],
+        sum(len(s["tokens"]) for _, s in samples),
         *(metrics[k] for k in ("kl_k1:mean", "kl_k3:mean", "logprob_diff:mean", "logprob_diff:max")),
         sample_seconds=sampled - began,
         train_seconds=trained - sampled,
@@ -174,7 +181,7 @@ def rl_step(
 
 
 def grpo(
-    session: TrainingSession,
+    session: Session,
     tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
     reward_fn: RewardFn,
@@ -182,9 +189,11 @@ def grpo(
     *,
     resume_from: str | None = None,
     progress: bool = True,
+    on_step: Callable[[StepReport], None] | None = None,
 ) -> list[StepReport]:
     """Train `session` by GRPO until it has taken `config.steps` optimizer steps (from a saved state's step with
-    `resume_from`, '<session>/<name>'); one report per step, also printed under a progress bar."""
+    `resume_from`, '<session>/<name>'); one report per step, also printed under a progress bar and handed to
+    `on_step` (which may raise to stop the run after that step)."""
     if resume_from is not None:
         session.load_state(resume_from).result(config.timeout)
     weights = session.save_weights_for_sampler().result(config.timeout)
@@ -196,6 +205,8 @@ def grpo(
                 session, session.sampling_client(weights), tokenizer, problems, reward_fn, config, step
             )
             reports.append(report)
+            if on_step is not None:
+                on_step(report)
             if progress:
                 bar.write(report.line(), file=sys.stderr)
             seconds = report.sample_seconds + report.train_seconds + report.sync_seconds

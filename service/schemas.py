@@ -6,11 +6,19 @@ The SDK and the CLI are written against these models, so they change only by add
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 from inkwell.adapters.layouts import Layout
 from inkwell.adapters.spec import LoraSpec
-from inkwell.trainer.config import MAX_INT64, NAME_RULE, TrainingHyperparameters
+from inkwell.trainer.config import MAX_INT64, NAME_RULE, GrpoHyperparameters, TrainingHyperparameters
 from inkwell.trainer.records import DatasetFormat
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -102,6 +110,14 @@ class Hyperparameters(TrainingHyperparameters):
         return value
 
 
+Method = Literal["sft", "grpo"]
+# A job body's `hyperparameters`, by its method.
+HYPERPARAMETERS: dict[str, type[Hyperparameters | GrpoHyperparameters]] = {
+    "sft": Hyperparameters,
+    "grpo": GrpoHyperparameters,
+}
+
+
 class JobCreate(Schema):
     model_config = ConfigDict(extra="forbid")
 
@@ -109,9 +125,20 @@ class JobCreate(Schema):
     dataset_id: SqlId
     eval_dataset_id: SqlId | None = None
     adapter_name: str = Field(description=f"registry name of the adapter this job publishes; {NAME_RULE}")
-    method: Literal["sft"] = "sft"
+    method: Method = Field("sft", description="sft: supervised on completions; grpo: RL scored by a verifier")
     lora: LoraSpec = Field(default_factory=LoraSpec)
-    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    hyperparameters: Hyperparameters | GrpoHyperparameters = Field(
+        default_factory=Hyperparameters, description="the knobs of the job's method (SFT's or GRPO's)"
+    )
+
+    @field_validator("hyperparameters", mode="wrap")
+    @classmethod
+    def _of_method(
+        cls, value: object, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> Hyperparameters | GrpoHyperparameters:
+        """Validated as the method's model only: errors name that model's fields, not a union's."""
+        model = HYPERPARAMETERS[info.data.get("method", "sft")]
+        return value if isinstance(value, model) else model.model_validate(value)
 
 
 class JobErrorInfo(Schema):
@@ -124,6 +151,7 @@ class JobProgress(Schema):
     max_steps: int = 0
     loss: float | None = None
     tokens_per_s: float | None = None
+    reward: float | None = Field(None, description="grpo: the last step's mean reward")
 
 
 class Job(Schema):

@@ -8,12 +8,14 @@ A job's training knobs are defined once, in `TrainingHyperparameters`: `TrainJob
 import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from inkwell.adapters.spec import LoraSpec
+from inkwell.trainer.records import SFT_FORMATS, DatasetFormat
+from inkwell.trainer.verifiers import VERIFIERS
 
 # Adapter, alias and dataset names: a path segment that is safe in S3 keys, URLs and file names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -181,6 +183,81 @@ class TrainJobConfig(TrainingHyperparameters):
         return self
 
 
+class GrpoHyperparameters(BaseModel):
+    """An RL job's knobs (method `grpo`): GRPO as `inkwell.recipes.rl` runs it, scored by a built-in verifier named
+    here (no user code runs on the server), with the one set of defaults and bounds.
+
+    The API's job body takes them as `hyperparameters` when its method is `grpo`.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_steps: int = Field(20, ge=1, le=1_000_000, description="optimizer steps, one per group of prompts")
+    learning_rate: float = Field(1e-2, gt=0, le=1.0)
+    prompts_per_step: int = Field(8, ge=1, le=4096, description="problems sampled per step")
+    group_size: int = Field(8, ge=2, le=16, description="completions per prompt; advantage = reward - group mean")
+    max_tokens: int = Field(8, ge=1, le=131072, description="new tokens per completion")
+    temperature: float = Field(1.0, gt=0, le=2.0)
+    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "importance_sampling"
+    normalize_advantages: bool = Field(False, description="divide by the group's standard deviation as well")
+    verifier: str = Field("exact_match", description=f"a built-in verifier: {', '.join(VERIFIERS)}")
+    verifier_arg: str | None = Field(
+        None,
+        description="the answer every completion is compared with (for regex: the pattern), in place of each "
+        "dataset line's 'answer'; then the dataset needs prompts only",
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seeds the adapter's init, the prompts and the sampling")
+    checkpoint_every: int = Field(10, ge=1, le=MAX_INT64, description="steps between checkpoints (to resume)")
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, value: str) -> str:
+        if value not in VERIFIERS:
+            raise ValueError(f"unknown verifier {value!r}; built in: {', '.join(VERIFIERS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _pattern(self) -> Self:
+        if self.verifier == "regex" and self.verifier_arg is not None:
+            try:
+                re.compile(self.verifier_arg)
+            except re.error as exc:
+                raise ValueError(f"verifier_arg: {self.verifier_arg!r} is not a regular expression ({exc})") from exc
+        return self
+
+
+class GrpoJobConfig(GrpoHyperparameters):
+    """One RL job: the GRPO knobs plus the problems' path (JSONL of prompts and answers), output, LoRA, resume
+    point and device. It runs in one process: the training core and a native engine side by side."""
+
+    base_model_dir: Path
+    dataset_path: Path
+    output_dir: Path
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    method: Literal["grpo"] = "grpo"
+    resume_from: Path | None = None
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    adapter_name: str = Field("adapter", description=f"the name in the exported adapter's metadata; {NAME_RULE}")
+
+
+def dataset_problem(method: str, format: DatasetFormat, hyperparameters: BaseModel) -> str | None:
+    """Why a dataset of `format` cannot train a job of `method` with these hyperparameters, or None when it can:
+    SFT learns from completions; GRPO samples from prompts and, without a `verifier_arg`, scores against each
+    line's answer."""
+    if method == "sft" and format not in SFT_FORMATS:
+        return f"the dataset is {format}; SFT learns from completions: give chat or prompt/completion lines"
+    if method == "grpo" and format == "chat":
+        return "the dataset is chat; GRPO samples from prompts: give prompt/answer lines"
+    if method == "grpo" and format != "prompt_answer" and getattr(hyperparameters, "verifier_arg", None) is None:
+        verifier = getattr(hyperparameters, "verifier", "")
+        return (
+            f"the dataset is {format} and has no answers; verifier {verifier!r} compares each completion with its "
+            "line's 'answer': give prompt/answer lines, or hyperparameters.verifier_arg"
+        )
+    return None
+
+
 class TrainEvent(BaseModel):
     """Progress after an optimizer step (eval_loss when an eval pass ran at that step)."""
 
@@ -221,12 +298,12 @@ class TrainCallbacks:
         return False
 
 
-def parse_config(data: TrainJobConfig | dict) -> TrainJobConfig:
-    """A TrainJobConfig from a dict; the first invalid field becomes a TrainConfigError naming it."""
-    if isinstance(data, TrainJobConfig):
+def parse_config[M: BaseModel](data: M | dict, model: type[M] = TrainJobConfig) -> M:
+    """A TrainJobConfig (or `model`) from a dict; the first invalid field becomes a TrainConfigError naming it."""
+    if isinstance(data, model):
         return data
     try:
-        return TrainJobConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None

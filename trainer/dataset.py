@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.trainer.config import TrainConfigError
-from inkwell.trainer.records import Chat, JsonlError, Record, parse_jsonl
+from inkwell.trainer.records import SFT_FORMATS, Chat, JsonlError, Record, parse_jsonl
 
 BUNDLED = Path(__file__).parent / "data"
 
@@ -54,6 +54,13 @@ def load_examples(
         lines = parse_jsonl(path.read_bytes())
     except JsonlError as exc:
         raise TrainConfigError(f"{path.name} {exc}", field=field, line=exc.line) from exc
+    if lines[0].record.format not in SFT_FORMATS:
+        raise TrainConfigError(
+            f"{path.name} holds prompts and answers, the problems of an RL job (method 'grpo'); SFT learns from "
+            "completions: give chat or prompt/completion lines",
+            field=field,
+            line=lines[0].number,
+        )
     examples = []
     for n, record in lines:
         ids, mask = _encode(tokenizer, record)

@@ -1,11 +1,13 @@
 """The JSONL training-data format, read by one set of rules: the service's dataset upload and the trainer both
 parse files with `parse_jsonl`, so a file the upload accepts is a file the trainer reads, line for line.
 
-Every non-blank line is a JSON object in one of two formats, and a file holds one format only:
+Every non-blank line is a JSON object in one of three formats, and a file holds one format only:
 
 - chat: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}` with at least one
   assistant message with non-empty content (the tokens the model learns from);
-- prompt/completion: `{"prompt": "...", "completion": "..."}` with a non-empty completion.
+- prompt/completion: `{"prompt": "...", "completion": "..."}` with a non-empty completion;
+- prompt/answer: `{"prompt": "...", "answer": "..."}` and no completion: a problem for RL (method `grpo`), whose
+  answer a built-in verifier (`inkwell.trainer.verifiers`) compares the sampled completions with. SFT refuses it.
 
 A missing `prompt` is refused (write `"prompt": ""` for none). The upload refused it and the trainer read it as
 "": the stricter rule wins, so a misspelt key ("promt") fails loudly instead of training on completions without
@@ -17,7 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple, TypedDict
 
-DatasetFormat = Literal["chat", "prompt_completion"]
+DatasetFormat = Literal["chat", "prompt_completion", "prompt_answer"]
+SFT_FORMATS: tuple[DatasetFormat, ...] = ("chat", "prompt_completion")  # what SFT learns from: completions
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
 
@@ -51,7 +54,16 @@ class PromptCompletion:
     format: ClassVar[DatasetFormat] = "prompt_completion"
 
 
-type Record = Chat | PromptCompletion
+@dataclass(frozen=True)
+class PromptAnswer:
+    """A problem for RL: a prompt to sample completions of, and the answer a verifier scores them against."""
+
+    prompt: str
+    answer: str
+    format: ClassVar[DatasetFormat] = "prompt_answer"
+
+
+type Record = Chat | PromptCompletion | PromptAnswer
 
 
 class Line(NamedTuple):
@@ -89,15 +101,29 @@ def _prompt_completion(obj: dict) -> PromptCompletion:
     return PromptCompletion(prompt, completion)
 
 
+def _prompt_answer(obj: dict) -> PromptAnswer:
+    prompt, answer = obj.get("prompt"), obj.get("answer")
+    if not isinstance(prompt, str):
+        raise ValueError("'prompt' must be a string (\"\" for none)")
+    if not isinstance(answer, str):
+        raise ValueError("'answer' must be a string: what the verifier compares each completion with")
+    return PromptAnswer(prompt, answer)
+
+
 def parse_record(obj: object) -> Record:
     """One decoded JSONL line as an example; ValueError says why it is not one."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
         return _chat(obj["messages"])
+    if "answer" in obj and "completion" not in obj:
+        return _prompt_answer(obj)
     if "prompt" in obj or "completion" in obj:
         return _prompt_completion(obj)
-    raise ValueError(f"an example needs 'messages' (chat) or 'prompt' and 'completion'; found keys {sorted(obj)}")
+    raise ValueError(
+        f"an example needs 'messages' (chat), 'prompt' and 'completion', or 'prompt' and 'answer'; found keys "
+        f"{sorted(obj)}"
+    )
 
 
 def parse_jsonl(data: bytes) -> list[Line]:

@@ -29,7 +29,7 @@ from inkwell.service.schemas import (
     Page,
 )
 from inkwell.service.settings import Settings
-from inkwell.trainer.config import MAX_INT64, TrainConfigError
+from inkwell.trainer.config import MAX_INT64, TrainConfigError, dataset_problem
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 KEEPALIVE_SECONDS = 15.0
@@ -71,7 +71,7 @@ def check_trainable(body: JobCreate, settings: Settings) -> None:
         train_config(body, Path("."), Path("."), settings)
     except TrainConfigError as exc:
         where = exc.field or "hyperparameters"
-        raise APIError(422, "invalid_job", f"{where}: {exc.reason}", reason=exc.reason) from exc
+        raise APIError(422, "invalid_job", f"{where}: {exc.reason}", field=where, reason=exc.reason) from exc
 
 
 def _own_job(s: Session, who: Principal, job_id: str) -> JobRow:
@@ -91,9 +91,16 @@ def create_job(
     check_name(body.adapter_name)
     check_trainable(body, settings)
     require_base_model(s, body.base_model)
-    for dataset_id in filter(None, (body.dataset_id, body.eval_dataset_id)):
-        if repo.get_dataset(s, who.tenant_id, dataset_id) is None:
+    for field in ("dataset_id", "eval_dataset_id"):
+        dataset_id = getattr(body, field)
+        if not dataset_id:
+            continue
+        dataset = repo.get_dataset(s, who.tenant_id, dataset_id)
+        if dataset is None:
             raise not_found("dataset", dataset_id)
+        # refused now, not on a worker mid-run: the method's data (completions to learn, answers to verify)
+        if problem := dataset_problem(body.method, dataset.format, body.hyperparameters):
+            raise APIError(422, "invalid_job", f"{field}: {problem}", field=field, reason=problem)
     # Refused now if the name is another base's already; the publish checks again, under the adapter's lock.
     check_base(repo.get_adapter(s, who.tenant_id, body.adapter_name), body.adapter_name, body.base_model)
     row = repo.insert_job(

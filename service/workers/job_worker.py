@@ -1,5 +1,8 @@
 """The job worker: claim a job under a lease, train it, checkpoint to S3, publish the adapter.
 
+SFT jobs train with `inkwell.trainer.train`, RL jobs (method `grpo`) with `inkwell.recipes.job.run_grpo`: the same
+callbacks, the same result, the same publication.
+
 A claim is a lease (`lease_seconds`) renewed by a heartbeat thread. Every write about a running
 job is fenced on `worker_id`, so a worker that lost its lease (paused, partitioned) can no
 longer touch the job; the worker that re-claimed it downloads the last checkpoint from S3 and
@@ -26,6 +29,8 @@ from pathlib import Path
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from inkwell.recipes.job import GrpoCallbacks, run_grpo, step_data
+from inkwell.recipes.rl import StepReport
 from inkwell.service.db import repo
 from inkwell.service.db.models import JobRow, utcnow
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
@@ -34,7 +39,6 @@ from inkwell.service.registry import BaseMismatch, Publication, publish
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore, StorageUnavailable
 from inkwell.trainer import (
-    TrainCallbacks,
     TrainConfigError,
     TrainEvent,
     TrainingCancelled,
@@ -42,6 +46,7 @@ from inkwell.trainer import (
     TrainResult,
     train,
 )
+from inkwell.trainer.config import GrpoJobConfig
 
 log = logging.getLogger("inkwell.worker")
 MAX_ATTEMPTS = 5
@@ -116,7 +121,7 @@ class _Job:
             s.commit()
 
 
-class _Callbacks(TrainCallbacks):
+class _Callbacks(GrpoCallbacks):
     def __init__(self, job: _Job, stopping: threading.Event) -> None:
         self.job, self.stopping = job, stopping
 
@@ -131,6 +136,12 @@ class _Callbacks(TrainCallbacks):
         if event.eval_loss is not None:
             data = _finite({"step": event.step, "eval_loss": event.eval_loss})
             self.job.write(("eval", f"eval loss {event.eval_loss:.4f}", data))
+
+    def on_step(self, report: StepReport, total_steps: int) -> None:
+        data = _finite(step_data(report, total_steps))
+        progress = {k: data[k] for k in ("step", "loss", "reward")} | {"max_steps": total_steps}
+        message = f"step {data['step']}/{total_steps} reward {report.reward:.3f} kl k3 {report.kl_k3:.1e}"
+        self.job.write(("progress", message, data), progress=progress)
 
     def on_checkpoint(self, step: int, path: Path) -> None:
         w, job = self.job.worker, self.job
@@ -264,7 +275,8 @@ class JobWorker:
         try:
             try:
                 config = self._prepare(job, work)
-                result = train(config, _Callbacks(job, self.stopping))
+                run = run_grpo if config.method == "grpo" else train
+                result = run(config, _Callbacks(job, self.stopping))
             except TrainingCancelled as exc:
                 self._stopped(job, exc.step)
                 return
@@ -281,7 +293,7 @@ class JobWorker:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    def _prepare(self, job: _Job, work: Path) -> TrainJobConfig:
+    def _prepare(self, job: _Job, work: Path) -> TrainJobConfig | GrpoJobConfig:
         """The job's trainer config, with its datasets (and its last checkpoint, to resume) downloaded into `work`."""
         row = job.row
         with self.sm() as s:
@@ -341,12 +353,15 @@ class JobWorker:
             adapter_version=version.version,
             finished_at=utcnow(),
             lease_expires_at=None,
-            progress={
-                "step": result.metrics.get("resumed_from_step", 0) + result.steps,
-                "max_steps": row.hyperparameters.get("max_steps"),
-                "loss": result.final_loss,
-                "tokens_per_s": result.metrics.get("tokens_per_s"),
-            },
+            progress=_finite(
+                {
+                    "step": result.metrics.get("resumed_from_step", 0) + result.steps,
+                    "max_steps": row.hyperparameters.get("max_steps"),
+                    "loss": result.final_loss,
+                    "tokens_per_s": result.metrics.get("tokens_per_s"),
+                    "reward": result.metrics.get("final_reward"),
+                }
+            ),
         )
 
     def _fail(self, job: _Job, code: str, message: str) -> None:
