@@ -100,25 +100,6 @@ def to_records(examples: list[Example]) -> list[dict]:
     return [{"prompt": e.prompt, "completion": e.completion} for e in examples]
 
 
-def plot_losses(client: sdk.Client, job: sdk.Job, path: Path) -> None:
-    """Train loss per step and held-out loss per eval pass, from the job's recorded events."""
-    train, held_out = [], []
-    for event in client.jobs.history(job.id):
-        if event.type == "progress" and "loss" in event.data:
-            train.append((event.data["step"], event.data["loss"]))
-        elif event.type == "eval" and "eval_loss" in event.data:
-            held_out.append((event.data["step"], event.data["eval_loss"]))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(*zip(*train, strict=True), label="train loss")
-    if held_out:
-        ax.plot(*zip(*held_out, strict=True), "o-", label="held-out loss")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", yscale="log", title=f"{job.adapter_name} ({job.id})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def plot_rewards(reports: list[StepReport], title: str, path: Path) -> None:
     """Mean reward per GRPO step."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -218,9 +199,7 @@ def main() -> int:
             console.print(f"training [bold]{task}[/] ({job.id})")
             job.wait(progress=True)
             console.print(f"  published {task} version {job.adapter.version}")
-            png = workdir / f"{task}-loss.png"
-            plot_losses(client, job, png)
-            console.print(f"  loss curve: {png}")
+            console.print(f"  loss curve: {job.plot(workdir)['loss']}")
 
         openai = OpenAI(base_url=f"{service.url}/v1", api_key=key)
         models = [BASE] + [f"{BASE}:{task}" for task in TASKS]

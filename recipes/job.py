@@ -64,7 +64,7 @@ def run_grpo(config: GrpoJobConfig, callbacks: GrpoCallbacks) -> TrainResult:
 
     def on_step(report: StepReport) -> None:
         callbacks.on_step(report, config.max_steps)
-        if report.state is not None:
+        if report.state is not None and report.step + 1 < config.max_steps:  # the last one is the adapter itself
             callbacks.on_checkpoint(report.step + 1, Path(report.state))
         if callbacks.should_stop():
             raise TrainingCancelled(report.step + 1)

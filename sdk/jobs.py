@@ -5,10 +5,12 @@ The two differ only in how they iterate the event stream; refresh/cancel/outcome
 
 import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from inkwell.sdk.calls import Call, Op, parse_model, segment
 from inkwell.sdk.errors import JobCancelledError, JobFailedError
+from inkwell.sdk.plots import write_plots
 from inkwell.service.schemas import TERMINAL_STATES, AdapterVersion, JobErrorInfo, JobEvent, JobProgress
 from inkwell.service.schemas import Job as JobInfo
 
@@ -83,7 +85,8 @@ class _JobBase:
 
 
 class _ProgressBar:
-    """A tqdm bar (step / total steps, loss, tokens/s) fed with the job's events; no-op when disabled."""
+    """A tqdm bar (step / total steps, loss, tokens/s; an RL job's reward and KL) fed with the job's events; no-op
+    when disabled."""
 
     def __init__(self, job: _JobBase, enabled: bool) -> None:
         self._bar: Any = None
@@ -113,6 +116,10 @@ class _ProgressBar:
                 postfix["loss"] = f"{event.data['loss']:.4f}"
             if event.data.get("tokens_per_s") is not None:
                 postfix["tok/s"] = f"{event.data['tokens_per_s']:.0f}"
+            if event.data.get("reward") is not None:
+                postfix["reward"] = f"{event.data['reward']:.3f}"
+            if event.data.get("kl_k3") is not None:
+                postfix["kl"] = f"{event.data['kl_k3']:.1e}"
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.refresh()
 
@@ -125,6 +132,12 @@ class Job(_JobBase):
     def events(self, *, after: int | None = None, timeout: float | None = None) -> Iterator[JobEvent]:
         """Follow the job's events live (from the start, or after event id `after`) until it ends."""
         return self._client.jobs.events(self.id, after=after, timeout=timeout)
+
+    def plot(self, directory: str | Path = ".") -> dict[str, Path]:
+        """Write the job's curves from its events so far into `directory`: `<adapter>-loss.png`, and for an RL job
+        `<adapter>-reward.png`; returns the paths by curve ('loss', 'reward')."""
+        events = self._client.jobs.history(self.id)
+        return write_plots(events, Path(directory), self.adapter_name, f"{self.adapter_name} ({self.id})")
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> Self:
         """Block until the job ends; returns it when it succeeded (with `.adapter` set), raises

@@ -21,6 +21,7 @@ from inkwell.sdk.calls import Call, FileSink, Op, Upload, parse_model, segment
 from inkwell.sdk.errors import ValidationError
 from inkwell.sdk.events import EventFollower, Page
 from inkwell.service.schemas import (
+    HYPERPARAMETERS,
     Adapter,
     AdapterFile,
     AdapterVersion,
@@ -28,7 +29,6 @@ from inkwell.service.schemas import (
     BaseModelInfo,
     Dataset,
     Download,
-    Hyperparameters,
     JobEvent,
     ModelList,
 )
@@ -97,12 +97,17 @@ def lora_spec(lora: LoraSpec | Mapping[str, Any] | None) -> LoraSpec:
         raise pydantic_error("lora field", exc, LoraSpec.model_fields) from exc
 
 
-def hyperparameters(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate the user's hyperparameters locally; only the ones given are sent (server defaults rule)."""
+def hyperparameters(values: Mapping[str, Any], method: str = "sft") -> dict[str, Any]:
+    """Validate the user's hyperparameters for `method` locally; only the ones given are sent (server defaults
+    rule)."""
+    model = HYPERPARAMETERS.get(method)
+    if model is None:
+        known = ", ".join(HYPERPARAMETERS)
+        raise ValidationError(f"unknown method {method!r}; known: {known}", code="validation_error")
     try:
-        return Hyperparameters.model_validate(dict(values)).model_dump(mode="json", exclude_unset=True)
+        return model.model_validate(dict(values)).model_dump(mode="json", exclude_unset=True)
     except pydantic.ValidationError as exc:
-        raise pydantic_error("hyperparameter", exc, Hyperparameters.model_fields) from exc
+        raise pydantic_error("hyperparameter", exc, model.model_fields) from exc
 
 
 class _Resource:
@@ -190,7 +195,7 @@ class Jobs(_Resource):
             "adapter_name": adapter_name,
             "method": method,
             "lora": lora_spec(lora).model_dump(mode="json"),
-            "hyperparameters": hyperparameters(hparams),
+            "hyperparameters": hyperparameters(hparams, method),
         }
         return (yield Call("POST", "/v1/jobs", json=body, parse=self._parse_job))
 

@@ -39,9 +39,10 @@ def adapter_dir(sqlite_service, tmp_path_factory) -> Path:  # noqa: F811
     return save_adapter(adapter, tmp_path_factory.mktemp("adapter") / "sglang", "sglang", config)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def training_service(seaweed, tmp_path_factory) -> Iterator[Service]:  # noqa: F811
-    """A service of its own with one real job worker process, so the worker sees only this module's jobs."""
+    """A service of its own with one real job worker process, so the worker sees only the SDK tests' jobs (SFT's
+    and GRPO's share it: one worker start)."""
     from tests.service.test_jobs_e2e import start_worker, stop_worker
 
     data_dir = tmp_path_factory.mktemp("svc-training")
