@@ -39,6 +39,7 @@ from inkwell import sdk  # noqa: E402
 from inkwell.models import load_tokenizer  # noqa: E402
 from inkwell.recipes.rl import StepReport, grpo  # noqa: E402
 from inkwell.recipes.tasks import TASKS as RL_TASKS  # noqa: E402
+from inkwell.service.processes import die_with_parent  # noqa: E402
 from inkwell.trainer.verifiers import verifier  # noqa: E402
 
 BASE = "inkling-tiny"
@@ -52,7 +53,8 @@ def free_port() -> int:
 
 
 class EmbeddedService:
-    """`inkwell serve` in its own process group; stop() ends it and everything it started."""
+    """`inkwell serve` in its own process group; stop() ends it and everything it started, and so does the demo's
+    own death."""
 
     def __init__(self, data_dir: Path, port: int, log_path: Path) -> None:
         self.data_dir, self.port, self.log_path = data_dir, port, log_path
@@ -68,6 +70,7 @@ class EmbeddedService:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent(),  # a demo killed outright (kill -9) leaves no service behind
             env={**os.environ, "COLUMNS": "200"},
         )
         deadline = time.monotonic() + timeout
