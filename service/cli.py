@@ -27,6 +27,10 @@ from inkwell.service.storage import ObjectStore
 from inkwell.service.storage.seaweed import start_embedded
 from inkwell.service.tinker.auth import tinker_key
 
+# Requests still open this long after SIGTERM (a job's event stream whose client is gone, which never ends on its
+# own) are cancelled: without a bound, uvicorn waits for them forever and the service never stops.
+SHUTDOWN_GRACE_S = 10
+
 console = Console()
 admin_app = typer.Typer(
     help="Manage tenants, API keys and base models (talks to the database directly).", no_args_is_help=True
@@ -95,7 +99,13 @@ def serve(
     # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so `finally` runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+        uvicorn.run(
+            create_app(settings),
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
     finally:
         job_workers.stop()
         if seaweed is not None:

@@ -1,14 +1,17 @@
 """`inkwell serve` (embedded default in one command) in a subprocess; `inkwell admin` in-process."""
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
+import time
 
 import httpx
 from typer.testing import CliRunner
 
-from inkwell import cli
+from inkwell import cli, sdk
+from inkwell.service.cli import SHUTDOWN_GRACE_S
 from tests.service.helpers import free_port, serve_env, start_serve, wait_healthy
 
 
@@ -17,6 +20,7 @@ def test_serve_embedded_default_prints_a_working_key_and_admin_adds_tenants(tmp_
     env = serve_env(tmp_path / "data")
     log = tmp_path / "serve.log"
     proc = start_serve(env, port, log, workers=0)
+    held = contextlib.ExitStack()  # the event stream a client holds through the SIGTERM
     try:
         wait_healthy(proc, port, log)
         key = re.search(r"(ink_[A-Za-z0-9_-]{20,})", log.read_text()).group(1)
@@ -34,9 +38,19 @@ def test_serve_embedded_default_prints_a_working_key_and_admin_adds_tenants(tmp_
         assert again.exit_code == 1 and "already exists" in again.output
         missing = runner.invoke(cli.app, ["admin", "create-key", "nobody"], env=env)
         assert missing.exit_code == 1 and "create-tenant" in missing.output
+
+        # a queued job's event stream (no job worker: it stays open) held by a client through the SIGTERM
+        with sdk.Client(url=f"http://127.0.0.1:{port}", api_key=key) as client:
+            job = client.train("inkling-tiny", [{"prompt": "a", "completion": "b"}], wait=False, max_steps=1)
+        stream_url = f"http://127.0.0.1:{port}/v1/jobs/{job.id}/events/stream"
+        response = held.enter_context(httpx.stream("GET", stream_url, headers=headers, timeout=None))
+        assert response.status_code == 200
     finally:
+        stopping = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
+        held.close()
+    assert time.monotonic() - stopping < SHUTDOWN_GRACE_S + 20, "an open event stream held the shutdown"
     assert proc.returncode == 0, log.read_text()[-2000:]
     # The SeaweedFS it started (its own session, so it outlives no one by accident) is stopped too.
     leftover = subprocess.run(["pgrep", "-f", f"-dir={tmp_path / 'data' / 's3'}"], capture_output=True, text=True)
