@@ -1,7 +1,8 @@
 """GRPO through the SDK against the real service (session worker, serving worker, registry) on inkling-tiny, from
-the bundled `letter-case` task: the reward rises from near 0, the trainer scores the sampled tokens as the sampler
-did, a run resumes from a saved state where it stopped, and a failing reward function stops a step before
-anything is trained."""
+the bundled `letter-case` task: the trainer scores the sampled tokens as the sampler did, a run resumes from a saved
+state where it stopped, and a failing reward function stops a step before anything is trained. That the reward
+rises over the task's 30 steps (last 10 at least 0.3 above the first 10) is the demo's own pass rule, so
+tests/demo asserts it on the same task, seeds and loop; these runs are shorter."""
 
 import dataclasses
 import math
@@ -19,7 +20,7 @@ from inkwell.trainer.verifiers import verifier
 
 TASK = TASKS["letter-case"]
 PROBLEMS, REWARD = TASK.problems(), verifier(TASK.verifier)
-CONFIG = dataclasses.replace(TASK.config, save_every=10)
+CONFIG = dataclasses.replace(TASK.config, steps=10, save_every=4)
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +41,26 @@ def run(client, tokenizer) -> list[StepReport]:
         return grpo(session, tokenizer, PROBLEMS, REWARD, CONFIG, progress=False)
 
 
-def test_grpo_raises_the_reward_of_the_bundled_task(run):
+def test_grpo_steps_score_the_sampled_tokens_as_the_sampler_did(run):
     rewards = [r.reward for r in run]
     assert [r.step for r in run] == list(range(CONFIG.steps))
-    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
-    assert last >= first + 0.3, rewards
+    assert statistics.fmean(rewards[-4:]) > statistics.fmean(rewards[:4]), rewards  # it learns at all
     # the trainer's logprobs of the sampled tokens are the sampler's (fp32, same weights): KL ~ 0
     assert max(r.logprob_diff_max for r in run) < 1e-3
     assert max(abs(r.kl_k1) for r in run) < 1e-4 and max(r.kl_k3 for r in run) < 1e-6
     assert all(r.sample_seconds > 0 and r.train_seconds > 0 and r.sync_seconds > 0 for r in run)
-    assert [r.step for r in run if r.state] == [9, 19, 29]
+    assert [r.step for r in run if r.state] == [3, 7]
 
 
 def test_a_run_resumes_from_a_saved_state(run, client, tokenizer):
-    """From the state saved after 10 steps a new session takes steps 10 and 11 on the same prompts and seeds: the
+    """From the state saved after 4 steps a new session takes steps 4 and 5 on the same prompts and seeds: the
     same adapter samples what the first run sampled."""
-    saved = run[9].state
-    config = dataclasses.replace(CONFIG, steps=12, save_every=0)
+    saved = run[3].state
+    config = dataclasses.replace(CONFIG, steps=6, save_every=0)
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
         resumed = grpo(session, tokenizer, PROBLEMS, REWARD, config, resume_from=saved, progress=False)
-    assert [r.step for r in resumed] == [10, 11]
-    assert [r.reward for r in resumed] == [r.reward for r in run[10:12]]
+    assert [r.step for r in resumed] == [4, 5]
+    assert [r.reward for r in resumed] == [r.reward for r in run[4:6]]
 
 
 def test_a_failing_reward_stops_the_step_before_training(client, tokenizer):
