@@ -199,6 +199,9 @@ def test_sigterm_requeues_the_job_and_cancel_stops_it_on_the_next_worker(sqlite_
 
 
 @pytest.mark.skipif(os.name != "posix", reason="kill -9")
+# Resuming from a checkpoint is the same code on either database; the claims it rests on (a dead worker's lease
+# expiring, one claimant) are tested on both in test_claims.py, so this minute-long run is taken on PostgreSQL only.
+@pytest.mark.parametrize("service", ["postgres"], indirect=True)
 def test_kill_9_worker_mid_job_another_resumes_from_last_checkpoint(service, tenant, tmp_path):
     _, client = tenant
     _, job = submit(client, "survivor", max_steps=60, checkpoint_every=3)
