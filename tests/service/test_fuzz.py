@@ -30,7 +30,7 @@ from tests.service.helpers import (
 
 # Generated requests per route, besides schemathesis's boundary cases (wrong methods, missing and extreme
 # values): about 5,000 requests to 66 routes, two minutes of CPU on two cores.
-MAX_EXAMPLES = 30
+MAX_EXAMPLES = 15
 SEED = 21
 # The serving tier sized so that any generated request is cheap: a 64-token context (a longer ask is a 400),
 # at most 4 prompts in flight and 4 choices per prompt.
