@@ -53,7 +53,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(CHROMIUM_STAMP): $(STAMP)
 	(command -v chromium && command -v chromedriver) >/dev/null || \
-		($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver)
+		($(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
 	touch $(CHROMIUM_STAMP)
 
 test: $(STAMP) $(SGLANG_STAMP) $(COOKBOOK_STAMP) $(CHROMIUM_STAMP)
