@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from inkwell.adapters.spec import LoraSpec
 from inkwell.trainer.records import SFT_FORMATS, DatasetFormat
-from inkwell.trainer.verifiers import VERIFIERS
+from inkwell.trainer.verifiers import VERIFIERS, verifier
 
 # Adapter, alias and dataset names: a path segment that is safe in S3 keys, URLs and file names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -212,8 +212,7 @@ class GrpoHyperparameters(BaseModel):
     @field_validator("verifier")
     @classmethod
     def _known_verifier(cls, value: str) -> str:
-        if value not in VERIFIERS:
-            raise ValueError(f"unknown verifier {value!r}; built in: {', '.join(VERIFIERS)}")
+        verifier(value)  # the one lookup rule, with its error naming the built-in ones
         return value
 
     @model_validator(mode="after")

@@ -29,4 +29,4 @@ def verifier(name: str) -> RewardFn:
     try:
         return VERIFIERS[name]
     except KeyError:
-        raise ValueError(f"no verifier {name!r}; built in: {', '.join(VERIFIERS)}") from None
+        raise ValueError(f"unknown verifier {name!r}; built in: {', '.join(VERIFIERS)}") from None

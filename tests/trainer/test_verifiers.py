@@ -19,5 +19,5 @@ def test_regex_matches_the_whole_completion():
 
 def test_verifiers_are_chosen_by_name():
     assert {name: verifier(name) for name in VERIFIERS} == VERIFIERS
-    with pytest.raises(ValueError, match="no verifier 'fuzzy'; built in: exact_match, regex"):
+    with pytest.raises(ValueError, match="unknown verifier 'fuzzy'; built in: exact_match, regex"):
         verifier("fuzzy")
