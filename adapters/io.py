@@ -35,6 +35,11 @@ def _check_layout(layout: str) -> None:
         raise LayoutError(f"unknown adapter layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
 
 
+def save_adapter_layouts(adapter: Adapter, root: Path, config: InklingTextConfig) -> dict[str, Path]:
+    """Write `adapter` in every layout, each in `root / <layout>`: what a job or session exports."""
+    return {layout: save_adapter(adapter, root / layout, layout, config) for layout in LAYOUTS}
+
+
 def save_adapter(adapter: Adapter, out_dir: str | Path, layout: str, config: InklingTextConfig) -> Path:
     """Write `adapter` to `out_dir` (which must not exist yet) in `layout`."""
     _check_layout(layout)

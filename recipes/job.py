@@ -10,14 +10,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from inkwell.adapters.io import save_adapter
-from inkwell.adapters.layouts import LAYOUTS
+from inkwell.adapters.io import save_adapter_layouts
 from inkwell.recipes.local import LocalSession
 from inkwell.recipes.problems import load_problems
 from inkwell.recipes.rl import RLConfig, StepReport, grpo
 from inkwell.serving.contract import EngineConfig
 from inkwell.serving.native.engine import Engine
-from inkwell.trainer.config import GrpoJobConfig, TrainCallbacks, TrainingCancelled, TrainResult, layers_compile
+from inkwell.trainer.config import (
+    GrpoJobConfig,
+    TrainCallbacks,
+    TrainingCancelled,
+    TrainResult,
+    one_process_compile_mode,
+)
 from inkwell.trainer.core import TrainingCore
 from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.verifiers import verifier
@@ -76,7 +81,7 @@ def run_grpo(config: GrpoJobConfig, callbacks: GrpoCallbacks) -> TrainResult:
             seed=config.seed,
             device=config.device,
             dtype=config.dtype,
-            compile_mode="reduce-overhead" if layers_compile(config.device, config.dtype) else None,
+            compile_mode=one_process_compile_mode(config.device, config.dtype),
         )
         engine = Engine(
             config.base_model_dir,
@@ -97,7 +102,7 @@ def run_grpo(config: GrpoJobConfig, callbacks: GrpoCallbacks) -> TrainResult:
         )
         adapter = core.adapter({"name": config.adapter_name, "method": config.method})
     root = config.output_dir / "adapters"
-    dirs = {layout: save_adapter(adapter, root / layout, layout, core.hf_config) for layout in LAYOUTS}
+    dirs = save_adapter_layouts(adapter, root, core.hf_config)
     seconds = time.perf_counter() - began
     tokens = sum(r.tokens for r in reports)
     return TrainResult(

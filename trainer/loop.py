@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from inkwell.adapters.io import save_adapter
-from inkwell.adapters.layouts import LAYOUTS
+from inkwell.adapters.io import save_adapter_layouts
 from inkwell.models import load_base_weights
 from inkwell.trainer import checkpoint as ckpt
 from inkwell.trainer.config import TrainCallbacks, TrainEvent, TrainingCancelled, TrainJobConfig, TrainResult
@@ -203,4 +202,4 @@ class Trainer:
         if not self.layout.is_main:
             return {}
         root = self.config.output_dir / "adapters"
-        return {layout: save_adapter(adapter, root / layout, layout, self.prepared.hf_config) for layout in LAYOUTS}
+        return save_adapter_layouts(adapter, root, self.prepared.hf_config)

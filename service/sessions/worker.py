@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 
-from inkwell.adapters.io import save_adapter
-from inkwell.adapters.layouts import LAYOUTS
+from inkwell.adapters.io import save_adapter_layouts
 from inkwell.models import load_base_config
 from inkwell.service.sessions import messages
 from inkwell.service.storage import ObjectStore
-from inkwell.trainer.config import layers_compile
+from inkwell.trainer.config import one_process_compile_mode
 from inkwell.trainer.core import TrainingCore
 from inkwell.trainer.datums import DatumError
 from inkwell.trainer.parallel import model_parallel
@@ -77,7 +76,8 @@ class SessionWorker:
                 adapter = core.adapter()
                 root = Path(dest)
                 shutil.rmtree(root, ignore_errors=True)
-                dirs = {layout: str(save_adapter(adapter, root / layout, layout, core.hf_config)) for layout in LAYOUTS}
+                saved = save_adapter_layouts(adapter, root, core.hf_config)
+                dirs = {layout: str(path) for layout, path in saved.items()}
                 # the tensors themselves too: they reach the serving workers in shared memory, not through the files
                 return {"dirs": dirs, "step": core.step, "adapter": adapter}
 
@@ -100,8 +100,7 @@ def session_main(config: messages.SessionConfig, inbox, outbox) -> None:
                     seed=config.seed,
                     device=config.device,
                     dtype=config.dtype,
-                    # one process, any datum shapes: CUDA graphs per power-of-two row width (trainer/core.py)
-                    compile_mode="reduce-overhead" if layers_compile(config.device, config.dtype) else None,
+                    compile_mode=one_process_compile_mode(config.device, config.dtype),
                 )
                 worker = SessionWorker(config, core, outbox)
                 if config.initial_state is not None:
