@@ -33,7 +33,7 @@ from inkwell.models import BaseModelIdentity, base_model_identity, load_base_con
 from inkwell.models.routing import RoutingShape
 from inkwell.trainer import checkpoint as ckpt
 from inkwell.trainer.bridge import gather_state, is_lora, load_state
-from inkwell.trainer.consistency import consistency_metrics
+from inkwell.trainer.consistency import consistency_metrics, ratio_bounds
 from inkwell.trainer.dataset import Rows
 from inkwell.trainer.datums import CheckedRequest, Datum, check_request
 from inkwell.trainer.losses import TARGETS, Config, Inputs, Loss, metrics
@@ -191,8 +191,9 @@ class TrainingCore:
         reduced = all_reduce_(torch.stack(list(totals.values())), ps.get_data_parallel_group()).tolist()
         out = metrics(dict(zip(totals, reduced, strict=True)))
         if "logprobs" in request.loss.inputs:  # the sampler's: how far the two sides are apart
-            given = request.inputs
-            out |= consistency_metrics(logprobs, [i["logprobs"] for i in given], [i["advantages"] for i in given])
+            given, bounds = request.inputs, ratio_bounds(request.loss.name, request.config)
+            sampler, advantages = [i["logprobs"] for i in given], [i["advantages"] for i in given]
+            out |= consistency_metrics(logprobs, sampler, advantages, bounds)
         return ForwardResult(logprobs, out)
 
     def _width(self, n: int) -> int:
