@@ -69,7 +69,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k
     prompt_logprobs: bool = False
     ignore_eos: bool = False
-    # routing traces (inkwell.models.routing): of each generated token, and of the prompt's tokens 1..P-1
+    # routing traces (inkwell.models.routing): of each generated token, and of the prompt's tokens 1..P-1 (one
+    # prompt, one routing: the first choice's)
     return_routing: bool = False
     prompt_routing: bool = False
 
@@ -184,7 +185,8 @@ class StepOutput:
     prompt_logprobs: list[float | None] | None = None  # first output only; [0] is None (no context)
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # with SamplingParams.logprobs = k
     # routing traces [tokens, MoE layers, top_k] (inkwell.models.routing), compact ints: with return_routing, of
-    # `token_ids` (the forwards that scored them); with prompt_routing, first output only, of prompt tokens 1..P-1
+    # `token_ids` (the forwards that scored them); with prompt_routing, the first output of the first choice (index
+    # 0) only, of prompt tokens 1..P-1: the other choices start from its prompt state where the prefix cache holds it
     routing: np.ndarray | None = None
     prompt_routing: np.ndarray | None = None
 

@@ -14,7 +14,10 @@ its logits on the host (logprobs), the next step is queued before this one's tok
 its tokens, and each token gets the routing of the forward that scored it (`inkwell.models.routing`).
 With `EngineConfig.prefix_cache`, an admitted prompt starts from the longest prefix cached under its adapter
 (`PrefixCache`), and a prompt that shares more with one still prefilling waits for that one's state there instead
-of computing the same tokens (`_attach`): the n choices of a request, a GRPO group, a shared system prompt.
+of computing the same tokens (`_attach`): the n choices of a request, a GRPO group, a shared system prompt. A
+sequence that reports its prompt's logprobs or routing, which the cache does not keep, computes its whole prompt
+but still leaves its prefix in the cache; the prompt's routing is recorded by a request's first choice only (one
+prompt, one routing), so its other choices, a GRPO group traced for routing replay, still prefill the prompt once.
 """
 
 import itertools
@@ -195,7 +198,7 @@ class Engine:
                     generator=make_generator(params.choice_seed(index)),
                     finisher=Finisher(self.tokenizer, params, len(request.prompt_ids), self.stop_ids, self.max_context),
                     prompt_logprobs=[None] if params.prompt_logprobs else None,
-                    prompt_routing=[] if params.prompt_routing else None,
+                    prompt_routing=[] if params.prompt_routing and index == 0 else None,
                 )
             )
 
@@ -240,24 +243,26 @@ class Engine:
             self.running.append(seq)
         self.waiting.extendleft(reversed(blocked))
 
-    def _caches(self, seq: _Sequence) -> bool:
-        """Whether `seq`'s prompt goes through the prefix cache: not where it asks for the prompt's logprobs or
-        routing, which the cache does not keep (such a prompt is computed whole, and cached by none of it)."""
-        params = seq.request.params
-        return self.prefix_cache is not None and not (params.prompt_logprobs or params.prompt_routing)
+    def _reads_cache(self, seq: _Sequence) -> bool:
+        """Whether `seq` (admitted, nothing computed yet) may start from a cached prefix: not where it records its
+        prompt's logprobs or routing, which the cache does not keep (such a prompt is computed whole)."""
+        return self.prefix_cache is not None and seq.prompt_logprobs is None and seq.prompt_routing is None
 
     def _attach(self, seq: _Sequence) -> None:
         """Start a just admitted `seq` from the longest prefix of its prompt cached under its adapter, or hold it
         while a sequence already prefilling computes a longer prefix they share (it caches its state there). What
         `seq` then passes that others may share (where its prompt leaves the tree, its last whole block) is
-        marked for the cache."""
-        if not self._caches(seq):
+        marked for the cache, also where `seq` computes its whole prompt (`_reads_cache`)."""
+        if self.prefix_cache is None:
             return
         cache, prompt, adapter = self.prefix_cache, seq.request.prompt_ids, seq.request.adapter
         usable = cache.usable(seq.num_prompt)
         match = cache.lookup(adapter, prompt[:usable])
+        if not self._reads_cache(seq):
+            seq.snaps = {p for p in (match.shared, usable) if p > match.length}
+            return
         leaders = [s for s in self.running if s is not seq and s.leader is None and s.request.adapter == adapter]
-        for leader in filter(self._caches, leaders):
+        for leader in leaders:
             other = leader.request.prompt_ids
             same = next((i for i, (a, b) in enumerate(zip(prompt, other, strict=False)) if a != b), len(prompt))
             shared = cache.aligned(min(same, usable, cache.usable(len(other))))

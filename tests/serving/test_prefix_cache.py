@@ -195,3 +195,31 @@ def test_prompt_logprobs_and_routing_bypass_the_cache(tiny_model_dir, tiny_adapt
     assert np.array_equal(ours.prompt_routing, theirs.prompt_routing)
     # and the prompt is cached as before for those that do not ask
     assert cached_by(engine, prompt, "a0")[1] == 32
+
+
+def test_a_group_traced_for_routing_replay_prefills_its_prompt_once(tiny_model_dir, tiny_adapters, uncached):
+    """A GRPO group asking for routing traces: the first choice computes its whole prompt (recording its routing)
+    and leaves it in the cache, where the other choices start from; every choice samples, scores and routes as
+    without the cache."""
+    engine = cached_engine(tiny_model_dir, tiny_adapters)
+    rows = counted_rows(engine)
+    prompt = list(range(150, 190))  # 40 tokens: the choices after the first compute 40 - 32
+    group = SamplingParams(
+        max_tokens=3,
+        temperature=1.0,
+        seed=5,
+        n=4,
+        ignore_eos=True,
+        logprobs=0,
+        return_routing=True,
+        prompt_routing=True,
+    )
+    ours = engine.generate([Request("g", prompt, group, "a0")])["g"]
+    assert rows[0] == 40 + 3 * 8 + 4 * 2  # and two decode steps of the four
+    assert engine.prefix_cache.stats.hits == 3
+    theirs = uncached.generate([Request("g", prompt, group, "a0")])["g"]
+    for mine, other in zip(ours, theirs, strict=True):
+        assert_same(mine, other)
+        assert np.array_equal(np.sort(mine.routing, axis=-1), np.sort(other.routing, axis=-1))
+    assert np.array_equal(np.sort(ours[0].prompt_routing, -1), np.sort(theirs[0].prompt_routing, -1))
+    assert len(ours[0].prompt_routing) == 39 and all(c.prompt_routing is None for c in ours[1:])

@@ -65,6 +65,7 @@ def data(base, tiny_model_dir) -> list[Datum]:
     outputs = engine.generate([Request(str(i), p, SAMPLED, "a") for i, p in enumerate(PROMPTS)])
     data = []
     for i, prompt in enumerate(PROMPTS):
+        prompt_routing = outputs[str(i)][0].prompt_routing  # one prompt, one routing: the first choice's
         for choice in outputs[str(i)]:
             tokens, pad = choice.token_ids, [0.0] * (len(prompt) - 1)
             inputs = {
@@ -72,7 +73,7 @@ def data(base, tiny_model_dir) -> list[Datum]:
                 "logprobs": pad + [lp.logprob for lp in choice.logprobs],
                 "advantages": pad + [1.0] * len(tokens),
             }
-            data.append(Datum(prompt + tokens[:-1], inputs, np.concatenate([choice.prompt_routing, choice.routing])))
+            data.append(Datum(prompt + tokens[:-1], inputs, np.concatenate([prompt_routing, choice.routing])))
     return data
 
 
