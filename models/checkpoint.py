@@ -27,6 +27,18 @@ log = logging.getLogger("inkwell.models")
 MAX_LISTED = 12  # problems named in one error; the rest are counted
 
 Index = tuple[slice, ...]
+Cut = tuple[int, int, int]  # (dim, part, parts): keep part `part` of `parts` along `dim`, as torch.chunk cuts it
+
+
+def shard_index(shape: tuple[int, ...], cuts: list[Cut]) -> Index:
+    """The slices of a tensor of `shape` that `cuts` keep, applied in order (a later cut of the same dim cuts the
+    earlier one's part): how a TP/EP rank names its shard of a tensor, to `read` only that."""
+    bounds = [(0, n) for n in shape]
+    for dim, part, parts in cuts:
+        start, stop = bounds[dim]
+        size = -(-(stop - start) // parts)
+        bounds[dim] = (min(start + part * size, stop), min(start + (part + 1) * size, stop))
+    return tuple(slice(start, stop) for start, stop in bounds)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.models.base import BaseModelIdentity
 from inkwell.serving.limits import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
-# engine kind -> "module:Class"; the class takes (model_dir, EngineConfig)
+# engine kind -> "module:Class" (or a function returning one); it takes (model_dir, EngineConfig)
 ENGINES: dict[str, str] = {
-    "native": "inkwell.serving.native.engine:Engine",
+    "native": "inkwell.serving.native.group_engine:native_engine",  # one process, or a group (EngineConfig.ranks)
     "sglang": "inkwell.serving.sglang.engine:SglangEngine",  # extra inkwell[sglang], CUDA only
 }
 # the engine kinds that record routing traces (SamplingParams.return_routing, prompt_routing)
@@ -135,6 +135,15 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2**30
     prefix_cache_block: int = 16
+    # Native engine: one process per device over tensor_parallel * expert_parallel devices, rank r on the device r
+    # places after `device` (`native.group_engine`); attention heads split over TP, experts over EP.
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """The processes (and devices) one engine spans."""
+        return self.tensor_parallel * self.expert_parallel
 
 
 @dataclass
@@ -240,6 +249,8 @@ class ServingEngine(Protocol):
     def has_work(self) -> bool: ...
 
     def cache_stats(self) -> PrefixCacheStats | None: ...
+
+    def shutdown(self) -> None: ...
 
 
 def make_engine(kind: str, model_dir: str | Path, config: EngineConfig) -> ServingEngine:

@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 from torch import nn
 
 from inkwell.models import BaseCheckpoint
+from inkwell.models.checkpoint import shard_index as checkpoint_shard_index
 from inkwell.trainer.parallel import ep_group, tp_group
 
 
@@ -39,12 +40,7 @@ def shard_index(shape: torch.Size, t: torch.Tensor) -> tuple[slice, ...]:
         cuts.append((t.tp_dim, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()))
     if t.ep_dim is not None:
         cuts.append((t.ep_dim, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()))
-    bounds = [(0, n) for n in shape]
-    for dim, index, count in cuts:
-        start, stop = bounds[dim]
-        size = -(-(stop - start) // count)
-        bounds[dim] = (min(start + index * size, stop), min(start + (index + 1) * size, stop))
-    return tuple(slice(start, stop) for start, stop in bounds)
+    return checkpoint_shard_index(tuple(shape), cuts)
 
 
 def local_shard(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -127,21 +127,11 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.max_context = context_limit(self.model_config, config.max_context)
-        self.model = InklingModel(self.model_config, load_base_weights(model_dir), dtype=dtype, device=device)
         graphs = config.cuda_graphs and device.type == "cuda"
+        # The graph decoder keeps one extra state slot for its padding rows.
+        self.model, self.state, self.lora = self._parts(dtype, device, config.max_seqs + int(graphs))
         if config.lora_side_stream and device.type == "cuda":
             self.model.lora_stream = SideStream(device)
-        # The graph decoder keeps one extra state slot for its padding rows.
-        self.state = StatePool(self.model_config, config.max_seqs + int(graphs), self.max_context, dtype, device)
-        self.lora = LoraSlots(
-            self.model_config,
-            self.identity,
-            config.max_loras_per_batch,
-            config.max_lora_rank,
-            config.lora_groups,
-            dtype,
-            device,
-        )
         self.decoder = CudaGraphDecoder(self.model, self.state, self.lora, config.max_seqs) if graphs else None
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
@@ -153,6 +143,27 @@ class Engine:
         self.running: list[_Sequence] = []
         self._queued: _Launched | None = None  # the next step, already on the device (see `step`)
         self.steps = 0
+
+    def _parts(
+        self, dtype: torch.dtype, device: torch.device, seq_slots: int
+    ) -> tuple[InklingModel, StatePool, LoraSlots]:
+        """The model, the state of `seq_slots` sequences and the adapter slots: here the whole model's."""
+        config = self.config
+        model = InklingModel(self.model_config, load_base_weights(self.model_dir), dtype=dtype, device=device)
+        state = StatePool(self.model_config, seq_slots, self.max_context, dtype, device)
+        lora = LoraSlots(
+            self.model_config,
+            self.identity,
+            config.max_loras_per_batch,
+            config.max_lora_rank,
+            config.lora_groups,
+            dtype,
+            device,
+        )
+        return model, state, lora
+
+    def shutdown(self) -> None:
+        """Release what the engine started beside this process (nothing here: it is all in this process)."""
 
     # ---- adapters ----------------------------------------------------------------------------
 

@@ -195,8 +195,12 @@ class LoraSlots:
         del self._key_of[slot]
         self._lru.pop(key, None)
         self._pinned.discard(key)
-        self.scalings[slot].zero_()
+        self.disable(slot)
         return slot
+
+    def disable(self, slot: int) -> None:
+        """Zero `slot`'s scalings, so it adapts nothing whatever its buffers still hold."""
+        self.scalings[slot].zero_()
 
     def pin(self, key: str, pinned: bool = True) -> None:
         if pinned:

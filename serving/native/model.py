@@ -10,7 +10,7 @@ their routing weights), so both take the same dispatch, grouped GEMMs and LoRA k
 """
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -225,6 +225,16 @@ class Dispatch:
         tokens, experts = order // index.shape[1], index.reshape(-1)[order]
         ends = torch.searchsorted(experts, expert_ids, right=True, out_int32=True)
         return cls(order, tokens, experts, weights.reshape(-1)[order], slots[tokens], ends)
+
+    def head(self, count: int) -> "Dispatch":
+        """The first `count` rows (those of the first experts), for running them alone; `order` stays all rows'."""
+        return replace(
+            self,
+            tokens=self.tokens[:count],
+            experts=self.experts[:count],
+            weights=self.weights[:count],
+            slots=self.slots[:count],
+        )
 
     def combine(self, out: torch.Tensor, tokens: int) -> torch.Tensor:
         """Each token's rows of `out` [M, H], weighted and summed in fp32 in the token's own order (deterministic,
@@ -517,11 +527,18 @@ class InklingModel:
         self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None, routing: list[torch.Tensor]
     ) -> torch.Tensor:
         """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`."""
-        p = f"model.layers.{layer}.mlp.all_experts"
         experts = lora.experts.get(layer) if lora is not None else None
         index, weights = self.route(x, layer)
         routing.append(index[:, : self.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, self.expert_ids)  # grouped by expert
+        return rows.combine(self.run_experts(x, layer, slots, rows, experts), x.shape[0]).to(x.dtype)
+
+    def run_experts(
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, rows: Dispatch, experts: ExpertLora | None
+    ) -> torch.Tensor:
+        """The down outputs [M, H] of the dispatched `rows` of tokens x [T, H], each through its expert (LoRA
+        included), in the rows' order."""
+        p = f"model.layers.{layer}.mlp.all_experts"
         xs = x[rows.tokens]
         bounds = None if self.grouped_mm else rows.ends.tolist()
         gate_up = expert_gemm(xs, self.w[f"{p}.gate_up_proj"], rows.ends, bounds)
@@ -530,7 +547,7 @@ class InklingModel:
         act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
         down = expert_gemm(act, self.w[f"{p}.down_proj"], rows.ends, bounds)
         self.add_down_lora(act, rows, experts, down)
-        return rows.combine(down, x.shape[0]).to(x.dtype)
+        return down
 
     # ---- the whole model ----------------------------------------------------------------------
 

@@ -74,8 +74,12 @@ class StatePool:
     def acquire(self) -> int:
         """A cleared sequence slot; the caller checks `free_slots` first."""
         slot = self._free.pop()
-        self.conv_state[slot].zero_()
+        self.clear(slot)
         return slot
+
+    def clear(self, slot: int) -> None:
+        """Zero `slot`'s ShortConv states, where a new sequence starts (its caches are written before they are read)."""
+        self.conv_state[slot].zero_()
 
     def release(self, slot: int) -> None:
         self._free.append(slot)

@@ -1,0 +1,167 @@
+"""The native engine as a group of two gloo processes (TP=2, EP=2) against the single-process engine, in fp32.
+
+Each group is started once for the module (a process start costs seconds) and driven in lockstep with a fresh
+single-process engine under the same orders, so every step's outputs are compared, not only the final text.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from inkwell.adapters.adapter import init_adapter
+from inkwell.adapters.spec import LoraSpec
+from inkwell.models import base_model_identity, load_base_config, load_base_weights
+from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.native.group_engine import GroupEngine, check_group_config, native_engine
+from inkwell.serving.native.shards import Shard
+
+CONFIG = EngineConfig(max_loras_per_batch=3, max_lora_rank=16, max_batch_tokens=40, prefix_cache=False)
+LAYOUTS = {"tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}}
+LOGPROB_TOLERANCE = 1e-5
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2, **kwargs)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def engines(request, tiny_model_dir, tiny_adapters):
+    """(single process, group) with the same five adapters; the group's processes live for the module."""
+    torch.set_num_threads(1)
+    group = native_engine(tiny_model_dir, dataclasses.replace(CONFIG, **LAYOUTS[request.param]))
+    assert isinstance(group, GroupEngine)
+    reference = Engine(tiny_model_dir, CONFIG)
+    for engine in (reference, group):
+        for i, adapter in enumerate(tiny_adapters):
+            engine.load_adapter(f"a{i}", adapter)
+    yield reference, group
+    group.shutdown()
+
+
+def step_record(engine) -> list[tuple]:
+    """One step's outputs: (request, choice, tokens, chosen logprobs, top logprobs, prompt logprobs)."""
+    return [
+        (
+            out.request_id,
+            out.index,
+            out.token_ids,
+            [lp.logprob for lp in out.logprobs],
+            [[p for _, p in lp.top] for lp in out.logprobs],
+            out.prompt_logprobs,
+        )
+        for out in engine.step()
+    ]
+
+
+def assert_same_steps(ours: list[list[tuple]], ref: list[list[tuple]]) -> None:
+    """The same outputs at every step: ids and tokens equal, every logprob within LOGPROB_TOLERANCE."""
+    assert len(ours) == len(ref)
+    for step, (got, want) in enumerate(zip(ours, ref, strict=True)):
+        assert [o[:3] for o in got] == [o[:3] for o in want], f"step {step}"
+        for a, b in zip(got, want, strict=True):
+            chosen = torch.tensor([a[3], b[3]])
+            torch.testing.assert_close(chosen[0], chosen[1], rtol=0, atol=LOGPROB_TOLERANCE, msg=f"step {step}")
+            torch.testing.assert_close(torch.tensor(a[4]), torch.tensor(b[4]), rtol=0, atol=LOGPROB_TOLERANCE)
+            if b[5] is not None:
+                ours_p, ref_p = (torch.tensor([p if p is not None else 0.0 for p in x[5]]) for x in (a, b))
+                torch.testing.assert_close(ours_p, ref_p, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+def run_lockstep(engines, script: dict[int, object], steps: int) -> list[list[list[tuple]]]:
+    """Each engine's outputs per step, `script[i](engine)` done before step i."""
+    runs = []
+    for engine in engines:
+        record = []
+        for i in range(steps):
+            if i in script:
+                script[i](engine)
+            record.append(step_record(engine))
+        assert not engine.has_work()
+        runs.append(record)
+    return runs
+
+
+def test_mixed_adapter_batch_equals_single_process(engines):
+    """Five adapters (three slots) and the base model in one batch, prompts prefilled in chunks: the same tokens
+    and logprobs at every step."""
+    requests = [
+        Request(f"r{i}", list(range(10 + 3 * i, 40 + 5 * i)), greedy(24, prompt_logprobs=i == 1), f"a{i}")
+        for i in range(5)
+    ] + [Request("base", list(range(7, 50)), greedy(24))]
+
+    def add_all(engine):
+        for request in requests:
+            engine.add_request(request)
+
+    ref, ours = run_lockstep(engines, {0: add_all}, 90)
+    assert_same_steps(ours, ref)
+    tokens = {o[0]: o[2] for step in ref for o in step if o[2]}
+    assert len(tokens) == 6
+
+
+def test_swap_on_a_running_group_reaches_every_rank_at_the_same_step(engines, tiny_model_dir):
+    """While a base request decodes, version 1 of an adapter serves a request and is swapped for version 2 (the
+    new version's slot written between two steps of the running group): every step equals the single process's,
+    and the second request really ran on version 2."""
+    config, identity = load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir)
+    spec = LoraSpec(rank=8, alpha=16, targets=("attn", "mlp", "experts", "shared_experts", "lm_head"))
+    v1, v2 = (init_adapter(config, spec, identity, seed=seed, b_std=0.05) for seed in (11, 12))
+    prompt = list(range(60, 85))
+
+    def start(engine):
+        engine.load_adapter("v1", v1)
+        engine.add_request(Request("running", list(range(3, 30)), greedy(20)))
+        engine.add_request(Request("on-v1", prompt, greedy(4), "v1"))
+
+    def swap(engine):
+        engine.unload_adapter("v1")
+        engine.load_adapter("v2", v2)
+        engine.add_request(Request("on-v2", prompt, greedy(4), "v2"))
+
+    ref, ours = run_lockstep(engines, {0: start, 6: swap}, 24)
+    assert_same_steps(ours, ref)
+    outputs = {o[0]: o[2] for step in ref for o in step if o[2]}
+    assert outputs["on-v1"] != outputs["on-v2"], "the two versions must decode differently for the test to see a swap"
+    for engine in engines:
+        engine.unload_adapter("v2")
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=list(LAYOUTS))
+def test_ranks_read_only_their_slices_and_together_hold_the_model(tiny_model_dir, tiny_adapters, tp, ep):
+    """Each rank's slices of the checkpoint and of an adapter are its part of every split tensor; the two ranks'
+    parts, put back together, are the whole tensor."""
+    weights = load_base_weights(tiny_model_dir)
+    ranks = [Shard.of(rank, tp, ep) for rank in range(2)]
+    for name in weights:
+        full, parts = weights[name], [s.weights(weights)[name] for s in ranks]
+        assert rebuilt(full, parts, name), name
+    adapter = tiny_adapters[0]
+    shards = [s.adapter(adapter).tensors for s in ranks]
+    for name, full in adapter.tensors.items():
+        assert rebuilt(full, [shard[name] for shard in shards], name), name
+
+
+def rebuilt(full: torch.Tensor, parts: list[torch.Tensor], name: str) -> bool:
+    """Whether `parts` are `full` whole on each rank, or split in two along one dim (the fused expert gate/up in
+    its two halves)."""
+    if all(p.shape == full.shape for p in parts):
+        return all(torch.equal(p, full) for p in parts)
+    if name.endswith("experts.gate_up_proj") and parts[0].shape[0] == full.shape[0]:
+        halves = [p.chunk(2, dim=1) for p in parts]
+        return torch.equal(torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1), full)
+    dims = [d for d in range(full.dim()) if parts[0].shape[d] != full.shape[d]]
+    return len(dims) == 1 and torch.equal(torch.cat(parts, dim=dims[0]), full)
+
+
+def test_uneven_splits_and_per_process_features_are_refused(tiny_model_dir):
+    config = load_base_config(tiny_model_dir)
+    with pytest.raises(ValueError, match="num_key_value_heads 2 by tensor_parallel=4"):
+        Shard(tp=4).check(config)
+    with pytest.raises(ValueError, match="n_shared_experts 2 by expert_parallel=4"):
+        Shard(ep=4).check(config)
+    with pytest.raises(ValueError, match="prefix_cache cannot run on an engine spanning 2 processes"):
+        check_group_config(EngineConfig(tensor_parallel=2))
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        check_group_config(EngineConfig(expert_parallel=2, prefix_cache=False, device="cuda"))
