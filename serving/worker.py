@@ -1,4 +1,7 @@
-"""The serving worker: one process per device running the engine loop beside its colocated loader.
+"""The serving worker: one process per device (or device group) running the engine loop beside its colocated loader.
+
+A native engine spanning several devices (`EngineConfig.ranks`) is one worker all the same: this process is its
+rank 0 and starts the others; the router, the loader and the handle see one engine.
 
 Between engine steps the worker drains its inbox (`messages.ToWorker`): new requests, aborts, load/unload
 orders and staged adapters arriving from the loader. A new adapter arrives as a slot image in the loader's
@@ -72,6 +75,7 @@ class ServingWorker:
             while msg is not None:
                 if isinstance(msg, messages.Stop):
                     stop_loader(self.loader, self.loader_inbox, self.receiver, timeout=5)
+                    engine.shutdown()
                     self.outbox.put(messages.Stopped())
                     return
                 self.handle(msg)

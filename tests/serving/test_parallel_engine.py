@@ -4,22 +4,31 @@ Each group is started once for the module (a process start costs seconds) and dr
 single-process engine under the same orders, so every step's outputs are compared, not only the final text.
 """
 
+import asyncio
 import dataclasses
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from inkwell.adapters.adapter import init_adapter
+from inkwell.adapters.io import save_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, load_base_config, load_base_weights
 from inkwell.serving.contract import EngineConfig, Request, SamplingParams
+from inkwell.serving.handle import WorkerHandle
 from inkwell.serving.native.engine import Engine
 from inkwell.serving.native.group_engine import GroupEngine, check_group_config, native_engine
 from inkwell.serving.native.shards import Shard
+from inkwell.serving.router import AdapterRef, ServingRouter
+from inkwell.serving.settings import ServingSettings
+from inkwell.serving.sources import DirectorySource
+from inkwell.serving.worker import WorkerConfig
 
 CONFIG = EngineConfig(max_loras_per_batch=3, max_lora_rank=16, max_batch_tokens=40, prefix_cache=False)
 LAYOUTS = {"tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}}
 LOGPROB_TOLERANCE = 1e-5
+PROMPT = [1, *range(60, 80)]
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -165,3 +174,41 @@ def test_uneven_splits_and_per_process_features_are_refused(tiny_model_dir):
         check_group_config(EngineConfig(tensor_parallel=2))
     with pytest.raises(ValueError, match="cuda_graphs"):
         check_group_config(EngineConfig(expert_parallel=2, prefix_cache=False, device="cuda"))
+
+
+def test_settings_give_a_worker_several_devices():
+    settings = ServingSettings(tensor_parallel=2, expert_parallel=1)
+    assert settings.devices_per_worker == 2 and settings.worker_devices() == ["cpu"]
+    config = settings.engine_config("cpu")
+    assert (config.ranks, config.prefix_cache, config.cuda_graphs) == (2, False, False)
+    assert ServingSettings().engine_config("cpu").prefix_cache
+    with pytest.raises(ValidationError, match="prefix_cache runs in one process"):
+        ServingSettings(tensor_parallel=2, prefix_cache=True)
+    with pytest.raises(ValidationError, match="use engine=native"):
+        ServingSettings(expert_parallel=2, engine="sglang")
+
+
+def test_a_worker_spanning_two_processes_is_one_worker(tiny_model_dir, tmp_path, tiny_adapters):
+    """A serving worker whose engine is a TP=2 group: started, fed an adapter by its loader and routed to like any
+    worker; it answers as the single-process engine does, and stops its second rank when it stops."""
+    adapter_dir = save_adapter(tiny_adapters[0], tmp_path / "a0", "sglang", load_base_config(tiny_model_dir))
+    engine = dataclasses.replace(CONFIG, tensor_parallel=2)
+    handle = WorkerHandle(WorkerConfig(str(tiny_model_dir), engine, name="tp2"))
+    handle.start()
+    try:
+        router = ServingRouter(lambda base: [handle])
+
+        async def tokens(adapter: AdapterRef | None) -> list[int]:
+            stream = await router.submit("tiny", PROMPT, greedy(12), adapter)
+            return [t async for out in stream for t in out.token_ids]
+
+        async def both():
+            return await asyncio.gather(tokens(AdapterRef("a0@1", DirectorySource(str(adapter_dir)))), tokens(None))
+
+        served = asyncio.run(both())
+    finally:
+        handle.close()
+    reference = Engine(tiny_model_dir, CONFIG)
+    reference.load_adapter("a0", tiny_adapters[0])
+    want = reference.generate([Request("a", PROMPT, greedy(12), "a0"), Request("b", PROMPT, greedy(12))])
+    assert served == [want["a"][0].token_ids, want["b"][0].token_ids]
