@@ -47,6 +47,7 @@ def rl_config(config: GrpoJobConfig) -> RLConfig:
         loss_fn=config.loss_fn,
         normalize_advantages=config.normalize_advantages,
         save_every=config.checkpoint_every,
+        routing_replay=config.routing_replay,
         seed=config.seed,
     )
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from inkwell.serving.contract import Choice, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
 from inkwell.trainer.core import AdamParams, TrainingCore
@@ -39,7 +41,8 @@ class LocalWeights:
 
 
 class LocalSampler:
-    """Samples from one adapter version of the engine, with the chosen tokens' logprobs."""
+    """Samples from one adapter version of the engine, with the chosen tokens' logprobs and, when asked, the routing
+    traces (the SDK's values, the traces as the engine's integer arrays rather than nested lists)."""
 
     def __init__(self, engine: Engine, key: str) -> None:
         self._engine, self._key = engine, key
@@ -58,12 +61,19 @@ class LocalSampler:
             for out in self._engine.step():
                 if out.request_id in self._choices:
                     self._choices[out.request_id].setdefault(out.index, Choice()).extend(out)
-        choices = self._choices.pop(request_id)
+        choices = [c for _, c in sorted(self._choices.pop(request_id).items())]
+        first = choices[0].prompt_routing  # one prompt, one routing: the first choice's
         return {
             "sequences": [
-                {"tokens": c.token_ids, "logprobs": [lp.logprob for lp in c.logprobs], "finish_reason": c.finish_reason}
-                for c in (choices[i] for i in sorted(choices))
-            ]
+                {
+                    "tokens": c.token_ids,
+                    "logprobs": [lp.logprob for lp in c.logprobs],
+                    "finish_reason": c.finish_reason,
+                    "routing": c.routing,
+                }
+                for c in choices
+            ],
+            "prompt_routing": None if first is None else [None, *first],
         }
 
 
@@ -74,6 +84,11 @@ class _Sampled:
 
     def result(self, timeout: float | None = None) -> Mapping[str, Any]:
         return self.sampler._settle(self.request_id)
+
+
+def _trace(routing: Any) -> np.ndarray | None:
+    """A datum's routing trace as one integer array (`rl.routing_trace` joins the engine's arrays into a list)."""
+    return None if routing is None else np.asarray(routing)
 
 
 class LocalSession:
@@ -87,7 +102,7 @@ class LocalSession:
     def forward_backward(
         self, data: Iterable[Mapping[str, Any]], loss_fn: str = "cross_entropy", loss_fn_config=None
     ) -> Done[Mapping[str, Any]]:
-        datums = [Datum(list(d["tokens"]), dict(d["loss_fn_inputs"]), d.get("routing")) for d in data]
+        datums = [Datum(list(d["tokens"]), dict(d["loss_fn_inputs"]), _trace(d.get("routing"))) for d in data]
         out = self.core.forward_backward(datums, loss_fn, loss_fn_config)
         return Done({"logprobs": out.logprobs, "metrics": out.metrics})
 

@@ -22,8 +22,9 @@ class Weights(Protocol):
 
 class Sampler(Protocol):
     def sample(self, prompt_tokens: Iterable[int], num_samples: int = 1, **params: Any) -> Future[Mapping[str, Any]]:
-        """`num_samples` completions (params: max_tokens, temperature, seed); the value's `sequences` each have
-        `tokens` and the sampler's `logprobs` of them."""
+        """`num_samples` completions (params: max_tokens, temperature, seed, return_routing, prompt_routing); the
+        value's `sequences` each have `tokens`, the sampler's `logprobs` of them and (return_routing) their
+        `routing` trace, and (prompt_routing) the value's `prompt_routing` is the prompt's, None first."""
         ...
 
 

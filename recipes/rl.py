@@ -8,7 +8,10 @@
 Each step samples `group_size` completions per prompt from the adapter as it stands, scores them here on the
 client, takes reward minus its group's mean as each completion's advantage, trains on the completion tokens
 against the sampler's logprobs (the prompt is not trained on), takes an optimizer step and publishes the adapter
-for the next step's sampling. Steps are the session's optimizer steps and a step's prompts and seeds follow from
+for the next step's sampling. With `routing_replay` (the default) the sampler also returns the experts each MoE
+layer routed every token to, and each datum carries them back, so the trainer scores the sampled tokens with the
+sampler's experts (rollout routing replay: a near-tie routed apart by the two sides' numerics no longer moves
+the logprobs). Steps are the session's optimizer steps and a step's prompts and seeds follow from
 (seed, step) alone, so a run resumed from a saved state takes the steps the original run would have taken.
 
 The session is anything with those primitives (`inkwell.recipes.primitives`): the SDK's, or the in-process ones an
@@ -50,6 +53,7 @@ class RLConfig:
     loss_fn_config: Mapping[str, float] = field(default_factory=dict)
     normalize_advantages: bool = False  # divide by the group's standard deviation as well
     save_every: int = 0  # save_state every this many steps (0: never)
+    routing_replay: bool = True  # ask the sampler for its routing traces and replay them in forward_backward
     seed: int = 0
     timeout: float = 600.0  # per request
 
@@ -58,9 +62,9 @@ class RLConfig:
 class StepReport:
     """One step: its mean reward, its loss (summed over the sampled tokens), how far the trainer's logprobs of the
     sampled tokens were from the sampler's (both under the same weights, so any gap is numerical: KL(sampler ||
-    trainer) by the k1 and k3 estimators, the mean and largest |log p - log q|, as forward_backward reports them
-    over the tokens it trained on: trainer/consistency.py), and where its time went (sampling, forward_backward +
-    optim_step, and sync: save_weights_for_sampler)."""
+    trainer) by the k1 and k3 estimators, the mean and largest |log p - log q| and the share of tokens whose ratio
+    p/q left PPO's clip bounds, as forward_backward reports them over the sampled tokens: trainer/consistency.py),
+    and where its time went (sampling, forward_backward + optim_step, and sync: save_weights_for_sampler)."""
 
     step: int
     reward: float
@@ -70,6 +74,7 @@ class StepReport:
     kl_k3: float
     logprob_diff_mean: float
     logprob_diff_max: float
+    clip_fraction: float  # of the sampled tokens, r = p/q outside [0.8, 1.2] (ppo: its clip thresholds)
     sample_seconds: float
     train_seconds: float
     sync_seconds: float
@@ -78,7 +83,7 @@ class StepReport:
     def line(self) -> str:
         return (
             f"step {self.step:4d}  reward {self.reward:.3f}  kl k1 {self.kl_k1:+.1e} k3 {self.kl_k3:.1e}  "
-            f"|dlogp| mean {self.logprob_diff_mean:.1e} max {self.logprob_diff_max:.1e}  "
+            f"|dlogp| mean {self.logprob_diff_mean:.1e} max {self.logprob_diff_max:.1e} clip {self.clip_fraction:.3f}  "
             f"sample {self.sample_seconds:.1f}s train {self.train_seconds:.1f}s sync {self.sync_seconds:.1f}s"
         )
 
@@ -111,12 +116,19 @@ def advantages(rewards: Sequence[float], normalize: bool) -> list[float]:
     return [(r - mean) / scale if scale > 0 else 0.0 for r in rewards]
 
 
-def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float], advantage: float) -> dict:
+def rl_datum(
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    logprobs: Sequence[float],
+    advantage: float,
+    routing: Sequence | None = None,
+) -> dict:
     """Prompt and completion as one datum: position i predicts token i + 1; only completion tokens carry the
-    sampler's logprobs and the advantage (the prompt's positions get 0 and are not trained on)."""
+    sampler's logprobs and the advantage (the prompt's positions get 0 and are not trained on). `routing`, the
+    sampler's routing trace of the datum's tokens (`routing_trace`), is replayed by the trainer's forward."""
     tokens = [*prompt, *completion]
     untrained = [0.0] * (len(prompt) - 1)
-    return {
+    datum = {
         "tokens": tokens[:-1],
         "loss_fn_inputs": {
             "target_tokens": tokens[1:],
@@ -124,6 +136,16 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequenc
             "advantages": untrained + [advantage] * len(completion),
         },
     }
+    if routing is not None:
+        datum["routing"] = routing
+    return datum
+
+
+def routing_trace(prompt_routing: Sequence, routing: Sequence) -> list:
+    """A datum's routing trace from a sample's: the prompt's (whose first entry is None: the first token is scored
+    by no forward) after its first entry, then the completion's; one entry per datum token, aligned as its
+    logprobs are (entry i: the forward of tokens[i], which scored token i + 1)."""
+    return [*prompt_routing[1:], *routing]
 
 
 def rl_step(
@@ -139,6 +161,7 @@ def rl_step(
     rng = random.Random(f"{config.seed}:{step}")
     picked = rng.sample(range(len(problems)), min(config.prompts_per_step, len(problems)))
     prompts = [encode_prompt_completion(tokenizer, problems[i].prompt)[0] for i in picked]
+    traced = {"return_routing": True, "prompt_routing": True} if config.routing_replay else {}
     began = time.perf_counter()
     pending = [
         sampler.sample(
@@ -147,16 +170,22 @@ def rl_step(
             max_tokens=config.max_tokens,
             temperature=config.temperature,
             seed=rng.randrange(2**31),
+            **traced,
         )
         for prompt in prompts
     ]
-    groups = [future.result(config.timeout)["sequences"] for future in pending]
+    outs = [future.result(config.timeout) for future in pending]
     sampled = time.perf_counter()
-    texts = [[tokenizer.decode(s["tokens"], skip_special_tokens=True) for s in group] for group in groups]
+    texts = [[tokenizer.decode(s["tokens"], skip_special_tokens=True) for s in out["sequences"]] for out in outs]
     rewards = score(problems, picked, texts, reward_fn)
-    samples = [(prompt, s) for prompt, group in zip(prompts, groups, strict=True) for s in group]
     advantage = [a for row in rewards for a in advantages(row, config.normalize_advantages)]
-    data = [rl_datum(p, s["tokens"], s["logprobs"], a) for (p, s), a in zip(samples, advantage, strict=True)]
+    samples = [(prompt, out, s) for prompt, out in zip(prompts, outs, strict=True) for s in out["sequences"]]
+    data = [
+        rl_datum(
+            p, s["tokens"], s["logprobs"], a, routing_trace(out["prompt_routing"], s["routing"]) if traced else None
+        )
+        for (p, out, s), a in zip(samples, advantage, strict=True)
+    ]
     out = session.forward_backward(data, config.loss_fn, config.loss_fn_config).result(config.timeout)
     session.optim_step(learning_rate=config.learning_rate).result(config.timeout)
     trained = time.perf_counter()
@@ -170,8 +199,9 @@ def rl_step(
         step,
         statistics.fmean(r for row in rewards for r in row),
         metrics["loss:sum"],
-        sum(len(s["tokens"]) for _, s in samples),
+        sum(len(s["tokens"]) for _, _, s in samples),
         *(metrics[k] for k in ("kl_k1:mean", "kl_k3:mean", "logprob_diff:mean", "logprob_diff:max")),
+        metrics["ratio_clip_fraction:mean"],
         sample_seconds=sampled - began,
         train_seconds=trained - sampled,
         sync_seconds=synced - trained,

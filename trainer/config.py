@@ -206,6 +206,11 @@ class GrpoHyperparameters(BaseModel):
     temperature: float = Field(1.0, gt=0, le=2.0)
     loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "importance_sampling"
     normalize_advantages: bool = Field(False, description="divide by the group's standard deviation as well")
+    routing_replay: bool = Field(
+        True,
+        description="the trainer routes each sampled sequence to the experts the sampler chose (the engine's "
+        "routing traces), so a near-tie the two sides round apart does not move the logprobs",
+    )
     verifier: str = Field("exact_match", description=f"a built-in verifier: {', '.join(VERIFIERS)}")
     verifier_arg: str | None = Field(
         None,

@@ -1,6 +1,7 @@
 """GRPO through the SDK against the real service (session worker, serving worker, registry) on inkling-tiny, from
-the bundled `letter-case` task: the trainer scores the sampled tokens as the sampler did, a run resumes from a saved
-state where it stopped, and a failing reward function stops a step before anything is trained. That the reward
+the bundled `letter-case` task: the trainer scores the sampled tokens as the sampler did, replaying the sampler's
+routing traces (the recipe's default), a run resumes from a saved state where it stopped, and a failing reward
+function stops a step before anything is trained. That the reward
 rises over the task's 30 steps (last 10 at least 0.3 above the first 10) is the demo's own pass rule, so
 tests/demo asserts it on the same task, seeds and loop; these runs are shorter."""
 
@@ -35,18 +36,42 @@ def tokenizer(sqlite_service):
     return load_tokenizer(sqlite_service.settings.data_dir / "models" / "inkling-tiny")
 
 
+class Traced:
+    """A session whose forward_backward calls note how many of their datums carried a routing trace."""
+
+    def __init__(self, session) -> None:
+        self.session, self.calls = session, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.session, name)
+
+    def forward_backward(self, data, *args):
+        self.calls.append((len(data), sum(d.get("routing") is not None for d in data)))
+        return self.session.forward_backward(data, *args)
+
+
 @pytest.fixture(scope="module")
-def run(client, tokenizer) -> list[StepReport]:
+def traced(client, tokenizer) -> Traced:
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
-        return grpo(session, tokenizer, PROBLEMS, REWARD, CONFIG, progress=False)
+        spy = Traced(session)
+        spy.reports = grpo(spy, tokenizer, PROBLEMS, REWARD, CONFIG, progress=False)
+        return spy
 
 
-def test_grpo_steps_score_the_sampled_tokens_as_the_sampler_did(run):
+@pytest.fixture(scope="module")
+def run(traced) -> list[StepReport]:
+    return traced.reports
+
+
+def test_grpo_steps_score_the_sampled_tokens_as_the_sampler_did(run, traced):
     rewards = [r.reward for r in run]
     assert [r.step for r in run] == list(range(CONFIG.steps))
     assert statistics.fmean(rewards[-4:]) > statistics.fmean(rewards[:4]), rewards  # it learns at all
-    # the trainer's logprobs of the sampled tokens are the sampler's (fp32, same weights): KL ~ 0
-    assert max(r.logprob_diff_max for r in run) < 1e-3
+    # every datum carried the sampler's routing trace, one entry per token (the service refuses any other length)
+    samples = CONFIG.prompts_per_step * CONFIG.group_size
+    assert CONFIG.routing_replay and traced.calls == [(samples, samples)] * CONFIG.steps
+    # the trainer's logprobs of the sampled tokens are the sampler's (fp32, same weights, same experts): KL ~ 0
+    assert max(r.logprob_diff_max for r in run) < 1e-3 and max(r.clip_fraction for r in run) == 0.0
     assert max(abs(r.kl_k1) for r in run) < 1e-4 and max(r.kl_k3 for r in run) < 1e-6
     assert all(r.sample_seconds > 0 and r.train_seconds > 0 and r.sync_seconds > 0 for r in run)
     assert [r.step for r in run if r.state] == [3, 7]

@@ -1,11 +1,14 @@
 """The GRPO recipe's parts without a service: group advantages, datums, rewards checked."""
 
 import math
+from pathlib import Path
 
 import pytest
 
+from inkwell.recipes.job import rl_config
 from inkwell.recipes.problems import Problem
-from inkwell.recipes.rl import RewardError, advantages, rl_datum, score
+from inkwell.recipes.rl import RewardError, advantages, rl_datum, routing_trace, score
+from inkwell.trainer.config import GrpoJobConfig
 
 PROBLEMS = [Problem("1+1=", "2"), Problem("2+2=", "4")]
 
@@ -23,6 +26,23 @@ def test_a_datum_trains_the_completion_only():
     assert inputs["target_tokens"] == [10, 11, 20, 2]  # position i predicts token i + 1
     assert inputs["logprobs"] == [0.0, 0.0, -0.5, -0.25]
     assert inputs["advantages"] == [0.0, 0.0, 0.75, 0.75]
+    assert "routing" not in datum
+
+
+def test_a_datum_carries_the_samplers_routing_of_its_tokens():
+    """The prompt's trace (None first: its first token is scored by no forward) past its first entry, then the
+    completion's: entry i is the forward of tokens[i], as the logprobs are aligned."""
+    prompt_routing = [None, [[0, 1]], [[2, 3]]]  # one MoE layer, top 2
+    trace = routing_trace(prompt_routing, [[[4, 5]], [[6, 7]]])
+    datum = rl_datum([1, 10, 11], [20, 2], [-0.5, -0.25], 0.75, trace)
+    assert datum["routing"] == [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]
+    assert len(datum["routing"]) == len(datum["tokens"]) == 4
+
+
+def test_a_grpo_job_replays_the_samplers_routing_unless_told_not_to():
+    paths = {"base_model_dir": Path("m"), "dataset_path": Path("p.jsonl"), "output_dir": Path("o")}
+    assert GrpoJobConfig(**paths).routing_replay and rl_config(GrpoJobConfig(**paths)).routing_replay
+    assert not rl_config(GrpoJobConfig(**paths, routing_replay=False)).routing_replay
 
 
 def test_rewards_are_scored_per_problem():

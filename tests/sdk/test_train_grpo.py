@@ -39,6 +39,7 @@ def test_a_grpo_job_reports_reward_and_kl_per_step_and_publishes(training_servic
             assert 0.0 <= d["reward"] <= 1.0 and d["tokens"] == 8 * 4  # one token per sample
             # the trainer scores the sampled tokens as the in-process engine did (fp32, same adapter): KL ~ 0
             assert abs(d["kl_k1"]) < 1e-4 and 0.0 <= d["kl_k3"] < 1e-6 and d["logprob_diff_max"] < 1e-3
+            assert d["clip_fraction"] == 0.0  # no sampled token's ratio p/q left [0.8, 1.2]
             assert d["sample_seconds"] > 0 and d["train_seconds"] > 0 and d["sync_seconds"] > 0
         assert [e.data["step"] for e in events if e.type == "checkpoint"] == [2]
         assert job.info.progress.step == 4 and job.info.progress.reward == steps[-1]["reward"]
