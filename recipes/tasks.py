@@ -11,9 +11,9 @@ about 25 steps of 16 prompts x 8 samples on two CPU cores.
 from dataclasses import dataclass
 from pathlib import Path
 
+from inkwell.adapters.spec import LoraSpec  # the SDK's own (inkwell.sdk.LoraSpec), without the HTTP client
 from inkwell.recipes.problems import Problem, load_problems
 from inkwell.recipes.rl import RLConfig
-from inkwell.sdk import LoraSpec
 
 DATA = Path(__file__).resolve().parent / "data"
 
