@@ -11,8 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import torch.multiprocessing as mp
-
+from inkwell import forkserver
 from inkwell.serving import messages
 from inkwell.serving.contract import EngineError, PrefixCacheStats, SamplingParams, StepOutput
 from inkwell.serving.stats import WorkerStats
@@ -71,7 +70,7 @@ class WorkerHandle:
 
     def __init__(self, config: WorkerConfig):
         self.config = config
-        ctx = mp.get_context("spawn")
+        ctx = forkserver.context()
         self.inbox = ctx.Queue()
         self.outbox = ctx.Queue()
         self.process = ctx.Process(target=worker_main, args=(config, self.inbox, self.outbox), name=config.name)

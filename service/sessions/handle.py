@@ -7,8 +7,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
+from inkwell import forkserver
 from inkwell.service.sessions import messages
 from inkwell.service.sessions.futures import Future, FutureError, FutureStore
 from inkwell.service.sessions.worker import session_main
@@ -26,7 +25,7 @@ class SessionStartError(RuntimeError):
 class SessionHandle:
     def __init__(self, config: messages.SessionConfig, futures: FutureStore, on_exit: Callable[[str], None]) -> None:
         self.config, self.futures, self.on_exit = config, futures, on_exit
-        ctx = mp.get_context("spawn")
+        ctx = forkserver.context()
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(
             target=session_main, args=(config, self.inbox, self.outbox), name=f"session-{config.session_id}"
