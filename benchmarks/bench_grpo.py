@@ -4,7 +4,7 @@ into sampling / training / sync, and the adapter-only sync against the disk roun
 GRPO: the recipe's own loop (`inkwell.recipes.rl.grpo`) on the primitives an RL job runs it on
 (`inkwell.recipes.local.LocalSession`: a TrainingCore and a native Engine side by side on one device, the adapter
 synced into the engine from memory after each step; the core's compile mode is the job's,
-`trainer.config.one_process_compile_mode`, unless --compile says otherwise), on a randomly initialised --preset base
+`recipes.job.COMPILE_MODE`, unless --compile says otherwise), on a randomly initialised --preset base
 and a bundled task (`inkwell.recipes.tasks`, letter-case: one-token answers scored by the regex verifier; a random
 base learns little, the KL and the timings are what this measures). It runs --steps steps twice on the same seeds:
 with routing replay (the engine's routing traces in every datum, replayed by the trainer's forward) and without;
@@ -39,12 +39,12 @@ import torch
 from bench_session import sync_times
 
 from inkwell.models import init_base_model
+from inkwell.recipes.job import COMPILE_MODE
 from inkwell.recipes.local import LocalSession
 from inkwell.recipes.rl import RLConfig, StepReport, grpo
 from inkwell.recipes.tasks import TASKS
 from inkwell.serving.contract import EngineConfig
 from inkwell.serving.native.engine import Engine
-from inkwell.trainer.config import one_process_compile_mode
 from inkwell.trainer.core import TrainingCore
 from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.verifiers import verifier
@@ -156,10 +156,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--sync-steps", type=int, help="timed adapter syncs each way (default: 8, on CPU 2)")
+    parser.add_argument("--runs", default="replay,no_replay", help="which runs, in order (the last is the baseline)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.compile_mode = {
-        "auto": one_process_compile_mode(args.device, args.dtype),
+        "auto": COMPILE_MODE,
         "none": None,
         "default": "default",
         "reduce-overhead": "reduce-overhead",
@@ -193,11 +194,19 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     adapter = None
-    for name, replay in (("replay", True), ("no_replay", False)):
+    runs = args.runs.split(",")
+    if not set(runs) <= {"replay", "no_replay"}:
+        parser.error(f"--runs: replay and/or no_replay, not {args.runs!r}")
+    for name in runs:
+        replay = name == "replay"
         reports, trained, built = grpo_run(base_dir, dataclasses.replace(config, routing_replay=replay), args)
         adapter = adapter or trained
         steps = [{k: v for k, v in dataclasses.asdict(r).items() if k != "state"} for r in reports]
         results[name] = {"build_seconds": built, "steps": steps, "summary": summary(reports)}
+    if len(runs) < 2:
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2))
+        return
 
     with_replay, without = results["replay"]["summary"], results["no_replay"]["summary"]
     with_replay["step_vs_no_replay"] = with_replay["median_step_seconds"] / without["median_step_seconds"]

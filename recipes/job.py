@@ -21,11 +21,16 @@ from inkwell.trainer.config import (
     TrainCallbacks,
     TrainingCancelled,
     TrainResult,
-    one_process_compile_mode,
 )
 from inkwell.trainer.core import TrainingCore
 from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.verifiers import verifier
+
+# The core beside the engine runs its layers eagerly. With routing replay (the default) a CUDA-graphed core runs its
+# replayed forwards eagerly anyway; without it an RL step's datums change width from step to step, so graphs pay a
+# capture per new width, and a graphed core beside an engine in one process once hit an illegal memory access on
+# the H200 (docs/benchmarks.md, "GRPO on one GPU").
+COMPILE_MODE: str | None = None
 
 
 class GrpoCallbacks(TrainCallbacks):
@@ -82,7 +87,7 @@ def run_grpo(config: GrpoJobConfig, callbacks: GrpoCallbacks) -> TrainResult:
             seed=config.seed,
             device=config.device,
             dtype=config.dtype,
-            compile_mode=one_process_compile_mode(config.device, config.dtype),
+            compile_mode=COMPILE_MODE,
         )
         engine = Engine(
             config.base_model_dir,

@@ -97,8 +97,8 @@ def layers_compile(device: str, dtype: str) -> bool:
 
 
 def one_process_compile_mode(device: str, dtype: str) -> str | None:
-    """The layers' compile mode of a core alone in its process taking datums of any shape (a session, an RL job):
-    CUDA graphs, one per power-of-two row width (trainer/core.py), where layers compile at all."""
+    """The layers' compile mode of a core alone in its process taking datums of any shape (a session worker): CUDA
+    graphs, one per power-of-two row width (trainer/core.py), where layers compile at all."""
     return "reduce-overhead" if layers_compile(device, dtype) else None
 
 
