@@ -1,11 +1,12 @@
 """Where model-holding child processes (serving workers, session workers) start from.
 
-Such a child used to be spawned: a fresh interpreter that imports torch, transformers, megatron-core and inkwell
-before it does anything, about 8 s on two CPU cores, which was most of what a new session or serving worker
-waited for. They now fork from a server process that has imported those modules once (multiprocessing's
-"forkserver" with a preload), so a child starts with them in memory. The server never runs a torch op or touches
-a GPU, so a child initialises its threads and CUDA itself, as a spawned one does; children get the environment
-the server started with, which is why the service starts it early (`warm`).
+A spawned child is a fresh interpreter that imports torch, transformers, megatron-core and inkwell before it does
+anything: about 8 s on two CPU cores, most of what a new CPU session or serving worker waited for. A CPU child
+now forks from a server process that has imported those modules once (multiprocessing's "forkserver" with a
+preload), so it starts with them in memory; the server runs no torch op, so each child sets up its own threads.
+A CUDA child is still spawned: on a GPU machine those imports initialise CUDA in the server, and torch refuses
+CUDA in a process forked from one that has (seen on the H200), while there the imports are a small part of a
+worker's start. Children get the environment the server started with, which is why the service starts it early.
 """
 
 import multiprocessing
@@ -16,14 +17,16 @@ from multiprocessing.context import BaseContext
 PRELOAD = ["inkwell.serving.worker", "inkwell.service.sessions.worker"]
 
 
-def context() -> BaseContext:
-    """The multiprocessing context to create a model-holding child's process and queues from."""
+def context(device: str) -> BaseContext:
+    """The multiprocessing context to create a child that holds a model on `device` ("cpu", "cuda", "cuda:1")."""
+    if device.split(":")[0] != "cpu":
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
 def warm() -> None:
-    """Start the server now; it imports in the background and the first child no longer waits for that."""
-    context()
+    """Start the server for CPU children now; it imports in the background and the first child no longer waits."""
+    context("cpu")
     multiprocessing.forkserver.ensure_running()

@@ -21,7 +21,6 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import inkwell
-from inkwell import forkserver
 from inkwell.service import console
 from inkwell.service.bootstrap import ensure_preset_models
 from inkwell.service.db.migrate import upgrade_database
@@ -102,7 +101,6 @@ async def _cleanup_loop(app: FastAPI) -> None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    forkserver.warm()  # serving and session workers start from it: its imports overlap the rest of startup
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
     await asyncio.to_thread(upgrade_database, url)

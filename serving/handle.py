@@ -70,7 +70,7 @@ class WorkerHandle:
 
     def __init__(self, config: WorkerConfig):
         self.config = config
-        ctx = forkserver.context()
+        ctx = forkserver.context(config.engine.device)
         self.inbox = ctx.Queue()
         self.outbox = ctx.Queue()
         self.process = ctx.Process(target=worker_main, args=(config, self.inbox, self.outbox), name=config.name)

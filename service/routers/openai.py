@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from inkwell import forkserver
 from inkwell.models import encode_chat, encode_prompt_completion
 from inkwell.service.auth import Principal, current_principal
 from inkwell.service.metrics import PrefixCacheCollector
@@ -88,7 +89,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     resolver = RegistryResolver(
         app.state.sessionmaker, app.state.store, settings.s3_region, (settings.s3_access_key, settings.s3_secret_key)
     )
-    app.state.serving = ServingTier(resolver, ServingSettings())
+    serving = ServingSettings()
+    if "cpu" in serving.worker_devices():
+        forkserver.warm()  # CPU serving workers fork from it: its imports overlap the rest of startup
+    app.state.serving = ServingTier(resolver, serving)
     app.state.metrics.registry.register(PrefixCacheCollector(app.state.serving))
     try:
         yield

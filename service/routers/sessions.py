@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 
+from inkwell import forkserver
 from inkwell.service.auth import Principal, current_principal
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.schemas import ErrorBody
@@ -47,9 +48,10 @@ router = APIRouter(prefix="/v1", tags=["sessions"])
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = app.state
-    manager = SessionManager(
-        state.sessionmaker, state.store, state.settings, SessionSettings(), getattr(state, "serving", None)
-    )
+    settings = SessionSettings()
+    if settings.device == "cpu":
+        forkserver.warm()  # session workers fork from it: its imports overlap the rest of startup
+    manager = SessionManager(state.sessionmaker, state.store, state.settings, settings, getattr(state, "serving", None))
     state.sessions = manager
     reaper = asyncio.ensure_future(manager.reap())
     try:

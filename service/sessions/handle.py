@@ -25,7 +25,7 @@ class SessionStartError(RuntimeError):
 class SessionHandle:
     def __init__(self, config: messages.SessionConfig, futures: FutureStore, on_exit: Callable[[str], None]) -> None:
         self.config, self.futures, self.on_exit = config, futures, on_exit
-        ctx = forkserver.context()
+        ctx = forkserver.context(config.device)
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(
             target=session_main, args=(config, self.inbox, self.outbox), name=f"session-{config.session_id}"
