@@ -28,6 +28,16 @@ MAX_LISTED = 12  # problems named in one error; the rest are counted
 
 Index = tuple[slice, ...]
 Cut = tuple[int, int, int]  # (dim, part, parts): keep part `part` of `parts` along `dim`, as torch.chunk cuts it
+# The config's sizes that tensor parallelism splits between ranks (attention heads, MLP and expert widths), in the
+# trainer and in the serving engine alike; the trainer also splits the vocabulary.
+TP_SIZES = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "swa_num_attention_heads",
+    "swa_num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+)
 
 
 def shard_index(shape: tuple[int, ...], cuts: list[Cut]) -> Index:

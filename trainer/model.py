@@ -29,6 +29,7 @@ from torch import nn
 from transformers import InklingTextConfig
 
 from inkwell.adapters.spec import LoraSpec
+from inkwell.models.checkpoint import TP_SIZES
 from inkwell.trainer.layers import Packing, RelativeLogits, RMSNorm, ShortConv, causal_skew
 from inkwell.trainer.lora import LoraSettings, ParallelLinear, mark
 from inkwell.trainer.moe import InklingMoE
@@ -347,15 +348,7 @@ def compile_decoder_layers(layers: nn.ModuleList, mode: str = "default") -> None
 
 def layout_problem(hf: InklingTextConfig, tp: int, ep: int) -> tuple[str, str] | None:
     """(field, message) when tp/ep cannot split this model evenly, else None."""
-    for name in (
-        "num_attention_heads",
-        "num_key_value_heads",
-        "swa_num_attention_heads",
-        "swa_num_key_value_heads",
-        "intermediate_size",
-        "moe_intermediate_size",
-        "vocab_size",
-    ):
+    for name in (*TP_SIZES, "vocab_size"):
         value = getattr(hf, name)
         if value % tp:
             return "tp", f"tp: {tp} does not divide the model's {name} ({value}); choose a tp that does"

@@ -20,7 +20,7 @@ import torch
 from transformers import InklingTextConfig
 
 from inkwell.adapters.adapter import Adapter
-from inkwell.models.checkpoint import BaseCheckpoint, Cut, shard_index
+from inkwell.models.checkpoint import TP_SIZES, BaseCheckpoint, Cut, shard_index
 
 # Which dims of a tensor (by the end of its canonical name) are split over TP and over EP; unlisted ones are whole.
 BASE_SPLITS: list[tuple[str, dict[str, int]]] = [
@@ -32,15 +32,7 @@ BASE_SPLITS: list[tuple[str, dict[str, int]]] = [
     (r"experts\.(gate|up)_proj$", {"ep": 0, "tp": 1}),  # the shared experts' [n, F, H]
     (r"experts\.down_proj$", {"ep": 0, "tp": 2}),
 ]
-# The config's sizes that a rank holds a part of: split over the TP ranks, and over the EP ranks.
-TP_SIZES = (
-    "num_attention_heads",
-    "num_key_value_heads",
-    "swa_num_attention_heads",
-    "swa_num_key_value_heads",
-    "intermediate_size",
-    "moe_intermediate_size",
-)
+# The config's sizes that a rank holds a part of over the EP ranks (over the TP ranks: TP_SIZES).
 EP_SIZES = ("n_routed_experts", "n_shared_experts")
 FUSED_GATE_UP = re.compile(r"mlp\.experts\.gate_up_proj$")  # [E, 2F, H]: gate rows, then up rows
 ADAPTER_SPLITS: list[tuple[str, dict[str, int]]] = [
