@@ -1,38 +1,39 @@
-"""Inkling base models: presets, the byte-level tokenizer, and checkpoint directories."""
+"""Inkling base models: presets, the byte-level tokenizer, and checkpoint directories.
 
-from inkwell.models.base import (
-    BaseModelIdentity,
-    base_model_identity,
-    base_model_name,
-    check_base_model,
-    config_identity,
-    init_base_model,
-    load_base_model,
-    load_base_weights,
-)
-from inkwell.models.checkpoint import BaseCheckpoint
-from inkwell.models.config import BaseModelError, load_base_config
-from inkwell.models.names import installed_weight_names
-from inkwell.models.presets import PRESETS, preset_config
-from inkwell.models.tokenizer import encode_chat, encode_prompt_completion, load_tokenizer, stop_token_ids
+The names below load their module on first use (PEP 562): most of them need transformers, which imports torch
+(seconds), and the `inkwell` command line reaches this package for preset names alone.
+"""
 
-__all__ = [
-    "PRESETS",
-    "BaseCheckpoint",
-    "BaseModelError",
-    "BaseModelIdentity",
-    "base_model_identity",
-    "base_model_name",
-    "check_base_model",
-    "config_identity",
-    "encode_chat",
-    "encode_prompt_completion",
-    "init_base_model",
-    "installed_weight_names",
-    "load_base_config",
-    "load_base_model",
-    "load_base_weights",
-    "load_tokenizer",
-    "preset_config",
-    "stop_token_ids",
-]
+import importlib
+from typing import Any
+
+# Each public name and the module of this package that defines it.
+_HOMES = {
+    "BaseModelIdentity": "base",
+    "base_model_identity": "base",
+    "base_model_name": "base",
+    "check_base_model": "base",
+    "config_identity": "base",
+    "init_base_model": "base",
+    "load_base_model": "base",
+    "load_base_weights": "base",
+    "BaseCheckpoint": "checkpoint",
+    "BaseModelError": "config",
+    "load_base_config": "config",
+    "installed_weight_names": "names",
+    "PRESETS": "presets",
+    "preset_config": "presets",
+    "encode_chat": "tokenizer",
+    "encode_prompt_completion": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "stop_token_ids": "tokenizer",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value

@@ -1,12 +1,14 @@
-"""`inkwell models ...`: create and inspect Inkling base-model checkpoints."""
+"""`inkwell models ...`: create and inspect Inkling base-model checkpoints.
+
+What needs torch is imported by the command that uses it: every `inkwell` command loads this module.
+"""
 
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from inkwell.models import BaseModelError, base_model_identity, init_base_model, load_base_config
-from inkwell.models.presets import PRESETS
+from inkwell.models import PRESETS
 
 app = typer.Typer(help="Create and inspect Inkling base models.", no_args_is_help=True)
 console = Console()
@@ -23,6 +25,8 @@ def init(
     if preset not in PRESETS:
         console.print(f"[red]unknown preset {preset!r}[/]; choose from {', '.join(PRESETS)}")
         raise typer.Exit(2)
+    from inkwell.models import init_base_model
+
     path = init_base_model(preset, out_dir, seed=seed, name=name)
     console.print(f"wrote {preset} (seed {seed}) to {path}")
 
@@ -30,6 +34,8 @@ def init(
 @app.command("show")
 def show(model_dir: Path) -> None:
     """Print a base model's identity and shape."""
+    from inkwell.models import BaseModelError, base_model_identity, load_base_config
+
     try:
         config = load_base_config(model_dir)
         identity = base_model_identity(model_dir)

@@ -1,8 +1,9 @@
 """Named Inkling configurations: a CPU-sized one with every feature on, and the GPU benchmark one."""
 
-from transformers import InklingTextConfig
+from typing import TYPE_CHECKING
 
-from inkwell.models.tokenizer import VOCAB_SIZE as TOKENIZER_VOCAB
+if TYPE_CHECKING:
+    from transformers import InklingTextConfig
 
 PRESETS: dict[str, dict] = {
     # Under 10M parameters, yet every Inkling feature is exercised: sliding and full layers,
@@ -63,8 +64,12 @@ PRESETS: dict[str, dict] = {
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def preset_config(name: str) -> InklingTextConfig:
+def preset_config(name: str) -> "InklingTextConfig":
     """The transformers config of a preset; raises KeyError naming the known presets."""
+    from transformers import InklingTextConfig  # here, not above: the preset names need no torch
+
+    from inkwell.models.tokenizer import VOCAB_SIZE as TOKENIZER_VOCAB
+
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     kwargs = dict(PRESETS[name])

@@ -15,8 +15,6 @@ import typer
 import uvicorn
 from rich.console import Console
 
-from inkwell.models import BaseModelError
-from inkwell.service.bootstrap import LOCAL_TENANT, ensure_local_key, register_base_model
 from inkwell.service.db import repo
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
@@ -72,6 +70,7 @@ def serve(
 ) -> None:
     """Run the API, its object store (embedded SeaweedFS unless INKWELL_S3_ENDPOINT) and job workers."""
     from inkwell.service.app import create_app
+    from inkwell.service.bootstrap import LOCAL_TENANT, ensure_local_key
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = _settings(data_dir)
@@ -169,6 +168,9 @@ def revoke_key(key_id: str, data_dir: Path = typer.Option(None)) -> None:
 def add_base_model(name: str, model_dir: Path, data_dir: Path = typer.Option(None)) -> None:
     """Register an Inkling checkpoint directory as a base model: transformers' or the released names, one
     safetensors file or shards with their index, a text or multimodal config. Everything is checked first."""
+    from inkwell.models import BaseModelError
+    from inkwell.service.bootstrap import register_base_model
+
     sm = _sessionmaker(_settings(data_dir))
     try:
         with sm() as s:

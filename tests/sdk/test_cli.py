@@ -106,3 +106,14 @@ def test_adapters_commands(api, sqlite_service, adapter_dir, tmp_path):
         in run(env, "adapters", "download", "cli-ad", "1", "--dest", str(tmp_path / "x"), code=1).output
     )
     run(env, "adapters", "alias", "cli-ad", "prod", code=2)  # neither VERSION nor --delete
+
+
+def test_the_command_line_starts_without_torch():
+    """Every `inkwell` command loads every sub-app's module: none may import torch (seconds) until a command that
+    needs it runs, so `inkwell jobs list` answers at once."""
+    import subprocess
+    import sys
+
+    code = "import sys, inkwell.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
