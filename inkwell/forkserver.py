@@ -26,6 +26,13 @@ def context(device: str) -> BaseContext:
     return ctx
 
 
+def nested_context(device: str) -> BaseContext:
+    """The context for a child of such a child (a serving worker's loader), started before its parent has run a
+    torch op: on the CPU a plain fork of the parent, which has imported everything already (what the server is
+    to its children); on CUDA spawned, as `context` spawns."""
+    return multiprocessing.get_context("fork" if device.split(":")[0] == "cpu" else "spawn")
+
+
 def warm() -> None:
     """Start the server for CPU children now; it imports in the background and the first child no longer waits."""
     context("cpu")

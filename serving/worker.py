@@ -11,13 +11,15 @@ decoding while it is fetched and verified, and an evicted adapter can come back 
 the service's end of this process.
 """
 
+import multiprocessing
 import queue
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.multiprocessing as mp
 
+from inkwell import forkserver
+from inkwell.models import load_base_config
 from inkwell.serving import messages
 from inkwell.serving.contract import AdapterIncompatibleError, EngineConfig, EngineError, Request, make_engine
 from inkwell.serving.loader import loader_main, stop_loader
@@ -40,12 +42,12 @@ class ServingWorker:
     """The engine, its loader process and the loop that feeds the engine from the inbox."""
 
     def __init__(self, config: WorkerConfig, inbox, outbox):
-        self.engine = make_engine(config.engine_kind, config.model_dir, config.engine)
         self.inbox, self.outbox = inbox, outbox
         lora = config.engine
-        layout = slot_layout(self.engine.model_config, lora.max_lora_rank, lora.lora_groups, getattr(torch, lora.dtype))
-        self.receiver = ImageReceiver(layout)
-        ctx = mp.get_context("spawn")
+        model_config = load_base_config(config.model_dir)
+        layout = slot_layout(model_config, lora.max_lora_rank, lora.lora_groups, getattr(torch, lora.dtype))
+        # The loader first, before this process runs a torch op: on the CPU it is then a plain fork (forkserver.py)
+        ctx = forkserver.nested_context(lora.device)
         self.loader_inbox = ctx.Queue()
         self.loader = ctx.Process(
             target=loader_main,
@@ -54,6 +56,12 @@ class ServingWorker:
             daemon=True,
         )
         self.loader.start()
+        self.receiver = ImageReceiver(layout)
+        try:
+            self.engine = make_engine(config.engine_kind, config.model_dir, config.engine)
+        except BaseException:
+            stop_loader(self.loader, self.loader_inbox, self.receiver, timeout=5)
+            raise
         self._cache_reported: tuple[float, messages.CacheStats | None] = (0.0, None)
 
     def run(self) -> None:
@@ -63,7 +71,7 @@ class ServingWorker:
             identity.name, identity.config_sha256, engine.max_context, engine.model_config.vocab_size
         )
         self.outbox.put(messages.Ready(info))
-        service = mp.parent_process()
+        service = multiprocessing.parent_process()
         while True:
             try:
                 msg = self.inbox.get_nowait() if engine.has_work() else self.inbox.get(timeout=1.0)
