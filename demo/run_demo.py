@@ -10,19 +10,14 @@ everything it started on exit, Ctrl-C included.
 """
 
 import argparse
-import os
-import re
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import matplotlib
 
 matplotlib.use("Agg")
@@ -33,70 +28,17 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from embedded import EmbeddedService, free_port  # noqa: E402
 from tasks import TASKS, Example, is_correct, make_split  # noqa: E402
 
 from inkwell import sdk  # noqa: E402
 from inkwell.models import load_tokenizer  # noqa: E402
 from inkwell.recipes.rl import StepReport, grpo  # noqa: E402
 from inkwell.recipes.tasks import TASKS as RL_TASKS  # noqa: E402
-from inkwell.service.processes import die_with_parent  # noqa: E402
 from inkwell.trainer.verifiers import verifier  # noqa: E402
 
 BASE = "inkling-tiny"
 console = Console()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EmbeddedService:
-    """`inkwell serve` in its own process group; stop() ends it and everything it started, and so does the demo's
-    own death."""
-
-    def __init__(self, data_dir: Path, port: int, log_path: Path) -> None:
-        self.data_dir, self.port, self.log_path = data_dir, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 180.0) -> str:
-        """Start the service and return the local API key it printed."""
-        cli = Path(sys.executable).with_name("inkwell")
-        log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            [str(cli), "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent(),  # a demo killed outright (kill -9) leaves no service behind
-            env={**os.environ, "COLUMNS": "200"},
-        )
-        deadline = time.monotonic() + timeout
-        key = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the service exited with code {self.proc.returncode}; see {self.log_path}")
-            match = re.search(r"INKWELL_API_KEY=(\S+)", self.log_path.read_text())
-            key = key or (match.group(1) if match else None)
-            try:
-                if key and httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return key
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the service did not become healthy in {timeout:.0f}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def to_records(examples: list[Example]) -> list[dict]:

@@ -7,19 +7,26 @@ preload), so it starts with them in memory; the server runs no torch op, so each
 A CUDA child is still spawned: on a GPU machine those imports initialise CUDA in the server, and torch refuses
 CUDA in a process forked from one that has (seen on the H200), while there the imports are a small part of a
 worker's start. Children get the environment the server started with, which is why the service starts it early.
+INKWELL_FORKSERVER=0 spawns every child instead (what benchmarks/bench_startup.py compares against).
 """
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 from multiprocessing.context import BaseContext
 
 # The children's entry modules (names, not imports: this module sits below both of them).
 PRELOAD = ["inkwell.serving.worker", "inkwell.service.sessions.worker"]
 
 
+def enabled() -> bool:
+    """Whether CPU children fork (INKWELL_FORKSERVER, default 1) rather than spawn."""
+    return os.environ.get("INKWELL_FORKSERVER", "1") != "0"
+
+
 def context(device: str) -> BaseContext:
     """The multiprocessing context to create a child that holds a model on `device` ("cpu", "cuda", "cuda:1")."""
-    if device.split(":")[0] != "cpu":
+    if device.split(":")[0] != "cpu" or not enabled():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -30,10 +37,12 @@ def nested_context(device: str) -> BaseContext:
     """The context for a child of such a child (a serving worker's loader), started before its parent has run a
     torch op: on the CPU a plain fork of the parent, which has imported everything already (what the server is
     to its children); on CUDA spawned, as `context` spawns."""
-    return multiprocessing.get_context("fork" if device.split(":")[0] == "cpu" else "spawn")
+    return multiprocessing.get_context("fork" if device.split(":")[0] == "cpu" and enabled() else "spawn")
 
 
 def warm() -> None:
     """Start the server for CPU children now; it imports in the background and the first child no longer waits."""
+    if not enabled():
+        return
     context("cpu")
     multiprocessing.forkserver.ensure_running()
