@@ -22,16 +22,19 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from inkwell.trainer.losses import LOSSES
+
 METRICS = ("kl_k1:mean", "kl_k3:mean", "logprob_diff:mean", "logprob_diff:max", "ratio_clip_fraction:mean")
-RATIO_BOUNDS = (0.8, 1.2)  # r outside these counts as clipped, for every loss but ppo (which has its own)
 
 
 def ratio_bounds(loss_fn: str, config: Mapping[str, float]) -> tuple[float, float]:
     """The bounds of r that `ratio_clip_fraction:mean` counts against for a call of `loss_fn` with `config` (its
-    defaults filled in)."""
-    if loss_fn == "ppo":
-        return config["clip_low_threshold"], config["clip_high_threshold"]
-    return RATIO_BOUNDS
+    defaults filled in): the call's own clip thresholds for ppo, PPO's defaults for every other loss."""
+    bounds = config if loss_fn == "ppo" else LOSSES["ppo"].defaults
+    return bounds["clip_low_threshold"], bounds["clip_high_threshold"]
+
+
+RATIO_BOUNDS = ratio_bounds("ppo", LOSSES["ppo"].defaults)  # what r is counted against for every loss but ppo
 
 
 def consistency_metrics(
