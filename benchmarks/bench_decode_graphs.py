@@ -6,7 +6,7 @@ A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens 
 step after the first (which prefills every prompt); each case is timed `--repeats` times after a warm-up run
 (Triton compiles, graphs are captured) and the median is kept.
   eager         cuda_graphs=False: every step runs InklingModel.forward (one stream)
-  graphs-sync   pure decode steps replay a captured CudaGraphDecoder graph, each step waits for its tokens
+  graphs-sync   pure decode steps replay a captured decode graph (StepGraphs), each step waits for its tokens
                 before the next is launched (overlap_decode=False)
   graphs        the same, overlapped: the next step is queued before this one's tokens reach the host (default)
   graphs+side   graphs, with LoRA work on a side stream (EngineConfig.lora_side_stream; off by default)
@@ -89,7 +89,7 @@ def replay_us(engine, lora: bool, rounds: int = 10, burst: int = 5) -> dict:
     between steps, unlike the kernel sum it counts the gaps between kernels and the overlap of concurrent ones;
     after the first replay the host launches the next one while the GPU runs) and the host's in `replay()`
     ("launch_us"). The replays rewrite only state that no request holds now."""
-    (graph, _), *_ = [g for (_, _, with_lora), g in engine.decoder.graphs.items() if with_lora == lora]
+    (graph, _), *_ = [g for (_, _, with_lora), g in engine.graphs.decode_graphs.items() if with_lora == lora]
     gpu, host = [], []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,8 +121,8 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
             prof = out[n]["profile"]
             times = f"{prof['kernel_us']:.0f} µs, replay {prof['replay_us']:.0f} µs, launch {prof['launch_us']:.0f} µs"
             print(f"  {prof['kernels']} kernels, {times}")
-    if engine.decoder is not None:
-        out["graphs_captured"] = len(engine.decoder.graphs)
+    if engine.graphs is not None:
+        out["graphs_captured"] = len(engine.graphs.decode_graphs)
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()

@@ -125,6 +125,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cuda_graphs: bool = True  # CUDA only: pure decode steps replay captured graphs
+    # CUDA graphs only: steps with prefill chunks replay captured graphs too where their chunks pad to at most this
+    # many token places (sequences bucket x longest chunk's power of two); longer ones run eagerly. 0: never.
+    graph_prefill_tokens: int = 512
     # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: since decode projections take
     # one launch each (lora_linear), its forks and joins cost graph decode more than they hide (docs/benchmarks.md)
     lora_side_stream: bool = False

@@ -75,9 +75,8 @@ class DecodeForward:
         if grouped_mm is None:
             grouped_mm = model.grouped_mm and grouped_mm_capturable(model.dtype, model.device)
         self.grouped_mm = grouped_mm
-        device = model.device
-        self.ring = torch.arange(state.window, device=device)
-        self.key_positions = torch.arange(state.max_context, device=device)
+        # 0, 1, ...: ring places, key positions, rows and the like, sliced on the device
+        self.offsets = torch.arange(max(state.max_context, state.window, state.max_seqs), device=model.device)
 
     @torch.inference_mode()
     def __call__(
@@ -89,31 +88,44 @@ class DecodeForward:
         routing = [] if routing is None else routing
         m, cfg = self.model, self.model.config
         lora = self.lora if use_lora else None
-        slots = inputs.lora_slots
-        h = F.embedding(inputs.input_ids, m.w["model.embed_tokens.weight"])
+        slots = self._row_lora_slots(inputs)
+        h = F.embedding(self._row_ids(inputs), m.w["model.embed_tokens.weight"])
         h = rms_norm(h, m.w["model.embed_tokens.embed_norm.weight"], m.eps)
         x = rms_norm(h, m.w["model.layers.0.input_layernorm.weight"], m.eps)
-        seq = inputs.seq_slots
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}"
-            out = self._attention(x, layer, inputs, context, lora)
-            h, x = self._sconv_add_norm(out, h, layer, ATTN_SITE, seq, f"{p}.post_attention_layernorm.weight")
+            out = self._attention(x, layer, inputs, slots, context, lora)
+            h, x = self._sconv_add_norm(out, h, layer, ATTN_SITE, inputs, f"{p}.post_attention_layernorm.weight")
             if cfg.mlp_layer_types[layer] == "dense":
                 out = m.dense_mlp(x, layer, slots, lora)
             else:
                 out = self._moe(x, layer, slots, lora, routing)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
-            h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, seq, norm)
+            h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, inputs, norm)
+        x, slots = self._scored(x, slots, inputs)
         logits = m.linear(x / cfg.logits_mup_width_multiplier, "lm_head", slots, lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]
         return logits.float()
 
+    # ---- rows: one per sequence here; `extend.ExtendForward` has a chunk of tokens per sequence -----------------
+
+    def _row_ids(self, inputs: DecodeInputs) -> torch.Tensor:
+        return inputs.input_ids
+
+    def _row_lora_slots(self, inputs: DecodeInputs) -> torch.Tensor:
+        return inputs.lora_slots
+
+    def _scored(self, x: torch.Tensor, slots: torch.Tensor, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows whose next-token logits the step returns, and their LoRA slots: every row."""
+        return x, slots
+
     # ---- ShortConv and attention ----------------------------------------------------------------
 
-    def _sconv(self, x: torch.Tensor, layer: int, site: int, seq_slots: torch.Tensor) -> torch.Tensor:
+    def _sconv(self, x: torch.Tensor, layer: int, site: int, inputs: DecodeInputs) -> torch.Tensor:
         """One step of each row's causal conv: its saved inputs plus this one (fp32), plus the residual."""
+        seq_slots = inputs.seq_slots
         if x.is_cuda:
             return self._sconv_kernel(x, layer, site, seq_slots)
         weight = self.model.sconv_weight(layer, site)
@@ -125,14 +137,15 @@ class DecodeForward:
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, seq_slots: torch.Tensor, norm: str
+        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, inputs: DecodeInputs, norm: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h plus the site's ShortConv of the block output x, and that sum's RMSNorm by weight
         `norm` (the next block's input): one kernel on CUDA."""
         m = self.model
         if x.is_cuda:
-            return self._sconv_kernel(x, layer, site, seq_slots, residual=h, norm_weight=m.w[norm], eps=m.eps)
-        h = h + self._sconv(x, layer, site, seq_slots)
+            residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps)
+            return self._sconv_kernel(x, layer, site, inputs.seq_slots, **residual_norm)
+        h = h + self._sconv(x, layer, site, inputs)
         return h, rms_norm(h, m.w[norm], m.eps)
 
     def _sconv_kernel(self, x: torch.Tensor, layer: int, site: int, seq_slots: torch.Tensor, **residual_norm):
@@ -143,16 +156,22 @@ class DecodeForward:
         return short_conv_step(x, self.state.conv[layer][site], seq_slots, weight, **residual_norm)
 
     def _attention(
-        self, h: torch.Tensor, layer: int, inputs: DecodeInputs, context: int, lora: LoraSlots | None
+        self,
+        h: torch.Tensor,
+        layer: int,
+        inputs: DecodeInputs,
+        slots: torch.Tensor,
+        context: int,
+        lora: LoraSlots | None,
     ) -> torch.Tensor:
         m, cfg, state = self.model, self.model.config, self.state
         p = f"model.layers.{layer}.self_attn"
-        slots, seq, pos = inputs.lora_slots, inputs.seq_slots, inputs.positions
+        seq, pos = inputs.seq_slots, inputs.positions
         sliding = state.sliding[layer]
         head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         rows = h.shape[0]
         q, kv, r = m.qkvr(h, layer, slots, lora)
-        k, v = self._sconv(kv, layer, KV_SITE, seq).split(m.kv_splits[layer], dim=-1)
+        k, v = self._sconv(kv, layer, KV_SITE, inputs).split(m.kv_splits[layer], dim=-1)
         q = rms_norm(q.view(rows, -1, head_dim), m.w[f"{p}.q_norm.weight"], m.eps)
         k = rms_norm(k.view(rows, -1, head_dim), m.w[f"{p}.k_norm.weight"], m.eps)
         v = v.view(rows, -1, head_dim)
@@ -166,10 +185,10 @@ class DecodeForward:
         else:
             if sliding:
                 keys, values = state.keys[layer][seq], state.values[layer][seq]
-                k_pos = pos[:, None] - (pos[:, None] - self.ring[None]) % window
+                k_pos = pos[:, None] - (pos[:, None] - self.offsets[None, :window]) % window
             else:
                 keys, values = state.keys[layer][seq, :context], state.values[layer][seq, :context]
-                k_pos = self.key_positions[None, :context].expand(rows, -1)
+                k_pos = self.offsets[None, :context].expand(rows, -1)
             out = m.attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)[:, 0]
         return m.linear(out.reshape(rows, -1), f"{p}.o_proj", slots, lora)
 

@@ -5,8 +5,9 @@ sequence and prefill chunks of new ones (up to `max_batch_tokens`) into one forw
 their adapters: the per-token slot index selects each token's LoRA. A request is bound to its
 adapter's slot when it is admitted, so an adapter version loaded later never changes a running
 request; copying an adapter into a slot happens between steps and touches only that slot.
-On CUDA, steps in which every sequence decodes one token replay a captured CUDA graph
-(`CudaGraphDecoder`); steps with prefill chunks run the eager forward. Every step picks its tokens on
+On CUDA, steps in which every sequence decodes one token replay a captured CUDA graph (`StepGraphs`), and so do
+steps whose prefill chunks are short (`EngineConfig.graph_prefill_tokens`: a prompt's tail after a cached prefix,
+a short chat turn); longer prefills run the eager forward. Every step picks its tokens on
 the device (greedy, or drawn at a uniform from the sequence's own generator); while no sequence needs
 its logits on the host (logprobs), the next step is queued before this one's tokens reach the host
 (`Engine.step`), so the host's work per step hides behind the GPU's. A request may ask for routing traces
@@ -41,7 +42,7 @@ from inkwell.serving.contract import (
     TokenLogprob,
     generate,
 )
-from inkwell.serving.native.graphs import CudaGraphDecoder
+from inkwell.serving.native.graphs import StepGraphs
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment
 from inkwell.serving.native.prefix_cache import PrefixCache
@@ -128,11 +129,15 @@ class Engine:
         device = torch.device(config.device)
         self.max_context = context_limit(self.model_config, config.max_context)
         graphs = config.cuda_graphs and device.type == "cuda"
-        # The graph decoder keeps one extra state slot for its padding rows.
+        # The step graphs keep one extra state slot for their padding rows.
         self.model, self.state, self.lora = self._parts(dtype, device, config.max_seqs + int(graphs))
         if config.lora_side_stream and device.type == "cuda":
             self.model.lora_stream = SideStream(device)
-        self.decoder = CudaGraphDecoder(self.model, self.state, self.lora, config.max_seqs) if graphs else None
+        self.graphs: StepGraphs | None = None
+        if graphs:
+            self.graphs = StepGraphs(
+                self.model, self.state, self.lora, config.max_seqs, extend_tokens=config.graph_prefill_tokens
+            )
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
             self.prefix_cache = PrefixCache(self.state, config.prefix_cache_bytes, config.prefix_cache_block)
@@ -391,17 +396,30 @@ class Engine:
     def _launch(self, chunks: list[_Chunk], ids: list[int] | torch.Tensor, logit_rows: list[int]) -> "_Launched":
         """Queue a step's forward on the device; returns before it ends unless some row needs its logits."""
         seq_slots = [c.seq.seq_slot for c in chunks]
+        lora_slots = [c.seq.lora_slot for c in chunks]
         records = any(self._records_routing(c.seq) for c in chunks)
-        if self.decoder is not None and len(ids) == len(chunks) == len(logit_rows):  # one token each, all scored
-            logits, greedy, table = self.decoder(
-                ids, seq_slots, [c.start for c in chunks], [c.seq.lora_slot for c in chunks]
-            )
+        graphs = self.graphs
+        row_of = {r: i for i, r in enumerate(logit_rows)}
+        if graphs is not None and len(ids) == len(chunks) == len(logit_rows):  # one token each, all scored
+            logits, greedy, table = graphs.decode(ids, seq_slots, [c.start for c in chunks], lora_slots)
+        elif (
+            graphs is not None
+            and logit_rows == [c.last_row for c in chunks if c.yields]  # no prompt logprobs
+            and graphs.extend_bucket([c.length for c in chunks]) is not None
+        ):
+            lengths = [c.length for c in chunks]
+            logits, greedy, table = graphs.extend(ids, seq_slots, [c.start for c in chunks], lengths, lora_slots)
+            row_of = {c.last_row: i for i, c in enumerate(chunks) if c.yields}  # a logits row per chunk
+            if records:
+                table = torch.cat([table[i, :length] for i, length in enumerate(lengths)])
         else:
             device = self.device
             batch = ForwardBatch(
                 input_ids=ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=device),
                 lora_slots=torch.tensor(
-                    [c.seq.lora_slot for c in chunks for _ in range(c.length)], dtype=torch.long, device=device
+                    [slot for slot, c in zip(lora_slots, chunks, strict=True) for _ in range(c.length)],
+                    dtype=torch.long,
+                    device=device,
                 ),
                 segments=[Segment(slot, c.start, c.length) for slot, c in zip(seq_slots, chunks, strict=True)],
                 logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
@@ -414,7 +432,6 @@ class Engine:
             end = c.start + c.length
             if end in c.seq.snaps:
                 self.prefix_cache.insert(c.seq.request.adapter, c.seq.tokens[:end], c.seq.seq_slot)
-        row_of = {r: i for i, r in enumerate(logit_rows)}
         tokens = self._draw(chunks, row_of, logits, greedy)
         host_logits = logits.cpu() if any(self._needs_logits(c.seq) for c in chunks) else None
         # int16 holds any expert id; and a copy off the graph's output buffer, which the next step overwrites

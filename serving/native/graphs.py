@@ -1,13 +1,16 @@
-"""Decode steps replayed from CUDA graphs, one per (batch bucket, context bucket, LoRA on/off).
+"""Steps replayed from CUDA graphs: decode steps, one graph per (batch bucket, context bucket, LoRA on/off), and
+short prefill steps, one per (batch bucket, chunk length bucket, context bucket, LoRA on/off).
 
-An eager decode step of a 1B model launches hundreds of kernels and is bound by the host. A graph
-captured over `DecodeForward` replays them all in one launch: the step's inputs are copied into the
-bucket's static buffers (one host-to-device copy) and the graph runs. The LoRA slot buffers and
-the state pools are read and written in place, so an adapter swap, which rewrites a slot's
-contents, needs no re-capture. Graphs are captured lazily on a bucket's first step, after a
-warm-up run (Triton compiles, cuBLAS picks its workspaces) whose padding-only batch touches only
-the scratch state slot; all graphs share one private memory pool, which is safe because replays
-run one at a time on one stream and each graph's output buffer stays alive.
+An eager step of a 1B model launches hundreds of kernels and is bound by the host. A graph captured over
+`DecodeForward` (or `ExtendForward`, for chunks of several tokens) replays them all in one launch: the step's
+inputs are copied into the bucket's static buffers (one host-to-device copy) and the graph runs. Prefill steps
+are captured where their chunks pad to at most `extend_tokens` token places: the steps whose launches cost more
+than their arithmetic (a prompt's tail after a cached prefix, a short chat turn); longer prefills run eagerly.
+The LoRA slot buffers and the state pools are read and written in place, so an adapter swap, which rewrites a
+slot's contents, needs no re-capture. Graphs are captured lazily on a bucket's first step, after a warm-up run
+(Triton compiles, cuBLAS picks its workspaces) whose padding-only batch touches only the scratch state slot; all
+graphs share one private memory pool, which is safe because replays run one at a time on one stream and each
+graph's output buffer stays alive.
 
 Each step also picks every row's greedy next token on the device (captured with the forward), so a
 step reads back a few token ids instead of the logits, and the next step can take its input tokens
@@ -18,16 +21,19 @@ On the CPU (or with `graphs=False`) the same bucketed forward runs eagerly, whic
 tests check everything but the capture itself.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from inkwell.serving.native.decode import DecodeForward, DecodeInputs
+from inkwell.serving.native.extend import ExtendForward, ExtendInputs
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import InklingModel
 from inkwell.serving.native.state import StatePool
 
 MIN_CONTEXT_BUCKET = 256
+MIN_CHUNK_BUCKET = 16
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -37,6 +43,15 @@ def batch_buckets(max_batch: int) -> list[int]:
         buckets.append(size)
         size *= 2
     return [*buckets, max_batch]
+
+
+def chunk_bucket(length: int) -> int:
+    """Token places per chunk of a prefill step whose longest chunk has `length` tokens: a power of two, at least
+    MIN_CHUNK_BUCKET."""
+    size = MIN_CHUNK_BUCKET
+    while size < length:
+        size *= 2
+    return size
 
 
 def context_bucket(max_position: int, max_context: int) -> int:
@@ -49,19 +64,21 @@ def context_bucket(max_position: int, max_context: int) -> int:
 
 
 class Decoded(NamedTuple):
-    """A decode step's fp32 next-token logits [n, vocab], each row's greedy next token [n] and routed expert ids
-    [n, MoE layers, top_k] (long), on the device; views of the graph's output buffers, valid until the next step."""
+    """A step's fp32 next-token logits [n, vocab], each row's greedy next token [n] and routed expert ids (long:
+    decode [n, MoE layers, top_k], prefill chunks [n, chunk places, MoE layers, top_k]), on the device; views of
+    the graph's output buffers, valid until the next step."""
 
     logits: torch.Tensor
     greedy: torch.Tensor
     routing: torch.Tensor
 
 
-class CudaGraphDecoder:
-    """Bucketed decode of up to `max_batch` sequences over `state`, replayed from CUDA graphs on CUDA.
+class StepGraphs:
+    """Bucketed decode of up to `max_batch` sequences, and prefill chunks of up to `max_batch` sequences padding to
+    at most `extend_tokens` token places, over `state`; replayed from CUDA graphs on CUDA.
 
-    Takes one state slot from `state` for the padding rows and keeps it. `grouped_mm` as in
-    `DecodeForward` (None: decide from dtype and device).
+    Takes one state slot from `state` for the padding rows and keeps it. `grouped_mm` as in `DecodeForward` (None:
+    decide from dtype and device).
     """
 
     def __init__(
@@ -72,19 +89,26 @@ class CudaGraphDecoder:
         max_batch: int,
         graphs: bool = True,
         grouped_mm: bool | None = None,
+        extend_tokens: int = 0,
     ):
-        self.forward = DecodeForward(model, state, lora, grouped_mm)
         self.state = state
         self.has_lora = lora is not None and bool(lora.buffers)
         self.device = model.device
         self.scratch = state.acquire()
+        self.decode_forward = DecodeForward(model, state, lora, grouped_mm)
+        self.extend_forward = ExtendForward(model, state, lora, self.scratch, grouped_mm)
         self.buckets = batch_buckets(max_batch)
+        self.extend_tokens = extend_tokens
         self.use_graphs = graphs and self.device.type == "cuda"
-        self.inputs = {b: DecodeInputs.empty(b, self.device) for b in self.buckets}
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
+        self.decode_inputs = {b: DecodeInputs.empty(b, self.device) for b in self.buckets}
+        self.extend_inputs: dict[tuple[int, int], ExtendInputs] = {}
+        self.decode_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
+        self.extend_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
-    def __call__(
+    # ---- decode --------------------------------------------------------------------------------------
+
+    def decode(
         self,
         input_ids: list[int] | torch.Tensor,
         seq_slots: list[int],
@@ -109,37 +133,114 @@ class CudaGraphDecoder:
             ],
             dtype=torch.long,
         )
-        inputs = self.inputs[batch]
+        inputs = self.decode_inputs[batch]
         key = (batch, context, use_lora)
-        if self.use_graphs and key not in self.graphs:
-            self.graphs[key] = self._capture(inputs, context, use_lora)
-        inputs.packed.copy_(packed, non_blocking=True)  # pageable memory: staged before the call returns
-        if on_device:
-            inputs.input_ids[:n].copy_(input_ids)
-        if not self.use_graphs:
-            out = self._step(inputs, context, use_lora)
-        else:
-            graph, out = self.graphs[key]
-            graph.replay()
+
+        def padding() -> torch.Tensor:
+            return torch.tensor([[0] * batch, [self.scratch] * batch, [0] * batch, [-1] * batch], dtype=torch.long)
+
+        def step() -> Decoded:
+            routing: list[torch.Tensor] = []
+            logits = self.decode_forward(inputs, context, use_lora, routing)
+            return Decoded(logits, logits.argmax(-1), self.decode_forward.model.routing_table(routing, batch))
+
+        def fill() -> None:
+            inputs.packed.copy_(packed, non_blocking=True)  # pageable memory: staged before the call returns
+            if on_device:
+                inputs.input_ids[:n].copy_(input_ids)
+
+        out = self._run(self.decode_graphs, key, inputs.packed, padding, fill, step)
         return Decoded(out.logits[:n], out.greedy[:n], out.routing[:n])
 
-    def _step(self, inputs: DecodeInputs, context: int, use_lora: bool) -> Decoded:
-        routing: list[torch.Tensor] = []
-        logits = self.forward(inputs, context, use_lora, routing)
-        return Decoded(logits, logits.argmax(-1), self.forward.model.routing_table(routing, logits.shape[0]))
+    # ---- prefill chunks ------------------------------------------------------------------------------
 
-    def _capture(self, inputs: DecodeInputs, context: int, use_lora: bool) -> tuple[torch.cuda.CUDAGraph, Decoded]:
-        """Warm up on a side stream, then capture, both over a padding-only batch (scratch slot only)."""
-        batch = inputs.packed.shape[1]
-        padding = torch.tensor([[0] * batch, [self.scratch] * batch, [0] * batch, [-1] * batch], dtype=torch.long)
-        inputs.packed.copy_(padding)
+    def extend_bucket(self, lengths: list[int]) -> tuple[int, int] | None:
+        """The (batch, chunk places) bucket of a prefill step of chunks of `lengths` tokens, or None where it pads
+        to more than `extend_tokens` places (that step runs eagerly)."""
+        if len(lengths) > self.buckets[-1]:
+            return None
+        batch = next(b for b in self.buckets if b >= len(lengths))
+        places = min(chunk_bucket(max(lengths)), self.state.max_context)
+        return (batch, places) if batch * places <= self.extend_tokens else None
+
+    def extend(
+        self,
+        input_ids: list[int],
+        seq_slots: list[int],
+        starts: list[int],
+        lengths: list[int],
+        lora_slots: list[int],
+    ) -> Decoded:
+        """The next-token logits and greedy token after each of n chunks (`lengths[i]` tokens of `input_ids`, in
+        order, continuing sequence `seq_slots[i]` from position `starts[i]`), and every token place's routing;
+        `extend_bucket(lengths)` must not be None."""
+        n = len(lengths)
+        batch, places = self.extend_bucket(lengths)
+        last = max(start + length - 1 for start, length in zip(starts, lengths, strict=True))
+        context = context_bucket(last, self.state.max_context)
+        use_lora = self.has_lora and any(s >= 0 for s in lora_slots)
+        rows, first = [], 0
+        for i, length in enumerate(lengths):
+            ids = input_ids[first : first + length]
+            rows.append([*ids, *[0] * (places - length), seq_slots[i], starts[i], length, lora_slots[i]])
+            first += length
+        rows += [ExtendInputs.padding_row(places, self.scratch)] * (batch - n)
+        packed = torch.tensor(rows, dtype=torch.long)
+        inputs = self.extend_inputs.get((batch, places))
+        if inputs is None:
+            inputs = self.extend_inputs[(batch, places)] = ExtendInputs.empty(batch, places, self.device)
+        key = (batch, places, context, use_lora)
+
+        def step() -> Decoded:
+            routing: list[torch.Tensor] = []
+            logits = self.extend_forward(inputs, context, use_lora, routing)
+            table = self.extend_forward.model.routing_table(routing, batch * places)
+            return Decoded(logits, logits.argmax(-1), table.view(batch, places, *table.shape[1:]))
+
+        def fill() -> None:
+            inputs.packed.copy_(packed, non_blocking=True)
+
+        def padding() -> torch.Tensor:
+            return torch.tensor([ExtendInputs.padding_row(places, self.scratch)] * batch, dtype=torch.long)
+
+        out = self._run(self.extend_graphs, key, inputs.packed, padding, fill, step)
+        return Decoded(out.logits[:n], out.greedy[:n], out.routing[:n])
+
+    # ---- capture and replay --------------------------------------------------------------------------
+
+    def _run[K](
+        self,
+        graphs: dict[K, tuple[torch.cuda.CUDAGraph, Decoded]],
+        key: K,
+        packed: torch.Tensor,
+        padding: Callable[[], torch.Tensor],
+        fill: Callable[[], None],
+        step: Callable[[], Decoded],
+    ) -> Decoded:
+        """Run `step` over the inputs `fill` writes to `packed`: eagerly, or replayed from the graph under `key`,
+        captured first (over `padding()` inputs) where there is none yet."""
+        if not self.use_graphs:
+            fill()
+            return step()
+        if key not in graphs:
+            graphs[key] = self._capture(packed, padding, step)
+        fill()
+        graph, out = graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(
+        self, packed: torch.Tensor, padding: Callable[[], torch.Tensor], step: Callable[[], Decoded]
+    ) -> tuple[torch.cuda.CUDAGraph, Decoded]:
+        """Warm up on a side stream, then capture, both over padding inputs (scratch slot only)."""
+        packed.copy_(padding())
         warm = torch.cuda.Stream(self.device)
         warm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(warm):
             for _ in range(2):
-                self._step(inputs, context, use_lora)
+                step()
         torch.cuda.current_stream(self.device).wait_stream(warm)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._step(inputs, context, use_lora)
+            out = step()
         return graph, out

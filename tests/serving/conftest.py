@@ -6,6 +6,8 @@ import torch
 from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import base_model_identity, load_base_config
+from inkwell.serving.native.engine import Engine
+from inkwell.serving.native.graphs import StepGraphs
 
 SPECS = [
     LoraSpec(rank=8, alpha=16, targets=("attn", "mlp", "experts", "shared_experts", "lm_head")),
@@ -41,3 +43,13 @@ def exact_fp32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def with_step_graphs(engine: Engine) -> StepGraphs:
+    """Give a CPU engine the CUDA engine's step graphs (run eagerly here): decode steps and short prefill chunks
+    then take the bucketed forwards a CUDA engine captures."""
+    config = engine.config
+    engine.graphs = StepGraphs(
+        engine.model, engine.state, engine.lora, config.max_seqs, extend_tokens=config.graph_prefill_tokens
+    )
+    return engine.graphs

@@ -24,8 +24,8 @@ from inkwell.serving.contract import (
     SamplingParams,
 )
 from inkwell.serving.native.engine import Engine
-from inkwell.serving.native.graphs import CudaGraphDecoder
 from inkwell.serving.text import TextTracker
+from tests.serving.conftest import with_step_graphs
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(10, 40))  # 30 tokens: greedy decoding to 62 crosses the window (24) and rel_extent (48)
@@ -99,7 +99,7 @@ def test_engine_with_one_expert_group_equals_transformers_merged(tiny_model_dir,
     """Slots over routed experts only (or shared experts only) cover part of the expert id space: the eager
     prefill and the bucketed decode (run eagerly on the CPU) must leave the other experts' rows alone."""
     eng = Engine(tiny_model_dir, EngineConfig(max_loras_per_batch=2, max_lora_rank=16, lora_groups=groups))
-    eng.decoder = CudaGraphDecoder(eng.model, eng.state, eng.lora, eng.config.max_seqs)
+    with_step_graphs(eng)
     eng.load_adapter("a", tiny_adapters[adapter_index])
     got = eng.generate([Request("x", PROMPT, GREEDY, "a"), Request("b", PROMPT, GREEDY)])
     merged = merged_model(tiny_model_dir, tiny_adapters[adapter_index])

@@ -8,7 +8,7 @@ import torch
 from inkwell.models import base_model_identity, load_base_config, load_base_weights
 from inkwell.serving.contract import EngineConfig, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
-from inkwell.serving.native.graphs import CudaGraphDecoder, batch_buckets, context_bucket
+from inkwell.serving.native.graphs import StepGraphs, batch_buckets, context_bucket
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment, padded_groups
 from inkwell.serving.native.state import StatePool
@@ -49,13 +49,13 @@ def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
     config, model, lora = tiny
     eager = StatePool(config, 6, MAX_CONTEXT, torch.float32, torch.device("cpu"))
     pool = StatePool(config, 7, MAX_CONTEXT, torch.float32, torch.device("cpu"))
-    decoder = CudaGraphDecoder(model, pool, lora, max_batch=8, grouped_mm=grouped_mm)
-    assert decoder.forward.grouped_mm is grouped_mm
+    graphs = StepGraphs(model, pool, lora, max_batch=8, grouped_mm=grouped_mm)
+    assert graphs.decode_forward.grouped_mm is grouped_mm
     prompts = [[1, *range(5 + 3 * i, 16 + 4 * i)] for i in range(5)]  # 12..28 tokens
     adapters = [0, 2, -1, 4, 1]  # every adapter shape of conftest's SPECS, and a base-model row
     eager_slots = [eager.acquire() for _ in prompts]
     pool_slots = [pool.acquire() for _ in prompts]
-    assert decoder.scratch not in pool_slots
+    assert graphs.scratch not in pool_slots
 
     # The same eager prefill into both pools.
     ids, lslots, rows, first = [], [], [], 0
@@ -86,7 +86,7 @@ def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
             lora,
             recorded,
         )
-        got, greedy, routing = decoder(
+        got, greedy, routing = graphs.decode(
             [tokens[i] for i in live],
             [pool_slots[i] for i in live],
             [positions[i] for i in live],
@@ -108,7 +108,7 @@ def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
         for site in range(len(pool.conv[layer])):
             diff = pool.conv[layer][site][pool_slots] - eager.conv[layer][site][eager_slots]
             assert diff.abs().max().item() < 1e-5
-        untouched = [s for s in range(pool.max_seqs) if s not in pool_slots and s != decoder.scratch]
+        untouched = [s for s in range(pool.max_seqs) if s not in pool_slots and s != graphs.scratch]
         assert not pool.keys[layer][untouched].any() and not pool.conv[layer][0][untouched].any()
 
 
@@ -116,23 +116,91 @@ def test_base_only_batch_skips_lora_and_equals_eager(tiny):
     config, model, lora = tiny
     eager = StatePool(config, 2, MAX_CONTEXT, torch.float32, torch.device("cpu"))
     pool = StatePool(config, 3, MAX_CONTEXT, torch.float32, torch.device("cpu"))
-    decoder = CudaGraphDecoder(model, pool, lora, max_batch=2)
+    graphs = StepGraphs(model, pool, lora, max_batch=2)
     e, p = eager.acquire(), pool.acquire()
     prompt = list(range(1, 30))
     for state, slot in ((eager, e), (pool, p)):
         model.forward(batch_of(prompt, [-1] * 29, [Segment(slot, 0, 29)], [28]), state, lora)
     expected = model.forward(batch_of([7], [-1], [Segment(e, 29, 1)], [0]), eager, lora)
-    assert (decoder([7], [p], [29], [-1]).logits - expected).abs().max().item() < 1e-5
+    assert (graphs.decode([7], [p], [29], [-1]).logits - expected).abs().max().item() < 1e-5
 
 
-def test_engine_decode_steps_go_through_the_decoder(tiny_model_dir, tiny_adapters):
-    """The engine's pure decode steps through the bucketed decoder give the eager engine's tokens and logprobs,
+def test_prefill_chunks_equal_eager_forward(tiny):
+    """Prefill chunks through the bucketed chunk forward give the eager forward's logits and routing and leave each
+    sequence the eager state: chunks with padding places, padding chunks, a one-token chunk beside longer ones,
+    chunks continuing a sequence from fewer tokens than its ShortConv keeps and past the window (24) and the
+    relative extent (48), mixed adapters and a base row. Padding writes only the scratch slot."""
+    config, model, lora = tiny
+    eager = StatePool(config, 4, MAX_CONTEXT, torch.float32, torch.device("cpu"))
+    pool = StatePool(config, 6, MAX_CONTEXT, torch.float32, torch.device("cpu"))
+    graphs = StepGraphs(model, pool, lora, max_batch=4, extend_tokens=4 * 32)
+    eager_slots, pool_slots = [eager.acquire() for _ in range(4)], [pool.acquire() for _ in range(4)]
+    assert graphs.scratch not in pool_slots
+    prompts = [[1, *range(3 + 7 * i, 88 + 7 * i)] for i in range(4)]  # 86 tokens each
+    adapters = [0, -1, 3, 2]
+    steps = [  # (sequence, tokens) per chunk
+        [(0, 2), (1, 17), (2, 1), (3, 30)],
+        [(0, 30), (1, 9), (3, 5)],  # 4-bucket with one padding chunk
+        [(0, 20), (1, 30), (2, 28), (3, 30)],
+        [(2, 30), (0, 1)],
+        [(2, 26), (1, 30), (0, 33)],  # 33 tokens: the 64-places bucket, batch 2 would do but 3 chunks need 4
+    ]
+    computed, worst = [0] * 4, 0.0
+    for step in steps:
+        if graphs.extend_bucket([n for _, n in step]) is None:
+            graphs.extend_tokens = 4 * 64
+        ids, lslots, segments, rows = [], [], [], []
+        for seq, n in step:
+            ids += prompts[seq][computed[seq] : computed[seq] + n]
+            lslots += [adapters[seq]] * n
+            segments.append(Segment(eager_slots[seq], computed[seq], n))
+            rows.append(len(ids) - 1)
+        recorded: list[torch.Tensor] = []
+        expected = model.forward(batch_of(ids, lslots, segments, rows), eager, lora, recorded)
+        got, greedy, routing = graphs.extend(
+            ids,
+            [pool_slots[seq] for seq, _ in step],
+            [computed[seq] for seq, _ in step],
+            [n for _, n in step],
+            [adapters[seq] for seq, _ in step],
+        )
+        assert got.shape == expected.shape
+        assert greedy.tolist() == got.argmax(-1).tolist()
+        real = torch.cat([routing[i, :n] for i, (_, n) in enumerate(step)])
+        assert torch.equal(real.sort(-1).values, model.routing_table(recorded, len(ids)).sort(-1).values)
+        worst = max(worst, (got - expected).abs().max().item())
+        for seq, n in step:
+            computed[seq] += n
+    assert worst < 1e-5
+    for layer in range(config.num_hidden_layers):
+        for mine, theirs in ((pool.keys, eager.keys), (pool.values, eager.values)):
+            if pool.sliding[layer]:
+                diff = mine[layer][pool_slots] - theirs[layer][eager_slots]
+            else:  # a slot's keys past its computed tokens are never read
+                diff = torch.cat(
+                    [
+                        mine[layer][p, :c] - theirs[layer][e, :c]
+                        for p, e, c in zip(pool_slots, eager_slots, computed, strict=True)
+                    ]
+                )
+            assert diff.abs().max().item() < 1e-5
+        for site in range(len(pool.conv[layer])):
+            diff = pool.conv[layer][site][pool_slots] - eager.conv[layer][site][eager_slots]
+            assert diff.abs().max().item() < 1e-5
+        untouched = [s for s in range(pool.max_seqs) if s not in pool_slots and s != graphs.scratch]
+        assert not pool.keys[layer][untouched].any() and not pool.conv[layer][0][untouched].any()
+
+
+def test_engine_decode_steps_go_through_the_decode_graphs(tiny_model_dir, tiny_adapters):
+    """The engine's pure decode steps through the bucketed decode forward give the eager engine's tokens and logprobs,
     while other requests prefill in between (those steps stay eager)."""
     config = EngineConfig(max_loras_per_batch=5, max_lora_rank=16, max_seqs=7, max_batch_tokens=24)
     plain, bucketed = Engine(tiny_model_dir, config), Engine(tiny_model_dir, config)
-    decoder = CudaGraphDecoder(bucketed.model, bucketed.state, bucketed.lora, config.max_seqs)
+    graphs = StepGraphs(bucketed.model, bucketed.state, bucketed.lora, config.max_seqs)
     sizes: list[int] = []
-    bucketed.decoder = lambda *rows: sizes.append(len(rows[0])) or decoder(*rows)
+    decode = graphs.decode
+    graphs.decode = lambda *rows: sizes.append(len(rows[0])) or decode(*rows)
+    bucketed.graphs = graphs
     for engine in (plain, bucketed):
         for i, adapter in enumerate(tiny_adapters):
             engine.load_adapter(f"a{i}", adapter)

@@ -50,11 +50,11 @@ def assert_close(expected: dict, got: dict, tol: float) -> None:
 def test_graph_decode_bf16_equals_eager(tiny_model_dir, tiny_adapters, side_stream):
     eager = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=False)
     graphs = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=side_stream)
-    assert eager.decoder is None and graphs.decoder.use_graphs
-    assert graphs.decoder.forward.grouped_mm == (torch.cuda.get_device_capability()[0] in (9, 10))
+    assert eager.graphs is None and graphs.graphs.use_graphs
+    assert graphs.graphs.decode_forward.grouped_mm == (torch.cuda.get_device_capability()[0] in (9, 10))
     requests = mixed_requests()
     expected, got = eager.generate(requests), graphs.generate(requests)
-    assert {(8, 256, True), (4, 256, True), (2, 256, True), (1, 256, False)} <= set(graphs.decoder.graphs)
+    assert {(8, 256, True), (4, 256, True), (2, 256, True), (1, 256, False)} <= set(graphs.graphs.decode_graphs)
     assert_close(expected, got, 2e-2)
 
 
@@ -62,7 +62,7 @@ def test_graph_decode_fp32_equals_eager(tiny_model_dir, tiny_adapters):
     """fp32 has no capturable grouped GEMM: the graphs run every expert on every token, and equal eager closely."""
     eager = cuda_engine(tiny_model_dir, tiny_adapters, "float32", cuda_graphs=False)
     graphs = cuda_engine(tiny_model_dir, tiny_adapters, "float32")
-    assert not graphs.decoder.forward.grouped_mm
+    assert not graphs.graphs.decode_forward.grouped_mm
     requests = mixed_requests()
     assert_close(eager.generate(requests), graphs.generate(requests), 1e-4)
 
@@ -101,7 +101,7 @@ def test_base_only_batches_replay_the_graph_without_lora(tiny_model_dir, tiny_ad
     graphs = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
     requests = [Request(f"b{i}", [1, *range(30 + i, 50 + i)], GREEDY) for i in range(3)]
     assert_close(eager.generate(requests), graphs.generate(requests), 2e-2)
-    assert set(graphs.decoder.graphs) == {(4, 256, False)}
+    assert set(graphs.graphs.decode_graphs) == {(4, 256, False)}
 
 
 def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tiny_adapters):
@@ -110,7 +110,7 @@ def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tin
     prompt_x, prompt_y = [1, *range(40, 60)], [1, *range(70, 95)]
     engine = cuda_engine(tiny_model_dir, tiny_adapters[:2], "bfloat16", max_loras=2)
     before = engine.generate([Request("x", prompt_x, GREEDY, "a0"), Request("y", prompt_y, GREEDY, "a1")])
-    captured = dict(engine.decoder.graphs)
+    captured = dict(engine.graphs.decode_graphs)
     assert engine.lora.slot_of("a0") == 0 and captured
     engine.unload_adapter("a0")
     engine.load_adapter("a2", tiny_adapters[2])
@@ -118,8 +118,8 @@ def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tin
     after = engine.generate(requests)
     assert engine.lora.slot_of("a2") == 0
     # a2 may end x on another step than a0 did, so a smaller batch bucket can be captured too; the captured ones stay
-    assert captured.keys() <= engine.decoder.graphs.keys()
-    assert all(engine.decoder.graphs[k][0] is graph for k, (graph, _) in captured.items())
+    assert captured.keys() <= engine.graphs.decode_graphs.keys()
+    assert all(engine.graphs.decode_graphs[k][0] is graph for k, (graph, _) in captured.items())
     assert after["x"][0].token_ids != before["x"][0].token_ids  # the new adapter really decodes x
     fresh = cuda_engine(tiny_model_dir, [], "bfloat16", cuda_graphs=False)
     fresh.load_adapter("a2", tiny_adapters[2])
@@ -157,3 +157,18 @@ def test_overlapped_graph_decode_gives_the_tokens_of_synchronous_graph_decode(ti
         queued += overlapped._queued is not None
     assert tokens == {rid: c[0].token_ids for rid, c in expected.items()}
     assert expected["r2"][0].finish_reason == "stop" and queued >= 30
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_prompt_tails_after_cached_prefixes_replay_prefill_graphs(tiny_model_dir, tiny_adapters, dtype, tol):
+    """A prompt's tail after its cached prefix (and each prompt's first chunks: short) runs as a captured prefill
+    graph: the tokens and logprobs of an eager engine without the cache, past the window and the relative extent."""
+    eager = cuda_engine(tiny_model_dir, tiny_adapters, dtype, cuda_graphs=False, prefix_cache=False)
+    graphs = cuda_engine(tiny_model_dir, tiny_adapters, dtype)
+    common = list(range(10, 90))
+    for shared in (16, 33, 64):
+        for k, adapter in ((0, "a0"), (50, "a0"), (100, None)):
+            request = Request("r", [*common[:shared], *range(200 + k, 209 + k)], GREEDY, adapter)
+            assert_close(eager.generate([request]), graphs.generate([request]), tol)
+    assert graphs.prefix_cache.stats.cached_tokens >= 16 + 32 + 64
+    assert {(1, 16, True), (1, 16, False)} <= {key[:2] + key[3:] for key in graphs.graphs.extend_graphs}

@@ -12,6 +12,7 @@ import pytest
 
 from inkwell.serving.contract import Choice, EngineConfig, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
+from tests.serving.conftest import with_step_graphs
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
 CONFIG = EngineConfig(max_lora_rank=16, max_batch_tokens=40)
@@ -69,11 +70,19 @@ def counted_rows(engine: Engine) -> list[int]:
     return rows
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "step_graphs"])
 @pytest.mark.parametrize("adapter", [None, "a0"])
 def test_shared_prefixes_of_every_length_generate_as_without_the_cache(
-    tiny_model_dir, tiny_adapters, uncached, adapter
+    tiny_model_dir, tiny_adapters, uncached, adapter, graphs
 ):
+    """With step graphs (a CUDA engine's bucketed forwards, eager here) a prompt's tail after its cached prefix is a
+    short prefill chunk through the chunk forward: the same results."""
     engine = cached_engine(tiny_model_dir, tiny_adapters)
+    starts: list[int] = []  # the first positions of the chunks through the chunk forward
+    if graphs:
+        step_graphs = with_step_graphs(engine)
+        extend = step_graphs.extend
+        step_graphs.extend = lambda *chunks: starts.extend(chunks[2]) or extend(*chunks)
     common = list(range(10, 90))
     # pairs of prompts that share `shared` tokens: the first leaves its state there, the second starts from it
     pairs = [[[*common[:shared], *range(200 + k, 209 + k)] for k in (0, 50)] for shared in SHARED_LENGTHS]
@@ -89,6 +98,7 @@ def test_shared_prefixes_of_every_length_generate_as_without_the_cache(
     assert engine.prefix_cache.stats.cached_tokens - before == sum((len(p) - 1) // BLOCK * BLOCK for p, _ in pairs)
     for prompt, choice in again.items():
         assert_same(choice, expected[prompt])
+    assert (max(starts, default=0) >= 64) == graphs  # tails after cached prefixes went through the chunk forward
 
 
 def test_a_prefix_computed_under_one_adapter_is_never_reused_for_another_or_the_base(

@@ -13,9 +13,9 @@ from inkwell.models import load_base_config
 from inkwell.models.routing import RoutingShape
 from inkwell.serving.contract import Choice, EngineConfig, EngineError, Request, SamplingParams, StepOutput
 from inkwell.serving.native.engine import Engine
-from inkwell.serving.native.graphs import CudaGraphDecoder
 from inkwell.serving.rules import check_routing
 from inkwell.serving.sglang.engine import SglangEngine
+from tests.serving.conftest import with_step_graphs
 
 PROMPT = [1, *range(40, 60)]
 TRACED = SamplingParams(max_tokens=9, temperature=1.0, seed=7, n=2, ignore_eos=True, return_routing=True)
@@ -59,7 +59,7 @@ def test_every_token_and_prompt_token_gets_its_routing(reference, shape):
 
 def test_chunked_prefill_and_the_bucketed_decoder_record_the_same_routing(tiny_model_dir, tiny_adapters, reference):
     engine = Engine(tiny_model_dir, EngineConfig(max_lora_rank=16, max_batch_tokens=8))  # 3 prompt chunks
-    engine.decoder = CudaGraphDecoder(engine.model, engine.state, engine.lora, engine.config.max_seqs)
+    with_step_graphs(engine)
     engine.load_adapter("a", tiny_adapters[0])
     got = traced(engine, WITH_PROMPT)
     for ours, theirs in zip(got, reference, strict=True):
