@@ -1,4 +1,5 @@
-"""Multi-LoRA ops over a per-token adapter slot index: Triton kernels on CUDA, pure-torch references elsewhere.
+"""Multi-LoRA ops over a per-token adapter slot index, and the MoE router: Triton kernels on CUDA, pure-torch
+references elsewhere.
 
 The engine's fused decode kernels live beside them (`triton_short_conv`, `triton_decode_attention`); they run on
 CUDA only and are imported where used, so CPU processes never load Triton.
@@ -17,6 +18,7 @@ from inkwell.kernels.dispatch import (
     lora_shrink,
     lora_shrink_expand,
     one_launch_projection,
+    shared_sink_route,
 )
 from inkwell.kernels.torch_ops import ExpertGroups
 
@@ -34,4 +36,5 @@ __all__ = [
     "lora_shrink",
     "lora_shrink_expand",
     "one_launch_projection",
+    "shared_sink_route",
 ]

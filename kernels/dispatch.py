@@ -32,6 +32,12 @@ def _triton_expert() -> ModuleType:
     return expert
 
 
+def _triton_router() -> ModuleType:
+    from inkwell.kernels import triton_router
+
+    return triton_router
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero."""
     ops = _triton_dense() if x.is_cuda else torch_ops
@@ -196,3 +202,18 @@ def lora_linear(
     if x.is_cuda:
         return _triton_dense().lora_linear(x, weight, lora_a, lora_b, token_slots, scalings, slice_offsets)
     return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, F.linear(x, weight), slice_offsets)
+
+
+def shared_sink_route(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    global_scale: torch.Tensor,
+    top_k: int,
+    n_shared: int,
+    route_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts [T, k + n] (top-k routed, then the shared ones) and weights from its router logits
+    [T, E + n]; on CUDA one Triton kernel in place of the ~10 torch launches (`triton_router` says how it
+    matches them)."""
+    ops = _triton_router() if logits.is_cuda else torch_ops
+    return ops.shared_sink_route(logits, bias, global_scale, top_k, n_shared, route_scale)

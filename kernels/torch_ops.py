@@ -1,4 +1,5 @@
-"""Pure-torch reference multi-LoRA ops: segmented shrink/expand over a per-token adapter slot index.
+"""Pure-torch reference ops: multi-LoRA segmented shrink/expand over a per-token adapter slot index, and Inkling's
+shared-sink router.
 
 One batch mixes tokens of different adapters (and of the base model, slot -1). Each op groups rows
 by slot (or by slot and expert) and runs one GEMM per group, the SGMV formulation the Triton twins
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def _groups(keys: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -142,3 +144,26 @@ def expert_out_lora_expand(
         delta = (y[rows].float() @ lora_b[slot, g].float().t()) * scalings[slot, g]
         out.index_add_(0, rows, delta.to(out.dtype))
     return out
+
+
+def shared_sink_route(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    global_scale: torch.Tensor,
+    top_k: int,
+    n_shared: int,
+    route_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and weights [T, k + n] from its router logits [T, E + n] (routed, then shared): the
+    top-k routed experts by sigmoid + bias, then the shared ones (the sink, ids E .. E+n-1), all weighted by a
+    softmax of their log-sigmoids times route_scale * global_scale. transformers' InklingTopkRouter step by step."""
+    routed = logits[:, :-n_shared]
+    choice = routed.sigmoid() + bias
+    index = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    picked = torch.cat([routed.gather(-1, index), logits[:, -n_shared:]], dim=-1)
+    log_probs = F.logsigmoid(picked)
+    weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
+    weights = weights * route_scale * global_scale
+    first = routed.shape[1]
+    shared = torch.arange(first, first + n_shared, device=logits.device).expand(logits.shape[0], -1)
+    return torch.cat([index, shared], dim=1), weights

@@ -1,0 +1,122 @@
+"""The fused shared-sink router (`triton_router`) against its torch twin (`torch_ops.shared_sink_route`, which
+`InklingModel.route` runs off CUDA) at the presets' expert counts and one count off a power of two. Run by Triton's
+CPU interpreter in a child process, and compiled on the GPU (marked gpu).
+
+Indices: the routed ones must follow torch.topk(sorted=False)'s CUDA rule (`topk_order`) on every row, ties
+included; on the GPU they must equal torch's in order. On the CPU torch breaks ties its own way, so rows tied at
+the k-th score are left out of the comparison with the twin there. Weights, paired by expert: within `RTOL` of the
+twin's, and in fp16/bf16 at least 99% bitwise equal (the kernel rounds where the twin rounds; a sum taken in
+another order can move a value across a rounding boundary, and one such step in the logsumexp (|lse| < 4) moves a
+row's weights by up to 2^-6 in bf16, 2^-9 in fp16, so RTOL is 4 of the dtype's eps; fp32 agrees to 1e-5).
+"""
+
+import os
+
+import pytest
+import torch
+
+from inkwell.kernels import torch_ops
+from inkwell.models.presets import PRESETS
+from tests.kernels.helpers import run_in_interpreter
+
+RTOL = {torch.float32: 1e-5, torch.float16: 2**-8, torch.bfloat16: 2**-5}
+TOKENS = (1, 8, 128, 1000)
+ROUTE_SCALE = 2.5
+
+
+def expert_counts(preset: str) -> tuple[int, int, int]:
+    """(routed experts, top k, shared experts) of a model preset."""
+    cfg = PRESETS[preset]
+    return cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["n_shared_experts"]
+
+
+SHAPES = {"tiny": expert_counts("inkling-tiny"), "small": expert_counts("inkling-small"), "odd": (24, 6, 1)}
+
+
+def topk_order(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk(scores, k, sorted=False)[1] as CUDA computes it: the experts above the k-th largest score in
+    index order, then those equal to it, lowest index first."""
+    kth = scores.topk(k, dim=-1).values[:, -1:]  # the k-th largest value, whichever ties torch picked
+    cols = torch.arange(scores.shape[1]).expand_as(scores)
+    width = scores.shape[1]
+    key = torch.where(scores > kth, cols, torch.where(scores == kth, width + cols, 2 * width + cols))
+    return key.argsort(dim=-1)[:, :k]
+
+
+def by_expert(index: torch.Tensor, weights: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's routed experts sorted by id (shared ones after them), weights alongside."""
+    order = torch.cat([index[:, :k].argsort(dim=-1), torch.arange(k, index.shape[1]).expand(index.shape[0], -1)], 1)
+    return index.gather(1, order), weights.gather(1, order)
+
+
+def check_route(device: str, dtype: torch.dtype, tokens: int, shape: str, bias: str) -> None:
+    """Router logits of std 2 (with bias "ties": drawn from 13 values, so most rows tie at the k-th score); a
+    correction bias of zeros (a fresh model's: ties in half precision) or std 0.05; global scale 1.25."""
+    from inkwell.kernels.triton_router import shared_sink_route
+
+    routed, k, shared = SHAPES[shape]
+    gen = torch.Generator().manual_seed(tokens * 100 + routed)
+    if bias == "ties":
+        logits = torch.randint(-6, 7, (tokens, routed + shared), generator=gen) / 3
+    else:
+        logits = 2 * torch.randn(tokens, routed + shared, generator=gen)
+    correction = 0.05 * torch.randn(routed, generator=gen) if bias == "random" else torch.zeros(routed)
+    args = [t.to(device=device, dtype=dtype) for t in (logits, correction, torch.tensor([1.25]))]
+    index, weights = shared_sink_route(*args, k, shared, ROUTE_SCALE)
+    want_index, want_weights = torch_ops.shared_sink_route(*args, k, shared, ROUTE_SCALE)
+    assert index.dtype == torch.long and weights.dtype == dtype and weights.shape == (tokens, k + shared)
+    index, weights, want_index, want_weights = (t.cpu() for t in (index, weights, want_index, want_weights))
+    scores = (args[0][:, :routed].sigmoid() + args[1]).cpu()  # as the twin computes them
+    assert torch.equal(index[:, :k], topk_order(scores, k)), "routed experts not as torch.topk picks them on CUDA"
+    assert torch.equal(index[:, k:], torch.arange(routed, routed + shared).expand(tokens, -1))
+    if device == "cuda":
+        assert torch.equal(index, want_index), "indices differ from torch.topk's"
+        rows = torch.ones(tokens, dtype=torch.bool)
+    else:
+        top = scores.sort(dim=-1, descending=True).values
+        rows = top[:, k - 1] != top[:, k]
+    got, want = by_expert(index, weights, k), by_expert(want_index, want_weights, k)
+    assert torch.equal(got[0][rows], want[0][rows]), "a different set of experts"
+    w, ref = got[1][rows].double(), want[1][rows].double()
+    err = float(((w - ref).abs() / ref.abs()).max()) if w.numel() else 0.0
+    assert err <= RTOL[dtype], f"weights: worst relative error {err:.2e}"
+    if dtype != torch.float32:
+        assert float((w == ref).double().mean()) >= 0.99, "weights not rounded where the twin rounds"
+
+
+def run_interpreted_cases() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for tokens in TOKENS:
+        check_route("cpu", torch.float32, tokens, "small", "random")
+    for shape in SHAPES:  # the interpreter rounds bf16 by truncation; fp16 as the GPU does
+        for dtype, bias in ((torch.float32, "random"), (torch.float32, "ties"), (torch.float16, "zero")):
+            check_route("cpu", dtype, 128, shape, bias)
+    check_route("cpu", torch.float16, 1000, "small", "zero")
+    print("interpreted cases passed")
+
+
+def test_router_matches_torch_twin_in_interpreter():
+    run_in_interpreter("tests.kernels.test_router")
+
+
+def test_router_rejects_bad_shapes():
+    from inkwell.kernels.triton_router import shared_sink_route
+
+    logits, scale = torch.zeros(4, 10), torch.ones(1)
+    with pytest.raises(ValueError, match="bias"):
+        shared_sink_route(logits, torch.zeros(9), scale, 2, 2, 1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        shared_sink_route(logits, torch.zeros(8), scale, 9, 2, 1.0)
+    with pytest.raises(ValueError, match="unit column stride"):
+        shared_sink_route(torch.zeros(10, 4).t(), torch.zeros(8), scale, 2, 2, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("bias", ["zero", "random", "ties"])
+def test_router_on_gpu(dtype, shape, tokens, bias):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    check_route("cuda", dtype, tokens, shape, bias)
