@@ -24,6 +24,7 @@ from inkwell.kernels import (
     lora_shrink,
     lora_shrink_expand,
     one_launch_projection,
+    shared_sink_route,
 )
 from inkwell.serving.native.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
@@ -502,20 +503,12 @@ class InklingModel:
 
     def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
-        sink) weighted by their gammas."""
+        sink) weighted by their gammas. After the gate GEMM, one Triton kernel on CUDA (`kernels.triton_router`)."""
         cfg = self.config
         p = f"model.layers.{layer}.mlp.gate"
-        n_shared, top_k = cfg.n_shared_experts, cfg.num_experts_per_tok
         logits = F.linear(x, self.w[f"{p}.weight"])
-        routed = logits[:, :-n_shared]
-        choice = routed.sigmoid() + self.w[f"{p}.e_score_correction_bias"]
-        index = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
-        picked = torch.cat([routed.gather(-1, index), logits[:, -n_shared:]], dim=-1)
-        log_probs = F.logsigmoid(picked)
-        weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
-        weights = weights * cfg.route_scale * self.w[f"{p}.global_scale"]
-        shared = self.expert_ids[cfg.n_routed_experts :].expand(x.shape[0], -1)
-        return torch.cat([index, shared], dim=1), weights
+        bias, scale = self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"]
+        return shared_sink_route(logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale)
 
     def routing_table(self, ids: list[torch.Tensor], rows: int) -> torch.Tensor:
         """The routed ids [rows, top_k] of each MoE layer (as `forward` appends them) as one [rows, layers, top_k]."""
