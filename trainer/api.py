@@ -3,17 +3,18 @@
 import os
 
 from inkwell.trainer.config import TrainCallbacks, TrainJobConfig, TrainResult, parse_config
+from inkwell.trainer.core_cache import job_core
 from inkwell.trainer.launch import launch
 from inkwell.trainer.loop import Trainer
-from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.prepare import prepare
 
 
 def run_in_process(config: TrainJobConfig, callbacks: TrainCallbacks) -> TrainResult | None:
-    """Train in this process (one rank of torchrun, or the whole world when nproc == 1)."""
+    """Train in this process (one rank of torchrun, or the whole world when nproc == 1, on the core kept from the
+    process's last job when it fits: trainer/core_cache.py)."""
     prepared = prepare(config)
-    with model_parallel(config.tp, config.ep, config.device, config.seed) as layout:
-        return Trainer(config, prepared, layout, callbacks).run()
+    with job_core(config, prepared) as (core, layout):
+        return Trainer(config, prepared, layout, callbacks, core).run()
 
 
 def train(config: TrainJobConfig | dict, callbacks: TrainCallbacks | None = None) -> TrainResult:

@@ -38,7 +38,7 @@ from inkwell.trainer.dataset import Rows
 from inkwell.trainer.datums import CheckedRequest, Datum, check_request
 from inkwell.trainer.losses import TARGETS, Config, Inputs, Loss, metrics
 from inkwell.trainer.model import InklingGPT
-from inkwell.trainer.parallel import all_reduce_, current_layout
+from inkwell.trainer.parallel import all_reduce_, current_layout, seed_generators
 from inkwell.trainer.replay import replay_routing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -91,7 +91,7 @@ class TrainingCore:
     ):
         """A fresh adapter (seeded) on the given base. `batch_tokens` bounds one rank's forward over datums
         (rows x padded length); larger requests run as several forwards, their gradients accumulated."""
-        self.hf_config, self.identity, self.lora, self.seed = hf_config, identity, lora, seed
+        self.hf_config, self.identity, self.lora = hf_config, identity, lora
         self.routing_shape = RoutingShape.of(hf_config)
         self.layout = current_layout()
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -104,13 +104,8 @@ class TrainingCore:
             hf_config, lora, DTYPES[dtype], device, ATTENTION[device], compile_mode, sequence_parallel
         )
         load_state(self.model, base_weights, lora=False)
-        load_state(self.model, init_adapter(hf_config, lora, identity, seed=seed).tensors, lora=True)
         self.params = [p for p in self.model.parameters() if is_lora(p)]
-        # every hyper-parameter is set by each optim_step
-        self.optimizer = torch.optim.AdamW(self.params, fused=self.device.type == "cuda")
-        self._zero_grads()
-        self.step = 0
-        self.model.train()
+        self.reset(seed)
 
     @classmethod
     def create(cls, base_model_dir: Path, lora: LoraSpec, **options) -> "TrainingCore":
@@ -122,6 +117,20 @@ class TrainingCore:
             lora,
             **options,
         )
+
+    def reset(self, seed: int) -> None:
+        """Start where a new core on this base starts with `seed`: the adapter initialised from it, no optimizer
+        moments, step 0, no gradients, and torch's and megatron's generators (LoRA dropout) seeded with it. The
+        model, its compiled layers and their CUDA graphs stay: a kept core (trainer/core_cache.py) trains the next
+        job bit for bit as a new one would."""
+        self.seed = seed
+        load_state(self.model, init_adapter(self.hf_config, self.lora, self.identity, seed=seed).tensors, lora=True)
+        # every hyper-parameter is set by each optim_step
+        self.optimizer = torch.optim.AdamW(self.params, fused=self.device.type == "cuda")
+        self._zero_grads()
+        self.step = 0
+        self.model.train()
+        seed_generators(seed)
 
     # ---- forward passes ------------------------------------------------------------------------------------
 

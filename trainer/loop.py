@@ -43,28 +43,34 @@ def lr_lambda(config: TrainJobConfig):
     return factor
 
 
+def build_core(config: TrainJobConfig, prepared: Prepared) -> TrainingCore:
+    """A new core for the job (inside `model_parallel`): its base, LoRA spec, seed, device, dtype and compile mode."""
+    return TrainingCore(
+        prepared.hf_config,
+        prepared.identity,
+        load_base_weights(config.base_model_dir),
+        config.lora,
+        seed=config.seed,
+        device=config.device,
+        dtype=config.dtype,
+        compile_mode=config.compile_mode,
+        sequence_parallel=config.sequence_parallel,
+    )
+
+
 @dataclass
 class Trainer:
-    """One rank's training core, data stream and loop; built inside `model_parallel`."""
+    """One rank's data stream and loop on the job's training core (`build_core`, or a kept one reset to the job's
+    seed: trainer/core_cache.py), inside `model_parallel`."""
 
     config: TrainJobConfig
     prepared: Prepared
     layout: Layout
     callbacks: TrainCallbacks
+    core: TrainingCore
 
     def __post_init__(self):
         cfg, prep = self.config, self.prepared
-        self.core = TrainingCore(
-            prep.hf_config,
-            prep.identity,
-            load_base_weights(cfg.base_model_dir),
-            cfg.lora,
-            seed=cfg.seed,
-            device=cfg.device,
-            dtype=cfg.dtype,
-            compile_mode=cfg.compile_mode,
-            sequence_parallel=cfg.sequence_parallel,
-        )
         self.device = self.core.device
         self.schedule = lr_lambda(cfg)
         self.stream = RowStream(prep.train, cfg.seq_len, prep.pad_id, cfg.seed)

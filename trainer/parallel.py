@@ -53,9 +53,22 @@ def current_layout() -> Layout:
     )
 
 
+def seed_generators(seed: int) -> None:
+    """Seed torch's generator and megatron's tensor-parallel RNG tracker (LoRA dropout) with `seed`."""
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
 @contextlib.contextmanager
 def model_parallel(tp: int, ep: int, device: str, seed: int) -> Iterator[Layout]:
-    """Initialise torch.distributed (if needed) and megatron's TP/EP/DP groups; tear down after."""
+    """Initialise torch.distributed (if needed) and megatron's TP/EP/DP groups; tear down after.
+
+    A core kept from an earlier job of this process holds the groups open (trainer/core_cache.py): it is
+    dropped first.
+    """
+    from inkwell.trainer import core_cache  # it builds cores, which import this module
+
+    core_cache.release()
     megatron_cpu.apply()
     own_pg = not dist.is_initialized()
     if own_pg:
@@ -76,8 +89,7 @@ def model_parallel(tp: int, ep: int, device: str, seed: int) -> Iterator[Layout]
             expert_tensor_parallel_size=tp,
             create_gloo_process_groups=False,
         )
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        torch.manual_seed(seed)
+        seed_generators(seed)
         yield current_layout()
     finally:
         ps.destroy_model_parallel()

@@ -13,7 +13,7 @@ from inkwell.trainer.config import parse_config
 from inkwell.trainer.core import AdamParams, TrainingCore
 from inkwell.trainer.dataset import Rows
 from inkwell.trainer.datums import Datum, DatumError
-from inkwell.trainer.loop import Trainer
+from inkwell.trainer.loop import Trainer, build_core
 from inkwell.trainer.parallel import model_parallel
 from inkwell.trainer.prepare import prepare
 from tests.trainer.conftest import ALL_GROUPS
@@ -95,7 +95,8 @@ def test_supervised_datums_through_the_core_equal_the_sft_job(tmp_path, tiny_mod
     train(job, recorder)
 
     with model_parallel(1, 1, "cpu", config.seed) as layout:
-        trainer = Trainer(config, prepared, layout, TrainCallbacks())  # the job's own core, stream and schedule
+        core = build_core(config, prepared)
+        trainer = Trainer(config, prepared, layout, TrainCallbacks(), core)  # the job's core, stream and schedule
         losses = []
         for step in range(config.max_steps):
             batch = trainer.stream.rows(step * config.batch_size, config.batch_size)
