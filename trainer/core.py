@@ -188,22 +188,30 @@ class TrainingCore:
         request = check_request(
             data, loss_fn, loss_fn_config, hf.vocab_size, hf.max_position_embeddings, self.routing_shape
         )
-        logprobs: list[list[float]] = []
+        lengths = [len(t) for t in request.tokens]
+        groups: list[tuple[torch.Tensor, int]] = []  # per group: every rank's logprob rows, how many hold datums
         totals: dict[str, torch.Tensor] = {}
         replayed = any(trace is not None for trace in request.routing)
         with torch.compiler.set_stance("default" if backward and not replayed else self.eager_stance):
-            for group in self._groups([len(t) for t in request.tokens]):
+            for group in self._groups(lengths):
                 rows, inputs, routing = self._datum_rows(request, group)
                 logp, sums = self.forward_rows(rows, request.loss, request.config, inputs, backward, routing)
-                logprobs += self._gathered(logp, [len(request.tokens[i]) for i in group])
+                groups.append((self._gathered(logp), len(group)))
                 totals = {name: totals.get(name, 0) + value.double() for name, value in sums.items()}
-        reduced = all_reduce_(torch.stack(list(totals.values())), ps.get_data_parallel_group()).tolist()
-        out = metrics(dict(zip(totals, reduced, strict=True)))
+        reduced = all_reduce_(torch.stack(list(totals.values())), ps.get_data_parallel_group())
+        # one trip to the host per call, after the last group: the sums, then the rows (float32 in float64: exact)
+        host = torch.cat([reduced, *(logp.flatten().double() for logp, _ in groups)]).cpu().numpy()
+        out = metrics(dict(zip(totals, host[: len(totals)].tolist(), strict=True)))
+        datum_rows, start = [], len(totals)
+        for logp, datums in groups:
+            datum_rows += list(host[start : start + logp.numel()].reshape(logp.shape)[:datums])
+            start += logp.numel()
+        logprobs = [row[:n] for row, n in zip(datum_rows, lengths, strict=True)]
         if "logprobs" in request.loss.inputs:  # the sampler's: how far the two sides are apart
             given, bounds = request.inputs, ratio_bounds(request.loss.name, request.config)
             sampler, advantages = [i["logprobs"] for i in given], [i["advantages"] for i in given]
             out |= consistency_metrics(logprobs, sampler, advantages, bounds)
-        return ForwardResult(logprobs, out)
+        return ForwardResult([row.tolist() for row in logprobs], out)
 
     def _width(self, n: int) -> int:
         """The padded row width of datums of at most `n` tokens."""
@@ -263,15 +271,14 @@ class TrainingCore:
             layer: ids[:, :, j].reshape(-1, shape.top_k).to(self.device) for j, layer in enumerate(shape.moe_layers)
         }
 
-    def _gathered(self, logp: torch.Tensor, lengths: list[int]) -> list[list[float]]:
-        """Every rank's logprob rows of one group, in datum order, cut to each datum's length."""
+    def _gathered(self, logp: torch.Tensor) -> torch.Tensor:
+        """Every rank's logprob rows of one group, in datum order (then the padding rows), on the device."""
         group = ps.get_data_parallel_group()
-        if dist.get_world_size(group) > 1:
-            parts = [torch.empty_like(logp) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, logp.contiguous(), group=group)
-            logp = torch.cat(parts)
-        rows = logp.cpu().tolist()
-        return [row[:n] for row, n in zip(rows, lengths, strict=False)]
+        if dist.get_world_size(group) == 1:
+            return logp
+        parts = [torch.empty_like(logp) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, logp.contiguous(), group=group)
+        return torch.cat(parts)
 
     # ---- the optimizer -------------------------------------------------------------------------------------
 
@@ -289,8 +296,7 @@ class TrainingCore:
         if params.grad_clip_norm > 0:
             limit = params.grad_clip_norm
             scale = torch.where(norm > limit, limit / (norm + 1e-6), 1.0)
-            for p in self.params:
-                p.grad.mul_(scale)
+            torch._foreach_mul_([p.grad for p in self.params], scale)
         self.optimizer.step()
         self._zero_grads()
         self.step += 1
@@ -314,12 +320,16 @@ class TrainingCore:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm (float64, on the device): each parameter's squared norm divided by how many ranks hold
-        the same shard."""
+        the same shard. One fused norm per kind of shard, not kernels per parameter: after a session's
+        forward_backward has waited for its logprobs, nothing on the GPU hides these launches."""
         lay = self.layout
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        shards: dict[int, list[torch.Tensor]] = {}  # grads by how many distinct shards their parameter has
         for p in self.params:
             distinct = (lay.tp if p.tp_dim is not None else 1) * (lay.ep if p.ep_dim is not None else 1)
-            total += p.grad.double().pow(2).sum() * distinct / lay.world
+            shards.setdefault(distinct, []).append(p.grad)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for distinct, grads in shards.items():
+            total += torch.stack(torch._foreach_norm(grads)).double().square().sum() * distinct / lay.world
         all_reduce_(total, dist.group.WORLD)
         return total.sqrt()
 

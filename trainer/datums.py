@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inkwell.models.routing import RoutingShape
@@ -78,29 +79,33 @@ def _config(loss: Loss, given: Mapping[str, object] | None) -> dict[str, float]:
 
 
 def _values(values: object, field: str, index: int, vocab_size: int | None) -> torch.Tensor:
-    """`values` as a 1-D tensor: token ids (long, inside the vocabulary) when `vocab_size` is given, else float32."""
+    """`values` as a 1-D tensor: token ids (long, inside the vocabulary) when `vocab_size` is given, else float32.
+    Converted and checked whole (numpy): a request's lists are long, and this runs on every call."""
     try:
         if not isinstance(values, list | tuple):
             raise TypeError
-        exact = torch.tensor(values, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
+        given = np.asarray(values)  # anything but numbers (None, strings, ints beyond 64 bits) makes no number array
+    except (TypeError, ValueError, OverflowError):
         raise DatumError(field, "must be a list of numbers", index) from None
-    if exact.ndim != 1:
+    if given.dtype.kind not in "biuf":
+        raise DatumError(field, "must be a list of numbers", index)
+    if given.ndim != 1:
         raise DatumError(field, "must be a flat list of numbers, one per token", index)
-    tensor = exact if vocab_size is not None else exact.float()
-    bad = (~torch.isfinite(tensor)).nonzero()
+    with np.errstate(over="ignore"):  # beyond float32: refused as not finite
+        array = given.astype(np.float64 if vocab_size is not None else np.float32)
+    bad = np.flatnonzero(~np.isfinite(array))
     if len(bad):
         at = int(bad[0])
         raise DatumError(field, f"value {values[at]!r} at position {at} is not a finite number (as float32)", index)
     if vocab_size is None:
-        return tensor
-    bad = ((tensor != tensor.round()) | (tensor < 0) | (tensor >= vocab_size)).nonzero()
+        return torch.from_numpy(array)
+    bad = np.flatnonzero((array != np.round(array)) | (array < 0) | (array >= vocab_size))
     if len(bad):
         at = int(bad[0])
         raise DatumError(
             field, f"{values[at]!r} at position {at} is not a token id of the vocabulary (0..{vocab_size - 1})", index
         )
-    return tensor.long()
+    return torch.from_numpy(array.astype(np.int64))
 
 
 def _trace(trace: object, index: int, tokens: int, shape: RoutingShape | None) -> torch.Tensor:
