@@ -8,8 +8,8 @@ step time as a fraction of it, peak GPU memory of each, and correctness checks r
 logits vs transformers' eager logits, and each variant of ours (layers compiled or not, and how)
 against our uncompiled eager model (loss and LoRA gradients).
 Step times are medians over --steps timed steps after --warmup untimed ones.
-Run: python benchmarks/bench_train.py [--batch 4] [--seq 1024] [--steps 10] [--out results.json] [--md table.md]
-[--profile DIR]
+Run: python benchmarks/bench_train.py [--batch 4] [--seq 1024] [--steps 10] [--modes none default reduce-overhead]
+[--out results.json] [--md table.md] [--profile DIR]
 """
 
 import argparse
@@ -129,6 +129,9 @@ def main() -> None:
     parser.add_argument("--md", type=Path)
     parser.add_argument("--profile", type=Path, help="folder for torch.profiler tables of both LoRA trainers")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
+    parser.add_argument(
+        "--modes", nargs="+", default=[m or "none" for _, m in VARIANTS], help="compile modes of the layers to time"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -181,7 +184,8 @@ def main() -> None:
 
         reference_loss, reference_grads = lora_grads("eager")
         # FlexAttention has no CPU backward; a CPU smoke run skips it and compilation
-        variants = VARIANTS if args.device == "cuda" else [(a, m) for a, m in VARIANTS if a != "flex" and not m]
+        variants = [(a, m) for a, m in VARIANTS if (m or "none") in args.modes]
+        variants = variants if args.device == "cuda" else [(a, m) for a, m in variants if a != "flex" and not m]
         compiled = None
         for attention, mode in variants:
             if mode != compiled:
@@ -208,9 +212,11 @@ def main() -> None:
         if mode != compiled:
             torch._dynamo.reset()
             compile_decoder_layers(model.layers, mode)
-        base = [p for p in model.parameters() if not is_lora(p)]
-        for p in base:
-            p.requires_grad_(True)
+        # every base weight trainable and the adapter frozen: a weight that needs a gradient but is no optimizer's
+        # (never zeroed) would add its next gradient into the last one, which CUDA graphs have overwritten by then
+        for p in model.parameters():
+            p.requires_grad_(not is_lora(p))
+        base = [p for p in model.parameters() if p.requires_grad]
         full_step = make_step(ours_loss, base, ids, targets, fused=args.device == "cuda")
         results["ours_full"] = time_steps(full_step, args.steps, args.warmup)
         print("ours full", results["ours_full"], flush=True)
