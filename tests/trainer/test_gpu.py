@@ -1,5 +1,7 @@
 """On a GPU: the bundled SFT run in bf16 (fp32 adapter master weights) tracks the same run in fp32 on CPU."""
 
+import time
+
 import pytest
 import torch
 
@@ -11,10 +13,11 @@ pytestmark = pytest.mark.gpu
 
 class Losses(TrainCallbacks):
     def __init__(self):
-        self.losses = []
+        self.losses, self.first_at = [], None
 
     def on_event(self, event):
         self.losses.append(event.loss)
+        self.first_at = self.first_at or time.perf_counter()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -144,3 +147,42 @@ def test_compiled_core_answers_datums_like_the_eager_one(tiny_model_dir, mode):
         for a, b in zip(ours.logprobs, ref.logprobs, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0.05, atol=0.1)
     assert eager[6] < eager[4], "the row steps must train"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_kept_core_under_cuda_graphs_trains_the_next_job_as_a_new_core(tmp_path, tiny_model_dir):
+    """A second job of the same kind replays the first job's CUDA graphs on the core it kept (trainer/core_cache.py)
+    and gets a new core's losses: the adapter, the optimizer and the generators start over in place."""
+    from inkwell.trainer import core_cache
+
+    job = {
+        "base_model_dir": str(tiny_model_dir),
+        "dataset_path": str(bundled_dataset("uppercase")),
+        "lora": {"rank": 16, "alpha": 32, "dropout": 0.1},
+        "learning_rate": 5e-3,
+        "max_steps": 6,
+        "batch_size": 8,
+        "seq_len": 128,
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "compile": "reduce-overhead",
+    }
+
+    def run(name: str, seed: int) -> tuple[list[float], float]:
+        """The job's losses and the seconds until its first step's event."""
+        recorder, began = Losses(), time.perf_counter()
+        train({**job, "output_dir": str(tmp_path / name), "seed": seed}, recorder)
+        return recorder.losses, recorder.first_at - began
+
+    core_cache.release()
+    run("first", seed=0)
+    kept = core_cache.kept()
+    reused, reused_first_step = run("second", seed=1)
+    assert kept is not None and core_cache.kept() is kept
+    core_cache.release()
+    fresh, fresh_first_step = run("second-fresh", seed=1)
+    core_cache.release()
+    print(f"first step: kept core {reused_first_step:.2f} s, new core {fresh_first_step:.2f} s")
+    print("losses, kept core:", reused, "\nlosses, new core: ", fresh)
+    for a, b in zip(reused, fresh, strict=True):
+        assert abs(a - b) <= 1e-3 * abs(b), (reused, fresh)
