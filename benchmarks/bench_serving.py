@@ -449,7 +449,9 @@ def table(results: dict) -> str:
 
 
 def make_engine(model_dir: Path, adapters: list[Adapter], args, **options) -> Engine:
-    """An engine sized for the benchmark batch, with `adapters` pinned as a0, a1, ..."""
+    """An engine sized for the benchmark batch, with `adapters` pinned as a0, a1, ...; the prefix cache off unless
+    `options` turn it on: the benchmarks repeat their prompts and mean to time computing them."""
+    options = {"prefix_cache": False, **options}
     config = EngineConfig(
         max_loras_per_batch=max(COUNTS),
         max_lora_rank=RANK,

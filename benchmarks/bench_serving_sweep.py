@@ -140,7 +140,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-serving-sweep-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
         adapters = random_adapters(model_dir)[: max(ADAPTERS)]
-        engine = make_engine(model_dir, adapters, args, prefix_cache=False)  # every run prefills its prompts
+        engine = make_engine(model_dir, adapters, args)  # the prefix cache off: every run prefills its prompts
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
         for batch in args.batches:
             prompts = make_prompts(batch, args.prompt, seed=batch)

@@ -32,44 +32,54 @@ from inkwell.serving.native.state import KV_SITE, StatePool
 
 @dataclass
 class ExtendInputs:
-    """The device inputs of one (B, L) bucket in one [B, L + 4] long tensor, so the host fills them in one copy:
-    each chunk's L token ids (padding after its real ones), its sequence slot, first position, real length and
-    LoRA slot (-1 = base model)."""
+    """The device inputs of one (B, L) bucket in one flat long tensor, so the host fills them in one copy: the B
+    chunks' L token ids each (padding after a chunk's real ones), then B sequence slots, first positions, real
+    lengths and LoRA slots (-1 = base model). Each part is a contiguous view, as the LoRA kernels read slots."""
 
     packed: torch.Tensor
+    batch: int
+    length: int
 
     @classmethod
     def empty(cls, batch: int, length: int, device: torch.device) -> "ExtendInputs":
-        return cls(torch.zeros(batch, length + 4, dtype=torch.long, device=device))
+        return cls(torch.zeros(batch * (length + 4), dtype=torch.long, device=device), batch, length)
 
     @staticmethod
-    def padding_row(length: int, scratch: int) -> list[int]:
-        """The host row of a padding chunk: no real tokens, in the scratch slot, no adapter."""
-        return [0] * length + [scratch, 0, 0, -1]
+    def host(ids: list[list[int]], columns: list[list[int]], batch: int, length: int, scratch: int) -> torch.Tensor:
+        """The host side of `packed` for chunks of token `ids` (at most `length` each) and their `columns` (sequence
+        slot, first position, real length, LoRA slot), padded to `batch` chunks: padding chunks have no real tokens,
+        the scratch slot and no adapter."""
+        pad = batch - len(ids)
+        tokens = [t for chunk in ids for t in [*chunk, *[0] * (length - len(chunk))]] + [0] * (pad * length)
+        defaults = (scratch, 0, 0, -1)
+        return torch.tensor(
+            tokens + [v for j, default in enumerate(defaults) for v in [c[j] for c in columns] + [default] * pad],
+            dtype=torch.long,
+        )
 
-    @property
-    def length(self) -> int:
-        return self.packed.shape[1] - 4
+    def _column(self, j: int) -> torch.Tensor:
+        first = self.batch * (self.length + j)
+        return self.packed[first : first + self.batch]
 
     @property
     def input_ids(self) -> torch.Tensor:
-        return self.packed[:, : self.length]
+        return self.packed[: self.batch * self.length].view(self.batch, self.length)
 
     @property
     def seq_slots(self) -> torch.Tensor:
-        return self.packed[:, self.length]
+        return self._column(0)
 
     @property
     def starts(self) -> torch.Tensor:
-        return self.packed[:, self.length + 1]
+        return self._column(1)
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.packed[:, self.length + 2]
+        return self._column(2)
 
     @property
     def lora_slots(self) -> torch.Tensor:
-        return self.packed[:, self.length + 3]
+        return self._column(3)
 
 
 class ExtendForward(DecodeForward):

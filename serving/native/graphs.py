@@ -179,13 +179,12 @@ class StepGraphs:
         last = max(start + length - 1 for start, length in zip(starts, lengths, strict=True))
         context = context_bucket(last, self.state.max_context)
         use_lora = self.has_lora and any(s >= 0 for s in lora_slots)
-        rows, first = [], 0
-        for i, length in enumerate(lengths):
-            ids = input_ids[first : first + length]
-            rows.append([*ids, *[0] * (places - length), seq_slots[i], starts[i], length, lora_slots[i]])
+        ids, first = [], 0
+        for length in lengths:
+            ids.append(input_ids[first : first + length])
             first += length
-        rows += [ExtendInputs.padding_row(places, self.scratch)] * (batch - n)
-        packed = torch.tensor(rows, dtype=torch.long)
+        columns = [list(c) for c in zip(seq_slots, starts, lengths, lora_slots, strict=True)]
+        packed = ExtendInputs.host(ids, columns, batch, places, self.scratch)
         inputs = self.extend_inputs.get((batch, places))
         if inputs is None:
             inputs = self.extend_inputs[(batch, places)] = ExtendInputs.empty(batch, places, self.device)
@@ -201,7 +200,7 @@ class StepGraphs:
             inputs.packed.copy_(packed, non_blocking=True)
 
         def padding() -> torch.Tensor:
-            return torch.tensor([ExtendInputs.padding_row(places, self.scratch)] * batch, dtype=torch.long)
+            return ExtendInputs.host([], [], batch, places, self.scratch)
 
         out = self._run(self.extend_graphs, key, inputs.packed, padding, fill, step)
         return Decoded(out.logits[:n], out.greedy[:n], out.routing[:n])

@@ -38,6 +38,13 @@ def run_interpreted_cases() -> None:
             )
         check_experts(**expert_dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
     check_linear(**dev, dtype=torch.float32, tokens=20, num_slots=2, used=2, rank=80, k=16, n=16)  # 2 rank tiles
+    strided = torch.zeros(5, 4, dtype=torch.long)[:, 3]  # a column of a packed table
+    try:
+        dense.lora_shrink(torch.zeros(5, 8), torch.zeros(2, 4, 8), strided)
+    except ValueError as e:
+        assert "token_slots must be contiguous" in str(e)
+    else:
+        raise AssertionError("strided token_slots were read as if contiguous")
     print("interpreted cases passed")
 
 

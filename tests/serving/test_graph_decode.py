@@ -172,6 +172,8 @@ def test_prefill_chunks_equal_eager_forward(tiny):
         for seq, n in step:
             computed[seq] += n
     assert worst < 1e-5
+    for inputs in graphs.extend_inputs.values():  # the LoRA kernels read slots with stride 1
+        assert all(t.is_contiguous() for t in (inputs.seq_slots, inputs.starts, inputs.lengths, inputs.lora_slots))
     for layer in range(config.num_hidden_layers):
         for mine, theirs in ((pool.keys, eager.keys), (pool.values, eager.values)):
             if pool.sliding[layer]:
