@@ -295,7 +295,7 @@ class TrainingCore:
         norm = self.grad_norm()
         if params.grad_clip_norm > 0:
             limit = params.grad_clip_norm
-            scale = torch.where(norm > limit, limit / (norm + 1e-6), 1.0)
+            scale = torch.where(norm > limit, limit / (norm + 1e-6), 1.0).float()  # the grads' dtype (fp32 LoRA)
             torch._foreach_mul_([p.grad for p in self.params], scale)
         self.optimizer.step()
         self._zero_grads()
