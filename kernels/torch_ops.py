@@ -32,8 +32,21 @@ def _groups(keys: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     return out
 
 
+def check_token_slots(token_slots: torch.Tensor, tokens: int) -> None:
+    """Each of the T tokens has a slot, in a contiguous [T] tensor: the Triton kernels read slot t at token_slots + t,
+    so a strided or broadcast view would hand them other values. Refused here, on every device, so the CPU tests see
+    what the GPU kernels would misread."""
+    if token_slots.shape != (tokens,):
+        raise ValueError(f"token_slots must be [T={tokens}], got {tuple(token_slots.shape)}")
+    if not token_slots.is_contiguous():
+        raise ValueError(
+            f"token_slots must be contiguous (the kernels read it with stride 1), got strides {token_slots.stride()}"
+        )
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero."""
+    check_token_slots(token_slots, x.shape[0])
     out = x.new_zeros(x.shape[0], lora_a.shape[1])
     for slot, rows in _groups(token_slots):
         out[rows] = x[rows] @ lora_a[slot].to(x.dtype).t()
@@ -44,6 +57,7 @@ def lora_expand(
     y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
     """out[T,N] += scaling[slot] * y[T,R] @ B[slot]^T, in place; rows of slot -1 are untouched."""
+    check_token_slots(token_slots, y.shape[0])
     for slot, rows in _groups(token_slots):
         delta = (y[rows].float() @ lora_b[slot].float().t()) * scalings[slot]
         out.index_add_(0, rows, delta.to(out.dtype))

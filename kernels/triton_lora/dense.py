@@ -10,6 +10,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS
+from inkwell.kernels.torch_ops import check_token_slots
 from inkwell.kernels.triton_lora.common import (
     add_delta,
     dot_operands,
@@ -208,14 +209,7 @@ def _linear_kernel(
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> None:
     """A [S, R, K] reads x [T, K]'s K, and each of the T tokens has a slot."""
     require(lora_a.shape[2] == x.shape[1], f"lora_a's K={lora_a.shape[2]} differs from x's K={x.shape[1]}")
-    _check_slots(token_slots, x.shape[0])
-
-
-def _check_slots(token_slots: torch.Tensor, tokens: int) -> None:
-    """The kernels read slot t at token_slots + t: a strided view (a column of a packed table) would give them
-    other values, so it is refused, not copied behind the caller's back."""
-    require(token_slots.shape == (tokens,), f"token_slots must be [T={tokens}]")
-    require(token_slots.is_contiguous(), "token_slots must be contiguous (the kernels read it with stride 1)")
+    check_token_slots(token_slots, x.shape[0])
 
 
 def _check_sliced_lora(
@@ -325,7 +319,7 @@ def lora_expand_sliced(
     slice_offsets (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P].
     """
     require(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
-    _check_slots(token_slots, y.shape[0])
+    check_token_slots(token_slots, y.shape[0])
     require(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
     return launch_expand(y, lora_b[:, None, None], token_slots, scalings, out, slice_offsets)
 

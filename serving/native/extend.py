@@ -102,7 +102,8 @@ class ExtendForward(DecodeForward):
         return inputs.input_ids.reshape(-1)
 
     def _row_lora_slots(self, inputs: ExtendInputs) -> torch.Tensor:
-        return inputs.lora_slots[:, None].expand(-1, inputs.length).reshape(-1)
+        # contiguous, as the LoRA kernels read slots (with one chunk, reshape would keep the broadcast view)
+        return inputs.lora_slots[:, None].expand(-1, inputs.length).contiguous().view(-1)
 
     def _scored(self, x: torch.Tensor, slots: torch.Tensor, inputs: ExtendInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Each chunk's last real row (a padding chunk's first), with the chunk's LoRA slot."""

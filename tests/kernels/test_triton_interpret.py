@@ -7,6 +7,7 @@ the GPU tests) compare every op with the torch twins computed in float64 on the 
 
 import os
 
+import pytest
 import torch
 
 from inkwell.kernels import dispatch
@@ -38,13 +39,6 @@ def run_interpreted_cases() -> None:
             )
         check_experts(**expert_dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
     check_linear(**dev, dtype=torch.float32, tokens=20, num_slots=2, used=2, rank=80, k=16, n=16)  # 2 rank tiles
-    strided = torch.zeros(5, 4, dtype=torch.long)[:, 3]  # a column of a packed table
-    try:
-        dense.lora_shrink(torch.zeros(5, 8), torch.zeros(2, 4, 8), strided)
-    except ValueError as e:
-        assert "token_slots must be contiguous" in str(e)
-    else:
-        raise AssertionError("strided token_slots were read as if contiguous")
     print("interpreted cases passed")
 
 
@@ -112,3 +106,19 @@ def test_triton_launchers_reject_bad_shapes():
             assert words in str(err), str(err)
         else:
             raise AssertionError("bad shapes were accepted")
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [torch.zeros(5, 4, dtype=torch.long)[:, 3], torch.zeros(1, dtype=torch.long).expand(5)],
+    ids=["table_column", "broadcast"],
+)
+def test_strided_token_slots_are_refused_on_every_device(slots):
+    """The kernels read slots with stride 1: a column of a packed table or a broadcast slot would be misread on the
+    GPU, so every device refuses them (the CPU tests then catch what the GPU would misread)."""
+    with pytest.raises(ValueError, match="token_slots must be contiguous"):
+        dispatch.lora_shrink(torch.zeros(5, 8), torch.zeros(2, 4, 8), slots)
+    with pytest.raises(ValueError, match="token_slots must be contiguous"):
+        dispatch.lora_linear(
+            torch.zeros(5, 8), torch.zeros(6, 8), torch.zeros(2, 4, 8), torch.zeros(2, 6, 4), slots, torch.ones(2)
+        )
