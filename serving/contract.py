@@ -138,6 +138,10 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2**30
     prefix_cache_block: int = 16
+    # A prompt's last whole block is cached only where it lies more than this many tokens past where the prompt
+    # leaves the tree: ending a chunk there costs a step (on CUDA a whole step's launches) to save a later prompt
+    # that extends this one at most these tokens (a long system prompt's short questions are not worth it).
+    prefix_cache_min_gain: int = 64
     # Native engine: one process per device over tensor_parallel * expert_parallel devices, rank r on the device r
     # places after `device` (`native.group_engine`); attention heads split over TP, experts over EP.
     tensor_parallel: int = 1

@@ -45,7 +45,7 @@ from inkwell.serving.contract import (
 from inkwell.serving.native.graphs import StepGraphs
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment
-from inkwell.serving.native.prefix_cache import PrefixCache
+from inkwell.serving.native.prefix_cache import Match, PrefixCache
 from inkwell.serving.native.sampling import make_generator, sample_rows, token_logprobs
 from inkwell.serving.native.state import StatePool
 from inkwell.serving.native.streams import SideStream
@@ -275,7 +275,7 @@ class Engine:
         usable = cache.usable(seq.num_prompt)
         match = cache.lookup(adapter, prompt[:usable])
         if not self._reads_cache(seq):
-            seq.snaps = {p for p in (match.shared, usable) if p > match.length}
+            seq.snaps = self._snaps(match, usable)
             return
         leaders = [s for s in self.running if s is not seq and s.leader is None and s.request.adapter == adapter]
         for leader in leaders:
@@ -288,7 +288,18 @@ class Engine:
                 return
         cache.attach(match, seq.seq_slot, seq.num_prompt)
         seq.computed = match.length
-        seq.snaps = {p for p in (match.shared, usable) if p > match.length}
+        seq.snaps = self._snaps(match, usable)
+
+    def _snaps(self, match: Match, usable: int) -> set[int]:
+        """Where a prompt's prefill leaves its state in the cache: where it leaves the tree (another prompt shares it
+        up to there), and its last whole block (`usable`) where that lies more than `prefix_cache_min_gain` tokens
+        further: a chunk ends at each, and one more costs a step now to save a later prompt that extends this one
+        only those tokens."""
+        first = max(match.length, match.shared)
+        snaps = {first} if first > match.length else set()
+        if usable - first > self.config.prefix_cache_min_gain:
+            snaps.add(usable)
+        return snaps
 
     def _release_held(self) -> None:
         """Attach each held sequence whose leader has passed the prefix they share (or ended)."""

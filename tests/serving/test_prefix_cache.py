@@ -15,7 +15,8 @@ from inkwell.serving.native.engine import Engine
 from tests.serving.conftest import with_step_graphs
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
-CONFIG = EngineConfig(max_lora_rank=16, max_batch_tokens=40)
+# every prompt's last whole block cached, however short: the tests below cross block boundaries with short prompts
+CONFIG = EngineConfig(max_lora_rank=16, max_batch_tokens=40, prefix_cache_min_gain=0)
 SHARED_LENGTHS = (5, 16, 23, 25, 33, 49, 64)
 BLOCK = CONFIG.prefix_cache_block
 
@@ -233,3 +234,24 @@ def test_a_group_traced_for_routing_replay_prefills_its_prompt_once(tiny_model_d
         assert np.array_equal(np.sort(mine.routing, axis=-1), np.sort(other.routing, axis=-1))
     assert np.array_equal(np.sort(ours[0].prompt_routing, -1), np.sort(theirs[0].prompt_routing, -1))
     assert len(ours[0].prompt_routing) == 39 and all(c.prompt_routing is None for c in ours[1:])
+
+
+def test_a_short_tail_past_a_cached_prefix_is_one_forward_and_leaves_no_boundary(tiny_model_dir, tiny_adapters):
+    """By default (prefix_cache_min_gain 64) a prompt's last whole block is cached only where it lies more than 64
+    tokens past the prefix it shares: a short question after a cached system prompt prefills in one forward (the
+    time to first token of a long system prompt's questions), a long one ends a chunk at its last block."""
+    engine = cached_engine(
+        tiny_model_dir, tiny_adapters, max_batch_tokens=256, prefix_cache_min_gain=EngineConfig.prefix_cache_min_gain
+    )
+    system = list(range(10, 90))  # 80 tokens: five blocks
+    run(engine, [*system, *range(200, 210)])  # its last block (80) is 80 tokens past an empty tree: cached
+    forward, sizes = engine.model.forward, []
+    engine.model.forward = lambda batch, *args: sizes.append(len(batch.input_ids)) or forward(batch, *args)
+    for question, forwards in ((range(300, 332), [32]), (range(100, 200), [96, 4])):
+        sizes.clear()
+        assert cached_by(engine, [*system, *question])[1] == 80
+        assert sizes[: len(forwards)] == forwards  # then one-token decode steps
+    engine.model.forward = forward
+    # the short question left nothing past the system prompt; the long one its last block
+    assert cached_by(engine, [*system, *range(300, 332), 5])[1] == 80
+    assert cached_by(engine, [*system, *range(100, 200), 5])[1] == 176
