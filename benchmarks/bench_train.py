@@ -28,6 +28,7 @@ from transformers import InklingForCausalLM
 from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import config_identity, preset_config
+from inkwell.models.names import canonical_name
 from inkwell.trainer.bridge import is_lora, load_state
 from inkwell.trainer.model import InklingGPT, compile_decoder_layers
 from inkwell.trainer.parallel import model_parallel
@@ -95,7 +96,8 @@ def bench_peft(config, args, ids, targets, check_ids, results: dict):
 
     with torch.device(args.device):
         hf = InklingForCausalLM(config).to(torch.bfloat16)
-    base_state = {k: v.detach().cpu().clone() for k, v in hf.state_dict().items()}
+    # under inkwell's names: transformers 5.17 (the H200's) spells the embedding norm its own way
+    base_state = {canonical_name(k): v.detach().cpu().clone() for k, v in hf.state_dict().items()}
     with torch.no_grad():
         ref_logits = hf(check_ids).logits.float()
     lora = LoraConfig(
