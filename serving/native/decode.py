@@ -155,6 +155,21 @@ class DecodeForward:
         weight = self.model.sconv_weight(layer, site)
         return short_conv_step(x, self.state.conv[layer][site], seq_slots, weight, **residual_norm)
 
+    def _qkvr(
+        self, h: torch.Tensor, layer: int, inputs: DecodeInputs, slots: torch.Tensor, lora: LoraSlots | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row's queries, keys and values [rows, heads, head dim] (q and k normalised, k and v through their
+        ShortConv) and relative-logit inputs r [rows, heads, d_rel] of attention layer `layer`."""
+        m, cfg = self.model, self.model.config
+        p = f"model.layers.{layer}.self_attn"
+        head_dim = cfg.swa_head_dim if self.state.sliding[layer] else cfg.head_dim
+        rows = h.shape[0]
+        q, kv, r = m.qkvr(h, layer, slots, lora)
+        k, v = self._sconv(kv, layer, KV_SITE, inputs).split(m.kv_splits[layer], dim=-1)
+        q = rms_norm(q.view(rows, -1, head_dim), m.w[f"{p}.q_norm.weight"], m.eps)
+        k = rms_norm(k.view(rows, -1, head_dim), m.w[f"{p}.k_norm.weight"], m.eps)
+        return q, k, v.view(rows, -1, head_dim), r.view(rows, q.shape[1], -1)
+
     def _attention(
         self,
         h: torch.Tensor,
@@ -164,18 +179,11 @@ class DecodeForward:
         context: int,
         lora: LoraSlots | None,
     ) -> torch.Tensor:
-        m, cfg, state = self.model, self.model.config, self.state
-        p = f"model.layers.{layer}.self_attn"
+        m, state = self.model, self.state
         seq, pos = inputs.seq_slots, inputs.positions
         sliding = state.sliding[layer]
-        head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         rows = h.shape[0]
-        q, kv, r = m.qkvr(h, layer, slots, lora)
-        k, v = self._sconv(kv, layer, KV_SITE, inputs).split(m.kv_splits[layer], dim=-1)
-        q = rms_norm(q.view(rows, -1, head_dim), m.w[f"{p}.q_norm.weight"], m.eps)
-        k = rms_norm(k.view(rows, -1, head_dim), m.w[f"{p}.k_norm.weight"], m.eps)
-        v = v.view(rows, -1, head_dim)
-        r = r.view(rows, q.shape[1], -1)
+        q, k, v, r = self._qkvr(h, layer, inputs, slots, lora)
         window = state.window
         places = pos % window if sliding else pos
         state.keys[layer][seq, places] = k
@@ -190,7 +198,7 @@ class DecodeForward:
                 keys, values = state.keys[layer][seq, :context], state.values[layer][seq, :context]
                 k_pos = self.offsets[None, :context].expand(rows, -1)
             out = m.attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)[:, 0]
-        return m.linear(out.reshape(rows, -1), f"{p}.o_proj", slots, lora)
+        return m.linear(out.reshape(rows, -1), f"model.layers.{layer}.self_attn.o_proj", slots, lora)
 
     def _attend_kernel(
         self,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from inkwell.serving.native.decode import DecodeForward
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import InklingModel, rms_norm
-from inkwell.serving.native.state import KV_SITE, StatePool
+from inkwell.serving.native.state import StatePool
 
 
 @dataclass
@@ -150,17 +150,10 @@ class ExtendForward(DecodeForward):
         context: int,
         lora: LoraSlots | None,
     ) -> torch.Tensor:
-        m, cfg, state = self.model, self.model.config, self.state
-        p = f"model.layers.{layer}.self_attn"
+        m, state = self.model, self.state
         sliding = state.sliding[layer]
-        head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         batch, length = inputs.input_ids.shape
-        q, kv, r = m.qkvr(h, layer, slots, lora)
-        k, v = self._sconv(kv, layer, KV_SITE, inputs).split(m.kv_splits[layer], dim=-1)
-        q = rms_norm(q.view(batch, length, -1, head_dim), m.w[f"{p}.q_norm.weight"], m.eps)
-        k = rms_norm(k.view(batch, length, -1, head_dim), m.w[f"{p}.k_norm.weight"], m.eps)
-        v = v.view(batch, length, -1, head_dim)
-        r = r.view(batch, length, q.shape[2], -1)
+        q, k, v, r = (t.view(batch, length, *t.shape[1:]) for t in self._qkvr(h, layer, inputs, slots, lora))
         positions, real = self._positions(inputs)
         seq = inputs.seq_slots
         cache_k, cache_v = state.keys[layer], state.values[layer]
@@ -183,4 +176,4 @@ class ExtendForward(DecodeForward):
         if not sliding:
             k_pos = self.offsets[None, :context].expand(batch, -1)
             out = m.attend(layer, q, cache_k[seq, :context], cache_v[seq, :context], r, positions, k_pos)
-        return m.linear(out.reshape(batch * length, -1), f"{p}.o_proj", slots, lora)
+        return m.linear(out.reshape(batch * length, -1), f"model.layers.{layer}.self_attn.o_proj", slots, lora)
