@@ -164,7 +164,7 @@ def test_prompt_tails_after_cached_prefixes_replay_prefill_graphs(tiny_model_dir
     """A prompt's tail after its cached prefix (and each prompt's first chunks: short) runs as a captured prefill
     graph: the tokens and logprobs of an eager engine without the cache, past the window and the relative extent."""
     eager = cuda_engine(tiny_model_dir, tiny_adapters, dtype, cuda_graphs=False, prefix_cache=False)
-    graphs = cuda_engine(tiny_model_dir, tiny_adapters, dtype)
+    graphs = cuda_engine(tiny_model_dir, tiny_adapters, dtype, prefix_cache_min_gain=0)  # every last block cached
     common = list(range(10, 90))
     for shared in (16, 33, 64):
         for k, adapter in ((0, "a0"), (50, "a0"), (100, None)):
