@@ -133,11 +133,7 @@ class Engine:
         self.model, self.state, self.lora = self._parts(dtype, device, config.max_seqs + int(graphs))
         if config.lora_side_stream and device.type == "cuda":
             self.model.lora_stream = SideStream(device)
-        self.graphs: StepGraphs | None = None
-        if graphs:
-            self.graphs = StepGraphs(
-                self.model, self.state, self.lora, config.max_seqs, extend_tokens=config.graph_prefill_tokens
-            )
+        self.graphs = StepGraphs.of(self.model, self.state, self.lora, config) if graphs else None
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
             self.prefix_cache = PrefixCache(self.state, config.prefix_cache_bytes, config.prefix_cache_block)
@@ -408,18 +404,18 @@ class Engine:
         """Queue a step's forward on the device; returns before it ends unless some row needs its logits."""
         seq_slots = [c.seq.seq_slot for c in chunks]
         lora_slots = [c.seq.lora_slot for c in chunks]
+        starts, lengths = [c.start for c in chunks], [c.length for c in chunks]
         records = any(self._records_routing(c.seq) for c in chunks)
         graphs = self.graphs
         row_of = {r: i for i, r in enumerate(logit_rows)}
         if graphs is not None and len(ids) == len(chunks) == len(logit_rows):  # one token each, all scored
-            logits, greedy, table = graphs.decode(ids, seq_slots, [c.start for c in chunks], lora_slots)
+            logits, greedy, table = graphs.decode(ids, seq_slots, starts, lora_slots)
         elif (
             graphs is not None
             and logit_rows == [c.last_row for c in chunks if c.yields]  # no prompt logprobs
-            and graphs.extend_bucket([c.length for c in chunks]) is not None
+            and graphs.extend_bucket(lengths) is not None
         ):
-            lengths = [c.length for c in chunks]
-            logits, greedy, table = graphs.extend(ids, seq_slots, [c.start for c in chunks], lengths, lora_slots)
+            logits, greedy, table = graphs.extend(ids, seq_slots, starts, lengths, lora_slots)
             row_of = {c.last_row: i for i, c in enumerate(chunks) if c.yields}  # a logits row per chunk
             if records:
                 table = torch.cat([table[i, :length] for i, length in enumerate(lengths)])
@@ -428,11 +424,11 @@ class Engine:
             batch = ForwardBatch(
                 input_ids=ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=device),
                 lora_slots=torch.tensor(
-                    [slot for slot, c in zip(lora_slots, chunks, strict=True) for _ in range(c.length)],
+                    [slot for slot, length in zip(lora_slots, lengths, strict=True) for _ in range(length)],
                     dtype=torch.long,
                     device=device,
                 ),
-                segments=[Segment(slot, c.start, c.length) for slot, c in zip(seq_slots, chunks, strict=True)],
+                segments=[Segment(*segment) for segment in zip(seq_slots, starts, lengths, strict=True)],
                 logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             )
             routing: list[torch.Tensor] = []

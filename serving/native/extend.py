@@ -45,12 +45,18 @@ class ExtendInputs:
         return cls(torch.zeros(batch * (length + 4), dtype=torch.long, device=device), batch, length)
 
     @staticmethod
-    def host(ids: list[list[int]], columns: list[list[int]], batch: int, length: int, scratch: int) -> torch.Tensor:
-        """The host side of `packed` for chunks of token `ids` (at most `length` each) and their `columns` (sequence
-        slot, first position, real length, LoRA slot), padded to `batch` chunks: padding chunks have no real tokens,
-        the scratch slot and no adapter."""
-        pad = batch - len(ids)
-        tokens = [t for chunk in ids for t in [*chunk, *[0] * (length - len(chunk))]] + [0] * (pad * length)
+    def host(
+        input_ids: list[int], columns: list[tuple[int, int, int, int]], batch: int, length: int, scratch: int
+    ) -> torch.Tensor:
+        """The host side of `packed` for chunks given by their `columns` (sequence slot, first position, real length,
+        LoRA slot), whose tokens follow one another in `input_ids` (at most `length` each), padded to `batch`
+        chunks: padding chunks have no real tokens, the scratch slot and no adapter."""
+        pad = batch - len(columns)
+        tokens, first = [], 0
+        for _, _, real, _ in columns:
+            tokens += [*input_ids[first : first + real], *[0] * (length - real)]
+            first += real
+        tokens += [0] * (pad * length)
         defaults = (scratch, 0, 0, -1)
         return torch.tensor(
             tokens + [v for j, default in enumerate(defaults) for v in [c[j] for c in columns] + [default] * pad],

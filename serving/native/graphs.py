@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from inkwell.serving.contract import EngineConfig
 from inkwell.serving.native.decode import DecodeForward, DecodeInputs
 from inkwell.serving.native.extend import ExtendForward, ExtendInputs
 from inkwell.serving.native.lora import LoraSlots
@@ -45,22 +46,24 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*buckets, max_batch]
 
 
+def power_of_two_bucket(n: int, least: int) -> int:
+    """The smallest power of two times `least` (itself a power of two) that is at least `n`."""
+    size = least
+    while size < n:
+        size *= 2
+    return size
+
+
 def chunk_bucket(length: int) -> int:
     """Token places per chunk of a prefill step whose longest chunk has `length` tokens: a power of two, at least
     MIN_CHUNK_BUCKET."""
-    size = MIN_CHUNK_BUCKET
-    while size < length:
-        size *= 2
-    return size
+    return power_of_two_bucket(length, MIN_CHUNK_BUCKET)
 
 
 def context_bucket(max_position: int, max_context: int) -> int:
     """Keys a step's full-attention layers read: the smallest power of two >= MIN_CONTEXT_BUCKET that
     covers `max_position`, capped by the pool's context."""
-    size = MIN_CONTEXT_BUCKET
-    while size <= max_position:
-        size *= 2
-    return min(size, max_context)
+    return min(power_of_two_bucket(max_position + 1, MIN_CONTEXT_BUCKET), max_context)
 
 
 class Decoded(NamedTuple):
@@ -105,6 +108,11 @@ class StepGraphs:
         self.decode_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
         self.extend_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    @classmethod
+    def of(cls, model: InklingModel, state: StatePool, lora: LoraSlots | None, config: EngineConfig) -> "StepGraphs":
+        """The step graphs an engine of `config` runs (its sequences, its prefill limit)."""
+        return cls(model, state, lora, config.max_seqs, extend_tokens=config.graph_prefill_tokens)
 
     # ---- decode --------------------------------------------------------------------------------------
 
@@ -179,12 +187,8 @@ class StepGraphs:
         last = max(start + length - 1 for start, length in zip(starts, lengths, strict=True))
         context = context_bucket(last, self.state.max_context)
         use_lora = self.has_lora and any(s >= 0 for s in lora_slots)
-        ids, first = [], 0
-        for length in lengths:
-            ids.append(input_ids[first : first + length])
-            first += length
-        columns = [list(c) for c in zip(seq_slots, starts, lengths, lora_slots, strict=True)]
-        packed = ExtendInputs.host(ids, columns, batch, places, self.scratch)
+        columns = list(zip(seq_slots, starts, lengths, lora_slots, strict=True))
+        packed = ExtendInputs.host(input_ids, columns, batch, places, self.scratch)
         inputs = self.extend_inputs.get((batch, places))
         if inputs is None:
             inputs = self.extend_inputs[(batch, places)] = ExtendInputs.empty(batch, places, self.device)

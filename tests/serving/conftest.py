@@ -48,8 +48,5 @@ def exact_fp32():
 def with_step_graphs(engine: Engine) -> StepGraphs:
     """Give a CPU engine the CUDA engine's step graphs (run eagerly here): decode steps and short prefill chunks
     then take the bucketed forwards a CUDA engine captures."""
-    config = engine.config
-    engine.graphs = StepGraphs(
-        engine.model, engine.state, engine.lora, config.max_seqs, extend_tokens=config.graph_prefill_tokens
-    )
+    engine.graphs = StepGraphs.of(engine.model, engine.state, engine.lora, engine.config)
     return engine.graphs
