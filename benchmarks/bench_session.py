@@ -13,7 +13,6 @@ Run: python benchmarks/bench_session.py [--preset inkling-small] [--batch 4] [--
 """
 
 import argparse
-import datetime
 import gc
 import json
 import statistics
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_train import random_rows, run_header
 
 from inkwell.adapters.io import save_adapter
 from inkwell.adapters.spec import LoraSpec
@@ -153,17 +153,8 @@ def main() -> None:
 
     base_dir = init_base_model(args.preset, Path(tempfile.mkdtemp()) / args.preset, seed=0)
     spec = LoraSpec(rank=args.rank, alpha=2 * args.rank, targets=["attn", "mlp", "experts"])
-    vocab = load_base_config(base_dir).vocab_size
-    ids = torch.randint(3, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-    results = {
-        "preset": args.preset,
-        "batch": args.batch,
-        "seq": args.seq,
-        "rank": args.rank,
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    }
+    ids = random_rows(load_base_config(base_dir).vocab_size, args)
+    results = run_header(args)
     adapter = None
     for mode in modes:
         out = step_times(base_dir, spec, mode, ids, args)

@@ -15,7 +15,6 @@ Run: python benchmarks/bench_sft_job.py [--preset inkling-small] [--batch 4] [--
 """
 
 import argparse
-import datetime
 import json
 import random
 import statistics
@@ -24,8 +23,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 from bench_session import step_times
+from bench_train import random_rows, run_header
 
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import init_base_model, load_base_config
@@ -112,20 +111,10 @@ def main() -> None:
         )
         return run_job(config, args.warmup) | {"compile_mode": config.compile_mode}
 
-    results = {
-        "preset": args.preset,
-        "batch": args.batch,
-        "seq": args.seq,
-        "rank": args.rank,
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "first_job": job(0),
-    }
+    results = run_header(args) | {"first_job": job(0)}
     kept = core_cache.kept()
     results["second_job"] = job(1) | {"reused_core": kept is not None and core_cache.kept() is kept}
-    vocab = load_base_config(base_dir).vocab_size
-    ids = torch.randint(3, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    ids = random_rows(load_base_config(base_dir).vocab_size, args)
     core_args = SimpleNamespace(device=args.device, dtype=args.dtype, steps=args.steps, warmup=args.warmup)
     core = step_times(base_dir, spec, results["first_job"]["compile_mode"], ids, core_args)
     core.pop("adapter")

@@ -90,6 +90,24 @@ def make_step(forward, params, ids, targets, fused: bool = False):
     return step
 
 
+def random_rows(vocab_size: int, args) -> torch.Tensor:
+    """The training benchmarks' batch: `args.batch` rows of `args.seq` random token ids (seeded, on the CPU)."""
+    return torch.randint(3, vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+
+
+def run_header(args) -> dict:
+    """What a training benchmark's results start with: the shapes, the hardware, torch and the date."""
+    return {
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "rank": args.rank,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
 def bench_peft(config, args, ids, targets, check_ids, results: dict):
     """Time transformers + peft; return the base weights (CPU) and reference logits for our model."""
     from peft import LoraConfig, get_peft_model
@@ -139,19 +157,10 @@ def main() -> None:
     torch.manual_seed(0)
     config = preset_config(args.preset)
     config._attn_implementation = "eager"
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, config.vocab_size, (args.batch, args.seq), generator=gen).to(args.device)
+    ids = random_rows(config.vocab_size, args).to(args.device)
     targets = ids.roll(-1, dims=1)
     check_ids = ids[:1, : min(512, args.seq)]
-    results = {
-        "preset": args.preset,
-        "batch": args.batch,
-        "seq": args.seq,
-        "rank": args.rank,
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-    }
+    results = run_header(args)
     base_state, ref_logits = bench_peft(config, args, ids, targets, check_ids, results)
     results["parameters_b"] = sum(v.numel() for v in base_state.values()) / 1e9
     gc.collect()
