@@ -344,7 +344,8 @@ class Engine:
         chunks: list[_Chunk] = []
         budget = self.config.max_batch_tokens
         active = [s for s in self.running if s.leader is None]
-        decoding = [s for s in active if len(s.tokens) - s.computed == 1]
+        # decode rows grouped by adapter slot: a LoRA kernel's token tile then holds one or two adapters, not all
+        decoding = sorted((s for s in active if len(s.tokens) - s.computed == 1), key=lambda s: s.lora_slot)
         prefilling = [s for s in active if len(s.tokens) - s.computed > 1]
         rows = 0
         for seq in decoding + prefilling:
@@ -375,17 +376,19 @@ class Engine:
             return None
         if current.logits is not None or len(current.chunks) != len(self.running):
             return None
-        chunks, sources = [], []
+        follows = []
         for c in current.chunks:
             seq, end = c.seq, c.start + c.length
             if not c.yields or seq not in self.running:
                 return None  # a prompt still prefilling in chunks, or a sequence aborted since
             if seq.finisher.ends_by_length(end + 1):  # with the token `current` gives it
                 continue
-            chunks.append(_Chunk(seq, len(chunks), end, 1, True))
-            sources.append(current.row_of[c.last_row])
-        if not chunks:
+            follows.append((seq, end, current.row_of[c.last_row]))
+        if not follows:
             return None
+        follows.sort(key=lambda follow: follow[0].lora_slot)  # grouped by adapter, as `_plan` orders decode rows
+        chunks = [_Chunk(seq, row, end, 1, True) for row, (seq, end, _) in enumerate(follows)]
+        sources = [source for _, _, source in follows]
         if sources == list(range(len(sources))):
             ids = current.tokens[: len(sources)]
         else:

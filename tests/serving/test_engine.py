@@ -281,3 +281,29 @@ def test_host_copies_beyond_max_loaded_adapters_go_least_recently_used(tiny_mode
     with pytest.raises(EngineError, match="pinned or in use"):
         eng.load_adapter("d", tiny_adapters[0])
     assert set(eng.adapters) == {"c", "p"}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_rows_are_grouped_by_adapter_slot(tiny_model_dir, tiny_adapters, overlap):
+    """Requests arriving with their adapters interleaved decode in rows grouped by adapter slot (planned steps and
+    the overlapped follow-ups alike), so a LoRA kernel's token tile holds few adapters; each request still gets
+    the tokens it gets alone."""
+    eng = Engine(tiny_model_dir, EngineConfig(max_lora_rank=16, max_loras_per_batch=3, overlap_decode=overlap))
+    for i in range(2):
+        eng.load_adapter(f"a{i}", tiny_adapters[i])
+    adapters = ["a1", None, "a0", "a1", None, "a0"]
+    requests = [Request(f"r{i}", list(range(10 + i, 20 + i)), GREEDY, key) for i, key in enumerate(adapters)]
+    decode_slots: list[list[int]] = []
+    launch = eng._launch
+
+    def recording(chunks, ids, logit_rows):
+        if all(c.length == 1 for c in chunks):
+            decode_slots.append([c.seq.lora_slot for c in chunks])
+        return launch(chunks, ids, logit_rows)
+
+    eng._launch = recording
+    together = eng.generate(requests)
+    assert decode_slots and all(slots == sorted(slots) for slots in decode_slots), decode_slots
+    assert len(set(decode_slots[0])) == 3  # base rows and both adapters' rows in one step
+    for request in requests[:3]:
+        assert together[request.request_id][0].token_ids == eng.generate([request])[request.request_id][0].token_ids
