@@ -213,11 +213,9 @@ class DecodeForward:
         """`InklingModel.attend` of one query per row as one Triton kernel over the cache in place (CUDA)."""
         from inkwell.kernels.triton_decode_attention import decode_attention
 
-        cfg = self.model.config
-        log_scaling = None if cfg.log_scaling_n_floor is None else (cfg.log_scaling_n_floor, cfg.log_scaling_alpha)
         proj = self.model.w[f"model.layers.{layer}.self_attn.rel_logits_proj.proj"]
         keys, values = self.state.keys[layer], self.state.values[layer]
-        return decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
+        return decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, self.model.log_scaling)
 
     # ---- MoE ------------------------------------------------------------------------------------
 

@@ -15,7 +15,10 @@ instead of one token per sequence, and the same arithmetic as `InklingModel.forw
     the chunk's last window of keys is written to the ring (writing first would overwrite keys earlier queries
     of a chunk longer than the free part of the ring still see);
   - padding tokens write their keys and values to the scratch slot only, and only each chunk's last real row
-    gets logits.
+    gets logits;
+  - on CUDA each ShortConv (with the residual add and the next RMSNorm) and each attention over the chunks is one
+    Triton kernel (`kernels.triton_short_conv.short_conv_chunks`, `kernels.triton_prefill_attention`), which reads
+    the history in place; the chunk's keys are written after it on every layer.
 Experts, projections and LoRA are `DecodeForward`'s, over all B*L rows.
 """
 
@@ -126,6 +129,8 @@ class ExtendForward(DecodeForward):
     def _sconv(self, x: torch.Tensor, layer: int, site: int, inputs: ExtendInputs) -> torch.Tensor:
         """Each chunk's causal conv continuing its saved inputs (fp32), plus the residual; saves the last kernel-1
         inputs up to the chunk's real length."""
+        if x.is_cuda:
+            return self._sconv_chunks(x, layer, site, inputs)
         weight = self.model.sconv_weight(layer, site)
         saved = self.state.conv[layer][site]
         batch, length = inputs.input_ids.shape
@@ -142,8 +147,31 @@ class ExtendForward(DecodeForward):
         self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, inputs: ExtendInputs, norm: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.model
+        if x.is_cuda:
+            return self._sconv_chunks(x, layer, site, inputs, residual=h, norm_weight=m.w[norm], eps=m.eps)
         h = h + self._sconv(x, layer, site, inputs)
         return h, rms_norm(h, m.w[norm], m.eps)
+
+    def _sconv_chunks(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        site: int,
+        inputs: ExtendInputs,
+        residual: torch.Tensor | None = None,
+        **norm,
+    ):
+        """The site's ShortConv over the chunks as one Triton kernel (CUDA), with the residual add and the next
+        RMSNorm (`norm`: its weight and eps) where a `residual` is given; rows flat [B*L, C] in and out."""
+        from inkwell.kernels.triton_short_conv import short_conv_chunks
+
+        batch, length = inputs.input_ids.shape
+        tables = [None if t is None else t.view(batch, length, t.shape[-1]) for t in (x, residual)]
+        weight, saved = self.model.sconv_weight(layer, site), self.state.conv[layer][site]
+        out = short_conv_chunks(tables[0], saved, inputs.seq_slots, inputs.lengths, weight, tables[1], **norm)
+        if residual is None:
+            return out.view(batch * length, -1)
+        return tuple(t.view(batch * length, -1) for t in out)
 
     # ---- attention over chunks -------------------------------------------------------------------------
 
@@ -163,13 +191,16 @@ class ExtendForward(DecodeForward):
         positions, real = self._positions(inputs)
         seq = inputs.seq_slots
         cache_k, cache_v = state.keys[layer], state.values[layer]
-        if sliding:
-            window = state.window
+        window = state.window
+        if h.is_cuda:  # one kernel, reading each chunk's history in place; its own keys are written after it
+            out = m.attend_chunks(layer, q, k, v, r, seq, inputs.starts, inputs.lengths, state)
+        elif sliding:
             last = (inputs.starts - 1)[:, None]  # ring place i holds the latest position <= last at i mod window
             ring_pos = last - (last - self.offsets[None, :window]) % window
             keys, values = torch.cat([cache_k[seq], k], dim=1), torch.cat([cache_v[seq], v], dim=1)
             k_pos = torch.cat([ring_pos, positions], dim=1)
             out = m.attend(layer, q, keys, values, r, positions, k_pos, valid=k_pos >= 0)
+        if sliding:
             real = real & (self.offsets[None, :length] >= inputs.lengths[:, None] - window)  # a window at most
             places = positions % window
         else:
@@ -179,7 +210,7 @@ class ExtendForward(DecodeForward):
         write_places = torch.where(real, places, self.offsets[None, :length] % cache_k.shape[1])
         cache_k[write_slots, write_places] = k
         cache_v[write_slots, write_places] = v
-        if not sliding:
+        if not sliding and not h.is_cuda:
             k_pos = self.offsets[None, :context].expand(batch, -1)
             out = m.attend(layer, q, cache_k[seq, :context], cache_v[seq, :context], r, positions, k_pos)
         return m.linear(out.reshape(batch * length, -1), f"model.layers.{layer}.self_attn.o_proj", slots, lora)

@@ -6,7 +6,8 @@ are added through `inkwell.kernels` with a per-token slot index, so one launch s
 adapter in the batch. Attention and ShortConv read and update each sequence's state in
 `StatePool`. The arithmetic follows transformers' eager `InklingForCausalLM` step by step, with
 one regrouping: the shared experts run as experts E..E+n-1 beside the routed ones (their gammas are
-their routing weights), so both take the same dispatch, grouped GEMMs and LoRA kernels.
+their routing weights), so both take the same dispatch, grouped GEMMs and LoRA kernels. On CUDA the ShortConv
+sites and the attention over prefill chunks are Triton kernels (`attend_chunks`; `attend` is their reference).
 """
 
 from collections.abc import Callable, Mapping
@@ -69,6 +70,8 @@ class Chunks:
     real: torch.Tensor  # [n] long: the real tokens' places in the flattened [B*L] table
     real_rows: torch.Tensor  # [n] long: their batch rows
     slots: torch.Tensor  # [B] long: state slots
+    starts: torch.Tensor  # [B] long: each chunk's first position
+    lengths: torch.Tensor  # [B] long: its real tokens
     _cache_index: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -83,6 +86,8 @@ class Chunks:
             real=torch.tensor(real, device=device),
             real_rows=torch.tensor([row + j for row, seg in segments for j in range(seg.length)], device=device),
             slots=torch.tensor([seg.seq_slot for _, seg in segments], device=device),
+            starts=torch.tensor([seg.start for _, seg in segments], device=device),
+            lengths=torch.tensor([seg.length for _, seg in segments], device=device),
         )
 
     def history(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -379,10 +384,27 @@ class InklingModel:
         """The depthwise conv weight [C, 1, kernel] of ShortConv site `site` (KV_SITE, ATTN_SITE, MLP_SITE)."""
         return self.w[f"model.layers.{layer}.{SCONV_SITES[site]}.conv1d.weight"]
 
+    @property
+    def log_scaling(self) -> tuple[float, float] | None:
+        """(n_floor, alpha) of the full layers' log scaling, as the attention kernels take it; None: none."""
+        cfg = self.config
+        return None if cfg.log_scaling_n_floor is None else (cfg.log_scaling_n_floor, cfg.log_scaling_alpha)
+
     def _sconv(self, x: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
-        """Causal depthwise conv over each sequence's chunk continuing its saved inputs, plus the residual (fp32)."""
+        """Causal depthwise conv over each sequence's chunk continuing its saved inputs, plus the residual (fp32);
+        on CUDA a Triton kernel for the one-token rows and one for each padded group of chunks."""
         weight = self.sconv_weight(layer, site)
         saved = state.conv[layer][site]
+        if x.is_cuda:
+            from inkwell.kernels.triton_short_conv import short_conv_chunks, short_conv_step
+
+            out = torch.empty_like(x)
+            singles, groups = batch.split
+            if singles is not None:
+                out[singles.rows] = short_conv_step(x[singles.rows], saved, singles.slots, weight)
+            for chunks in groups:
+                chunks.scatter(short_conv_chunks(chunks.gather(x), saved, chunks.slots, chunks.lengths, weight), out)
+            return out
         xf = x.float()
         out = torch.empty_like(xf)
         singles, groups = batch.split
@@ -438,6 +460,27 @@ class InklingModel:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
         return torch.matmul(probs, vh).transpose(1, 2)
 
+    def attend_chunks(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        r: torch.Tensor,
+        seq_slots: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        state: StatePool,
+    ) -> torch.Tensor:
+        """`attend` of B chunks [B, L, ...] continuing their sequences as one Triton kernel (CUDA): each chunk's
+        history read in place from `state`'s cache, its own keys and values k, v (not stored yet). [B, L, h, d]."""
+        from inkwell.kernels.triton_prefill_attention import prefill_attention
+
+        proj = self.w[f"model.layers.{layer}.self_attn.rel_logits_proj.proj"]
+        window = state.window if state.sliding[layer] else None
+        keys, values = state.keys[layer], state.values[layer]
+        return prefill_attention(q, k, v, r, proj, keys, values, seq_slots, starts, lengths, window, self.log_scaling)
+
     def _attend_singles(self, layer: int, q, k, v, r, singles: Singles, state: StatePool) -> torch.Tensor:
         """One query per sequence, all sequences at once, over keys padded to the longest history."""
         slots, pos = singles.slots, singles.positions
@@ -480,14 +523,19 @@ class InklingModel:
         for chunks in groups:  # all chunks at once: each one's cached history, then its own keys
             q_b, keys, values, r_b = (chunks.gather(t) for t in (q, k, v, r))
             window = state.window if sliding else None
-            k_pos = chunks.positions
-            past = chunks.history(window)
-            if past is not None:
-                seqs, places, past_pos = past
-                keys = torch.cat([state.keys[layer][seqs, places], keys], dim=1)
-                values = torch.cat([state.values[layer][seqs, places], values], dim=1)
-                k_pos = torch.cat([past_pos, k_pos], dim=1)
-            chunks.scatter(self.attend(layer, q_b, keys, values, r_b, chunks.positions, k_pos), out)
+            if q.is_cuda:
+                lengths = chunks.lengths
+                out_b = self.attend_chunks(layer, q_b, keys, values, r_b, chunks.slots, chunks.starts, lengths, state)
+                chunks.scatter(out_b, out)
+            else:
+                k_pos = chunks.positions
+                past = chunks.history(window)
+                if past is not None:
+                    seqs, places, past_pos = past
+                    keys = torch.cat([state.keys[layer][seqs, places], keys], dim=1)
+                    values = torch.cat([state.values[layer][seqs, places], values], dim=1)
+                    k_pos = torch.cat([past_pos, k_pos], dim=1)
+                chunks.scatter(self.attend(layer, q_b, keys, values, r_b, chunks.positions, k_pos), out)
             rows, seq_slots, positions = chunks.stored(window)  # after the history is read
             state.store(layer, seq_slots, positions, k[rows], v[rows])
         return self.linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
