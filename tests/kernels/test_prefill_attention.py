@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import TOLERANCE, assert_close, row_error, run_in_interpreter
 
 
 def reference(q, k, v, r, proj, cache_k, cache_v, seq, starts, lengths, window, log_scaling):
@@ -88,7 +88,11 @@ def check_prefill_attention(device, dtype, window, log, shape, starts, lengths, 
     assert got.shape == expected.shape and got.dtype == dtype
     real = torch.arange(shape[1])[None, :] < torch.tensor(lengths)[:, None]
     what = f"prefill attention (window={window}, log={log})"
-    assert_close(got.cpu()[real].flatten(1), expected[real].flatten(1), dtype, what)
+    # the composite's own rounding in this dtype sets the bar where it exceeds the dtype's tolerance (bf16 with log
+    # scaling far out: its scaled scores are sharper); a wrong kernel errs by about a row's whole norm
+    composite = row_error(via_attend(*inputs, window, log_scaling)[real].flatten(1), expected[real].flatten(1))
+    tolerance = max(TOLERANCE[dtype], 1.25 * composite)
+    assert_close(got.cpu()[real].flatten(1), expected[real].flatten(1), dtype, what, tolerance)
     assert bool((got.cpu()[~real] == 0).all()), f"{what}: padding rows not zero"
 
 
