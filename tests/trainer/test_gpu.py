@@ -152,7 +152,8 @@ def test_compiled_core_answers_datums_like_the_eager_one(tiny_model_dir, mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_kept_core_under_cuda_graphs_trains_the_next_job_as_a_new_core(tmp_path, tiny_model_dir):
     """A second job of the same kind replays the first job's CUDA graphs on the core it kept (trainer/core_cache.py)
-    and gets a new core's losses: the adapter, the optimizer and the generators start over in place."""
+    and gets a new core's losses: the adapter, the optimizer and the generators start over in place. The same job
+    twice, so that one core is compiled (a second new core would double the test's minutes of compilation)."""
     from inkwell.trainer import core_cache
 
     job = {
@@ -175,14 +176,13 @@ def test_a_kept_core_under_cuda_graphs_trains_the_next_job_as_a_new_core(tmp_pat
         return recorder.losses, recorder.first_at - began
 
     core_cache.release()
-    run("first", seed=0)
+    fresh, fresh_first_step = run("first", seed=1)  # a new core: compiled, its CUDA graphs recorded
     kept = core_cache.kept()
-    reused, reused_first_step = run("second", seed=1)
+    reused, reused_first_step = run("again", seed=1)  # the same job again, on the kept core reset in place
     assert kept is not None and core_cache.kept() is kept
-    core_cache.release()
-    fresh, fresh_first_step = run("second-fresh", seed=1)
     core_cache.release()
     print(f"first step: kept core {reused_first_step:.2f} s, new core {fresh_first_step:.2f} s")
     print("losses, kept core:", reused, "\nlosses, new core: ", fresh)
+    assert reused_first_step < fresh_first_step
     for a, b in zip(reused, fresh, strict=True):
         assert abs(a - b) <= 1e-3 * abs(b), (reused, fresh)
