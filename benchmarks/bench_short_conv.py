@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
+from bench_lora_kernels import time_graph
 
 from inkwell.kernels.triton_short_conv import _chunk_launch, short_conv_chunks
 from inkwell.models.presets import preset_config
@@ -74,29 +75,9 @@ def time_events(fn: Callable[[int], object], sets: int) -> float:
     return statistics.median(times)
 
 
-def time_graph(fn: Callable[[int], object], sets: int) -> float:
-    """ms per call of fn(i) from replays of one CUDA graph holding ITERS calls, median of REPEATS."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(WARMUP):
-            fn(i % sets)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(ITERS):
-            fn(i % sets)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / ITERS)
-    return statistics.median(times)
+def graph_ms(fn: Callable[[int], object], sets: int) -> float:
+    """ms per call of fn(i) (i picks the input set) from CUDA-graph replays (`bench_lora_kernels.time_graph`)."""
+    return time_graph(lambda i: fn(i % sets)) / 1000
 
 
 class Case:
@@ -223,8 +204,8 @@ def main() -> None:
                 "launch": launch,
                 "torch": time_events(case.torch_op, case.sets),
                 "kernel": time_events(case.kernel_op, case.sets),
-                "torch_graph": time_graph(case.torch_op, case.sets),
-                "kernel_graph": time_graph(case.kernel_op, case.sets),
+                "torch_graph": graph_ms(case.torch_op, case.sets),
+                "kernel_graph": graph_ms(case.kernel_op, case.sets),
             }
             gbs, gbs_graph = case.bytes / row["kernel"] / 1e6, case.bytes / row["kernel_graph"] / 1e6
             print(
