@@ -2,7 +2,7 @@
 the bundled `letter-case` task: the trainer scores the sampled tokens as the sampler did, replaying the sampler's
 routing traces (the recipe's default), a run resumes from a saved state where it stopped, and a failing reward
 function stops a step before anything is trained. That the reward
-rises over the task's 30 steps (last 10 at least 0.3 above the first 10) is the demo's own pass rule, so
+rises over the task's 30 steps (last 10 at least 0.3 above the first 3) is the demo's own pass rule, so
 tests/demo asserts it on the same task, seeds and loop; these runs are shorter."""
 
 import dataclasses
