@@ -14,7 +14,7 @@ the weights (an H200's HBM3e peaks at 4.8 TB/s). max|err| is the largest differe
 (both outputs with the norm) on the same inputs, and `state` whether the new state is bitwise torch's.
 
 --sweep also times the kernel's launch shapes around its default (block_tokens, block_channels, token_blocks,
-num_warps) with CUDA events and prints the fastest, to retune `_chunk_launch` on other hardware.
+num_warps) with CUDA events and prints the fastest, to retune `chunk_launch` on other hardware.
 Run: python benchmarks/bench_short_conv.py [--batch 8] [--length 1024] [--dtypes bf16,fp32] [--sweep] [--out f.json]
 """
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 from bench_lora_kernels import time_graph
 
-from inkwell.kernels.triton_short_conv import _chunk_launch, short_conv_chunks
+from inkwell.kernels.triton_short_conv import chunk_launch, short_conv_chunks
 from inkwell.models.presets import preset_config
 from inkwell.serving.native.model import rms_norm
 
@@ -192,7 +192,7 @@ def main() -> None:
             case = Case(args.batch, args.length, channels, kernel, dtype, norm, gen)
             err, state_equal = case.check()
             es = case.xs[0].element_size()
-            launch = _chunk_launch(args.batch, args.length, channels, norm, es, processors)
+            launch = chunk_launch(args.batch, args.length, channels, norm, es, processors)
             row = {
                 "site": site,
                 "channels": channels,

@@ -271,7 +271,7 @@ def _short_conv_chunks_kernel(
         _finish(acc, i, KERNEL - 1, c, in_c, out_ptr, h_row, h_out_ptr, norm_w, b * L, L, C, eps, stride_hl, NORM)
 
 
-def _chunk_launch(
+def chunk_launch(
     batch: int,
     length: int,
     channels: int,
@@ -365,7 +365,7 @@ def short_conv_chunks(
     ):
         raise ValueError("a residual needs norm_weight [C] and the shape of x, with unit column stride")
     processors = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    block_l, block_c, iters, warps = _chunk_launch(
+    block_l, block_c, iters, warps = chunk_launch(
         batch,
         length,
         channels,
