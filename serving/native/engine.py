@@ -81,6 +81,11 @@ class _Sequence:
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt :]
 
+    def decode_order(self) -> int:
+        """Where the sequence's row goes among a step's decode rows: grouped by adapter slot, so that a LoRA kernel's
+        token tile holds one or two adapters, not every adapter of the batch."""
+        return self.lora_slot
+
 
 @dataclass(frozen=True, eq=False)
 class _Chunk:
@@ -344,8 +349,7 @@ class Engine:
         chunks: list[_Chunk] = []
         budget = self.config.max_batch_tokens
         active = [s for s in self.running if s.leader is None]
-        # decode rows grouped by adapter slot: a LoRA kernel's token tile then holds one or two adapters, not all
-        decoding = sorted((s for s in active if len(s.tokens) - s.computed == 1), key=lambda s: s.lora_slot)
+        decoding = sorted((s for s in active if len(s.tokens) - s.computed == 1), key=_Sequence.decode_order)
         prefilling = [s for s in active if len(s.tokens) - s.computed > 1]
         rows = 0
         for seq in decoding + prefilling:
@@ -386,7 +390,7 @@ class Engine:
             follows.append((seq, end, current.row_of[c.last_row]))
         if not follows:
             return None
-        follows.sort(key=lambda follow: follow[0].lora_slot)  # grouped by adapter, as `_plan` orders decode rows
+        follows.sort(key=lambda follow: follow[0].decode_order())
         chunks = [_Chunk(seq, row, end, 1, True) for row, (seq, end, _) in enumerate(follows)]
         sources = [source for _, _, source in follows]
         if sources == list(range(len(sources))):
