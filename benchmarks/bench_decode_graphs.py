@@ -79,6 +79,7 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
         "kernels": round(sum(count.values())),
         **replay_us(engine, lora=any(k is not None for k in keys)),
         "by_name": dict(us),
+        "count_by_name": {name: round(n, 2) for name, n in count.items()},
         "steps": steps,
     }
 
