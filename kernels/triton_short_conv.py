@@ -26,6 +26,35 @@ import triton.language as tl
 
 
 @triton.jit
+def conv_step(
+    xf, c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL: tl.constexpr, BLOCK_W: tl.constexpr
+):  # fmt: skip
+    """One causal-conv step of channels `c` (mask `in_c`): the window [saved taps of `state_row`, new input xf]
+    (fp32) times the depthwise weights, plus xf -> fp32; the saved taps shift by one to end at xf."""
+    j = tl.arange(0, BLOCK_W)
+    taps = state_row + c[:, None] * stride_sc + j[None, :] * stride_sk  # [BLOCK_C, BLOCK_W]
+    saved = tl.load(taps, mask=in_c[:, None] & (j < KERNEL - 1)[None, :], other=0.0)
+    window = tl.where((j == KERNEL - 1)[None, :], xf[:, None], saved)
+    w = tl.load(
+        w_ptr + c[:, None] * stride_wc + j[None, :] * stride_wk, mask=in_c[:, None] & (j < KERNEL)[None, :], other=0.0
+    )
+    conv = tl.sum(window * w.to(tl.float32), axis=1)
+    # the window shifted by one: taps 1 .. KERNEL-2 of the state, then x (both loaded before the store below)
+    later = tl.load(taps + stride_sk, mask=in_c[:, None] & (j < KERNEL - 2)[None, :], other=0.0)
+    shifted = tl.where((j == KERNEL - 2)[None, :], xf[:, None], later)
+    tl.store(taps, shifted, mask=in_c[:, None] & (j < KERNEL - 1)[None, :])
+    return conv + xf
+
+
+@triton.jit
+def rms_norm_rows(hf, weight, n, eps, dtype: tl.constexpr):
+    """transformers' RMSNorm of each row of hf [R, BLOCK] (fp32 holding `dtype` values; n real columns, the rest
+    0): normalized in fp32, rounded to `dtype`, times the fp32 `weight` [BLOCK], rounded -> [R, BLOCK] `dtype`."""
+    normalized = (hf * tl.rsqrt(tl.sum(hf * hf, axis=1) / n + eps)[:, None]).to(dtype)
+    return (weight[None, :] * normalized.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _short_conv_step_kernel(
     x_ptr,
     state_ptr,
@@ -55,31 +84,19 @@ def _short_conv_step_kernel(
     and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps."""
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
-    j = tl.arange(0, BLOCK_W)
     in_c = c < C
     seq = tl.load(seq_ptr + b).to(tl.int64)
     xf = tl.load(x_ptr + b * stride_xb + c, mask=in_c, other=0.0).to(tl.float32)
-    taps = state_ptr + seq * stride_ss + c[:, None] * stride_sc + j[None, :] * stride_sk  # [BLOCK_C, BLOCK_W]
-    saved = tl.load(taps, mask=in_c[:, None] & (j < KERNEL - 1)[None, :], other=0.0)
-    window = tl.where((j == KERNEL - 1)[None, :], xf[:, None], saved)
-    w = tl.load(
-        w_ptr + c[:, None] * stride_wc + j[None, :] * stride_wk, mask=in_c[:, None] & (j < KERNEL)[None, :], other=0.0
-    )
-    conv = tl.sum(window * w.to(tl.float32), axis=1)
-    # the window shifted by one: taps 1 .. KERNEL-2 of the state, then x (both loaded before the store below)
-    later = tl.load(taps + stride_sk, mask=in_c[:, None] & (j < KERNEL - 2)[None, :], other=0.0)
-    shifted = tl.where((j == KERNEL - 2)[None, :], xf[:, None], later)
-    tl.store(taps, shifted, mask=in_c[:, None] & (j < KERNEL - 1)[None, :])
+    state_row = state_ptr + seq * stride_ss
+    conv = conv_step(xf, c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL, BLOCK_W)
     dtype = out_ptr.dtype.element_ty
-    y = (conv + xf).to(dtype)
+    y = conv.to(dtype)
     if NORM:
         h = tl.load(h_ptr + b * stride_hb + c, mask=in_c, other=0.0).to(tl.float32)
         h = (h + y.to(tl.float32)).to(dtype)
         tl.store(h_out_ptr + b * stride_hob + c, h, mask=in_c)
-        hf = h.to(tl.float32)
-        normalized = (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / C + eps)).to(dtype)
         weight = tl.load(norm_ptr + c, mask=in_c, other=0.0).to(tl.float32)
-        y = (weight * normalized.to(tl.float32)).to(dtype)
+        y = tl.reshape(rms_norm_rows(h.to(tl.float32)[None, :], weight, C, eps, dtype), (BLOCK_C,))
     tl.store(out_ptr + b * stride_ob + c, y, mask=in_c)
 
 
@@ -162,9 +179,7 @@ def _finish(
         h = tl.load(h_row + i.to(tl.int64)[:, None] * stride_hl + c[None, :], mask=in_tile, other=0.0)
         h = (h.to(tl.float32) + y.to(tl.float32)).to(dtype)
         tl.store(h_out_ptr + out_rows, h, mask=in_tile)
-        hf = h.to(tl.float32)
-        normalized = (hf * tl.rsqrt(tl.sum(hf * hf, axis=1) / C + eps)[:, None]).to(dtype)
-        y = (norm_w[None, :] * normalized.to(tl.float32)).to(dtype)
+        y = rms_norm_rows(h.to(tl.float32), norm_w, C, eps, dtype)
     tl.store(out_ptr + out_rows, y, mask=in_tile)
 
 

@@ -183,14 +183,15 @@ class DecodeForward:
         seq, pos = inputs.seq_slots, inputs.positions
         sliding = state.sliding[layer]
         rows = h.shape[0]
-        q, k, v, r = self._qkvr(h, layer, inputs, slots, lora)
         window = state.window
-        places = pos % window if sliding else pos
-        state.keys[layer][seq, places] = k
-        state.values[layer][seq, places] = v
         if h.is_cuda:
+            q, r = self._prologue_kernel(h, layer, inputs, slots, lora)
             out = self._attend_kernel(q, r, layer, seq, pos, window if sliding else context, sliding)
         else:
+            q, k, v, r = self._qkvr(h, layer, inputs, slots, lora)
+            places = pos % window if sliding else pos
+            state.keys[layer][seq, places] = k
+            state.values[layer][seq, places] = v
             if sliding:
                 keys, values = state.keys[layer][seq], state.values[layer][seq]
                 k_pos = pos[:, None] - (pos[:, None] - self.offsets[None, :window]) % window
@@ -199,6 +200,35 @@ class DecodeForward:
                 k_pos = self.offsets[None, :context].expand(rows, -1)
             out = m.attend(layer, q[:, None], keys, values, r[:, None], pos[:, None], k_pos, valid=k_pos >= 0)[:, 0]
         return m.linear(out.reshape(rows, -1), f"model.layers.{layer}.self_attn.o_proj", slots, lora)
+
+    def _prologue_kernel(
+        self, h: torch.Tensor, layer: int, inputs: DecodeInputs, slots: torch.Tensor, lora: LoraSlots | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_qkvr` and the row's key and value into the cache, as the q/k/v/r GEMM and one Triton kernel (CUDA):
+        q normalized [rows, heads, head dim] and r [rows, heads, d_rel]."""
+        from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
+
+        m, state = self.model, self.state
+        p = f"model.layers.{layer}.self_attn"
+        sliding = state.sliding[layer]
+        qkvr = m.qkvr_proj(h, layer, slots, lora)
+        q_cols, kv_cols, _ = m.qkvr_splits[layer]
+        heads = q_cols // (m.config.swa_head_dim if sliding else m.config.head_dim)
+        q = decode_attention_prologue(
+            qkvr,
+            heads,
+            state.conv[layer][KV_SITE],
+            m.sconv_weight(layer, KV_SITE),
+            m.w[f"{p}.q_norm.weight"],
+            m.w[f"{p}.k_norm.weight"],
+            m.eps,
+            state.keys[layer],
+            state.values[layer],
+            inputs.seq_slots,
+            inputs.positions,
+            state.window if sliding else None,
+        )
+        return q, qkvr[:, q_cols + kv_cols :].view(qkvr.shape[0], heads, -1)
 
     def _attend_kernel(
         self,

@@ -324,12 +324,15 @@ class InklingModel:
         return self._project(x, self.w[f"{module}.weight"], slots, buf)
 
     def qkvr(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> list[torch.Tensor]:
-        """q, k and v together, and r: one GEMM and one sliced LoRA launch; column views of one output."""
+        """q, k and v together, and r: column views of `qkvr_proj`'s one output."""
+        return self.qkvr_proj(x, layer, slots, lora).split(self.qkvr_splits[layer], dim=-1)
+
+    def qkvr_proj(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
+        """The q, k, v and r projections as one GEMM and one sliced LoRA launch: [T, q | k | v | r] columns."""
         p = f"model.layers.{layer}"
         modules = tuple(f"{p}.{proj}" for proj in QKVR_STACK)
         stack = lora.stacks.get(modules) if lora is not None else None  # None: attn not adapted
-        y = self._project(x, self.w[f"{p}.self_attn.qkvr_proj.weight"], slots, stack)
-        return y.split(self.qkvr_splits[layer], dim=-1)
+        return self._project(x, self.w[f"{p}.self_attn.qkvr_proj.weight"], slots, stack)
 
     def _project(
         self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, buf: SlotBuffer | StackedBuffer | None
