@@ -27,7 +27,8 @@ import triton.language as tl
 
 @triton.jit
 def conv_step(
-    xf, c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL: tl.constexpr, BLOCK_W: tl.constexpr
+    xf, c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk,
+    KERNEL: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """One causal-conv step of channels `c` (mask `in_c`): the window [saved taps of `state_row`, new input xf]
     (fp32) times the depthwise weights, plus xf -> fp32; the saved taps shift by one to end at xf."""
