@@ -17,6 +17,8 @@ from inkwell.kernels.dispatch import (
     lora_linear,
     lora_shrink,
     lora_shrink_expand,
+    moe_combine,
+    moe_dispatch,
     one_launch_projection,
     shared_sink_route,
 )
@@ -35,6 +37,8 @@ __all__ = [
     "lora_linear",
     "lora_shrink",
     "lora_shrink_expand",
+    "moe_combine",
+    "moe_dispatch",
     "one_launch_projection",
     "shared_sink_route",
 ]

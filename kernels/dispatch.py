@@ -38,6 +38,12 @@ def _triton_router() -> ModuleType:
     return triton_router
 
 
+def _triton_moe() -> ModuleType:
+    from inkwell.kernels import triton_moe
+
+    return triton_moe
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero."""
     ops = _triton_dense() if x.is_cuda else torch_ops
@@ -217,3 +223,21 @@ def shared_sink_route(
     matches them)."""
     ops = _triton_router() if logits.is_cuda else torch_ops
     return ops.shared_sink_route(logits, bias, global_scale, top_k, n_shared, route_scale)
+
+
+def moe_dispatch(
+    index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, ...]:
+    """Each token's (token, expert) rows sorted by expert, stably (`torch_ops.moe_dispatch` says what it returns);
+    on CUDA one Triton program in place of a radix sort and a dozen small launches."""
+    ops = _triton_moe() if index.is_cuda else torch_ops
+    return ops.moe_dispatch(index, weights, slots, num_experts)
+
+
+def moe_combine(
+    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each token's dispatched rows weighted and summed in fp32, in the token's own order: [T, H] in `dtype`; on
+    CUDA one Triton kernel."""
+    ops = _triton_moe() if out.is_cuda else torch_ops
+    return ops.moe_combine(out, weights, places, tokens, dtype)

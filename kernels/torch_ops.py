@@ -181,3 +181,30 @@ def shared_sink_route(
     first = routed.shape[1]
     shared = torch.arange(first, first + n_shared, device=logits.device).expand(logits.shape[0], -1)
     return torch.cat([index, shared], dim=1), weights
+
+
+def moe_dispatch(
+    index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, ...]:
+    """The (token, expert) rows of each token's experts index [T, k] and weights [T, k], sorted by expert (stably:
+    a token's rows keep their order; ids >= `num_experts` sort last, as one): each row's place in the token-major
+    order, its token, expert id, weight and LoRA slot (of `slots` [T]); ends [num_experts] int32 (rows of experts
+    <= e); and places [T*k], where each token-major row went (the inverse of the first)."""
+    keys = index.reshape(-1).clamp(max=num_experts)
+    order = torch.argsort(keys, stable=True)
+    tokens = order // index.shape[1]
+    experts = index.reshape(-1)[order]
+    ids = torch.arange(num_experts, device=index.device)
+    ends = torch.searchsorted(keys[order], ids, right=True, out_int32=True)
+    places = torch.empty_like(order)
+    places[order] = torch.arange(order.numel(), device=order.device)
+    return order, tokens, experts, weights.reshape(-1)[order], slots[tokens], ends, places
+
+
+def moe_combine(
+    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each token's dispatched rows of out [T*k, H] (at `places`, in the token's own order) times their weights
+    [T*k], summed in fp32 (deterministic, unlike an index_add): [T, H] in `dtype`."""
+    weighted = out.float() * weights[:, None].float()
+    return weighted[places].view(tokens, -1, out.shape[1]).sum(1).to(dtype)

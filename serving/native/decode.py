@@ -265,7 +265,7 @@ class DecodeForward:
                 shrunk = m.expert_shrink(x, slots, experts)
         index, weights = m.route(x, layer)
         routing.append(index[:, : m.config.num_experts_per_tok])
-        rows = Dispatch.of(index, weights, slots, m.expert_ids)
+        rows = Dispatch.of(index, weights, slots, m.num_experts)
         gate_up_w, down_w = m.w[f"{p}.gate_up_proj"], m.w[f"{p}.down_proj"]
         if self.grouped_mm:
             gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, None)
@@ -283,4 +283,4 @@ class DecodeForward:
             cells[rows.experts, rows.tokens] = act
             down = torch.matmul(cells, down_w.transpose(1, 2))[rows.experts, rows.tokens]
         m.add_down_lora(act, rows, experts, down)
-        return rows.combine(down, x.shape[0]).to(x.dtype)
+        return rows.combine(down, x.shape[0], x.dtype)

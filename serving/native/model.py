@@ -24,6 +24,8 @@ from inkwell.kernels import (
     lora_linear,
     lora_shrink,
     lora_shrink_expand,
+    moe_combine,
+    moe_dispatch,
     one_launch_projection,
     shared_sink_route,
 )
@@ -211,8 +213,8 @@ def expert_gemm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bo
 @dataclass(frozen=True)
 class Dispatch:
     """(token, expert) rows sorted by expert: each row's place in the token-major order, token, expert, weight
-    and LoRA slot, and where each expert's rows end. Shared experts are experts too (ids after the routed
-    ones, weight = their gamma)."""
+    and LoRA slot, where each expert's rows end, and where each token-major row went. Shared experts are experts
+    too (ids after the routed ones, weight = their gamma)."""
 
     order: torch.Tensor
     tokens: torch.Tensor
@@ -220,20 +222,17 @@ class Dispatch:
     weights: torch.Tensor
     slots: torch.Tensor
     ends: torch.Tensor  # int32 [experts]: ends[e] = rows of experts <= e (grouped GEMM offsets)
+    places: torch.Tensor  # [T*k]: the sorted place of token-major row i (the inverse of `order`)
 
     @classmethod
-    def of(
-        cls, index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor
-    ) -> "Dispatch":
-        """From each token's expert ids and weights [T, k], the tokens' LoRA slots [T] and every expert id in
-        order (no host sync)."""
-        order = torch.argsort(index.reshape(-1), stable=True)
-        tokens, experts = order // index.shape[1], index.reshape(-1)[order]
-        ends = torch.searchsorted(experts, expert_ids, right=True, out_int32=True)
-        return cls(order, tokens, experts, weights.reshape(-1)[order], slots[tokens], ends)
+    def of(cls, index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, num_experts: int) -> "Dispatch":
+        """From each token's expert ids (0 .. num_experts - 1; larger ids sort last, as one) and weights [T, k] and
+        the tokens' LoRA slots [T], with no host sync: one Triton program on CUDA (`kernels.moe_dispatch`)."""
+        return cls(*moe_dispatch(index, weights, slots, num_experts))
 
     def head(self, count: int) -> "Dispatch":
-        """The first `count` rows (those of the first experts), for running them alone; `order` stays all rows'."""
+        """The first `count` rows (those of the first experts), for running them alone; `order` and `places` stay
+        all rows'."""
         return replace(
             self,
             tokens=self.tokens[:count],
@@ -242,13 +241,10 @@ class Dispatch:
             slots=self.slots[:count],
         )
 
-    def combine(self, out: torch.Tensor, tokens: int) -> torch.Tensor:
+    def combine(self, out: torch.Tensor, tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Each token's rows of `out` [M, H], weighted and summed in fp32 in the token's own order (deterministic,
-        unlike an index_add): [T, H] fp32."""
-        weighted = out.float() * self.weights[:, None]
-        token_major = torch.empty_like(weighted)
-        token_major[self.order] = weighted
-        return token_major.view(tokens, -1, out.shape[1]).sum(1)
+        unlike an index_add): [T, H] in `dtype`."""
+        return moe_combine(out, self.weights, self.places, tokens, dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -295,7 +291,7 @@ class InklingModel:
             gate_up = torch.cat([self.w.pop(f"{p}.experts.gate_up_proj"), torch.cat(shared[:2], dim=1)])
             self.w[f"{p}.all_experts.gate_up_proj"] = gate_up
             self.w[f"{p}.all_experts.down_proj"] = torch.cat([self.w.pop(f"{p}.experts.down_proj"), shared[2]])
-        self.expert_ids = torch.arange(config.n_routed_experts + config.n_shared_experts, device=self.device)
+        self.num_experts = config.n_routed_experts + config.n_shared_experts  # routed, then shared
         # q, k, v and r as one weight: one GEMM, whose output columns split as views into q, k and v together,
         # and r; k and v then share one ShortConv (their weights back to back, like their channels).
         self.qkvr_splits: list[list[int]] = []
@@ -574,8 +570,8 @@ class InklingModel:
         experts = lora.experts.get(layer) if lora is not None else None
         index, weights = self.route(x, layer)
         routing.append(index[:, : self.config.num_experts_per_tok])
-        rows = Dispatch.of(index, weights, slots, self.expert_ids)  # grouped by expert
-        return rows.combine(self.run_experts(x, layer, slots, rows, experts), x.shape[0]).to(x.dtype)
+        rows = Dispatch.of(index, weights, slots, self.num_experts)  # grouped by expert
+        return rows.combine(self.run_experts(x, layer, slots, rows, experts), x.shape[0], x.dtype)
 
     def run_experts(
         self, x: torch.Tensor, layer: int, slots: torch.Tensor, rows: Dispatch, experts: ExpertLora | None

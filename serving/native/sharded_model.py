@@ -38,10 +38,10 @@ class ShardedInklingModel(InklingModel):
         self.shard = shard
         self.group: RankGroup | None = None
         held = shard.expert_ids(config)
-        self.local_ids = torch.arange(len(held), device=self.device)
+        self.held_experts = len(held)
         # model-wide expert id -> this rank's id for it; the experts of other ranks map past its last one
-        self.local_of = torch.full_like(self.expert_ids, len(held))
-        self.local_of[held] = self.local_ids
+        self.local_of = torch.full((self.num_experts,), len(held), dtype=torch.long, device=self.device)
+        self.local_of[held] = torch.arange(len(held), device=self.device)
         self.grouped_mm = self.grouped_mm and (config.moe_intermediate_size // shard.tp) % 8 == 0
 
     def _attention(
@@ -58,7 +58,7 @@ class ShardedInklingModel(InklingModel):
         experts = lora.experts.get(layer) if lora is not None else None
         index, weights = self.route(x, layer)
         routing.append(index[:, : self.config.num_experts_per_tok])
-        rows = Dispatch.of(self.local_of[index], weights, slots, self.local_ids)  # this rank's rows first
+        rows = Dispatch.of(self.local_of[index], weights, slots, self.held_experts)  # this rank's rows first
         held = int(rows.ends[-1])
         down = x.new_zeros(rows.tokens.shape[0], x.shape[1])
         if held:

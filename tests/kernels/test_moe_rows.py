@@ -1,0 +1,85 @@
+"""The MoE dispatch and combine kernels (`triton_moe`) against their torch twins (`torch_ops`): the dispatch equal in
+every output (a stable sort, so one right answer), the combine to fp32 rounding. Run by Triton's CPU interpreter in a
+child process, and compiled on the GPU at inkling-small's decode and prefill sizes (marked gpu)."""
+
+import os
+
+import pytest
+import torch
+
+from inkwell.kernels import torch_ops
+from tests.kernels.helpers import assert_close, run_in_interpreter
+
+
+def routed(tokens: int, top_k: int, routed_experts: int, shared: int, beyond: int, seed: int):
+    """Each token's top-k distinct routed ids, then the shared ids; `beyond` > 0 maps that many routed ids past the
+    last expert (as a rank's model does with the experts other ranks hold)."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.stack([torch.randperm(routed_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if beyond:
+        picks = torch.where(picks >= routed_experts - beyond, routed_experts + shared - beyond, picks)
+    index = torch.cat([picks, torch.arange(routed_experts, routed_experts + shared).expand(tokens, -1)], dim=1)
+    weights = torch.rand(tokens, top_k + shared, generator=gen).to(torch.bfloat16)
+    slots = torch.randint(-1, 4, (tokens,), generator=gen)
+    return index, weights, slots, routed_experts + shared - beyond
+
+
+def check_rows(device: str, tokens: int, top_k: int, routed_experts: int, shared: int, beyond: int) -> None:
+    from inkwell.kernels import triton_moe
+
+    index, weights, slots, experts = routed(tokens, top_k, routed_experts, shared, beyond, tokens + beyond)
+    expected = torch_ops.moe_dispatch(index, weights, slots, experts)
+    got = triton_moe.moe_dispatch(index.to(device), weights.to(device), slots.to(device), experts)
+    names = ("order", "tokens", "experts", "weights", "slots", "ends", "places")
+    for name, e, g in zip(names, expected, got, strict=True):
+        assert g.dtype == e.dtype and torch.equal(g.cpu(), e), f"dispatch {name} differs from the stable argsort's"
+    gen = torch.Generator().manual_seed(tokens)
+    width = 40
+    out = torch.randn(index.numel(), width + 8, generator=gen).to(torch.bfloat16)[:, :width]  # strided rows
+    rows_w, places = expected[3], expected[6]
+    want = torch_ops.moe_combine(out, rows_w, places, tokens, torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        combined = triton_moe.moe_combine(out.to(device), rows_w.to(device), places.to(device), tokens, dtype)
+        assert combined.dtype == dtype and combined.shape == (tokens, width)
+        assert_close(combined.float(), want.double(), dtype, f"combine into {dtype}")
+
+
+CASES = [  # (tokens, top_k, routed, shared, beyond): decode, rows across sort blocks (> 256), a rank's share
+    (8, 4, 16, 2, 0),
+    (61, 4, 16, 2, 0),
+    (9, 2, 8, 2, 3),
+    (1, 1, 4, 1, 0),
+]
+
+
+def run_interpreted_cases() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for case in CASES:
+        check_rows("cpu", *case)
+    print("interpreted cases passed")
+
+
+def test_moe_rows_match_torch_in_interpreter():
+    run_in_interpreter("tests.kernels.test_moe_rows")
+
+
+def test_torch_dispatch_sorts_stably_and_combines_in_token_order():
+    """The torch twin itself: rows grouped by expert with each group in token order, ends as counts, places the
+    inverse of order, and the combine each token's weighted rows."""
+    index, weights, slots, experts = routed(5, 2, 6, 1, 0, seed=3)
+    order, tokens, expert_of, row_w, row_slots, ends, places = torch_ops.moe_dispatch(index, weights, slots, experts)
+    assert torch.equal(expert_of, index.reshape(-1)[order]) and bool((expert_of.diff() >= 0).all())
+    for e in range(experts):
+        assert torch.equal(tokens[expert_of == e], torch.sort(tokens[expert_of == e]).values)
+        assert int(ends[e]) == int((index <= e).sum())
+    assert torch.equal(order[places], torch.arange(index.numel())) and torch.equal(row_slots, slots[tokens])
+    out, k = torch.randn(index.numel(), 3), index.shape[1]
+    combined = torch_ops.moe_combine(out, row_w, places, 5, torch.float32)
+    expected = torch.stack([sum(out[places[t * k + j]] * float(weights[t, j]) for j in range(k)) for t in range(5)])
+    assert torch.allclose(combined, expected, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [8, 128, 8192])
+def test_moe_rows_on_gpu(tokens):
+    check_rows("cuda", tokens, 4, 16, 2, 0)
