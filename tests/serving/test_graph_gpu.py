@@ -41,8 +41,15 @@ def mixed_requests() -> list[Request]:
 def assert_close(expected: dict, got: dict, tol: float) -> None:
     for rid, choices in expected.items():
         a, b = choices[0], got[rid][0]
-        assert b.token_ids == a.token_ids, rid
-        diff = torch.tensor([x.logprob for x in a.logprobs]) - torch.tensor([x.logprob for x in b.logprobs])
+        lp_a, lp_b = ([x.logprob for x in c.logprobs] for c in (a, b))
+        if b.token_ids != a.token_ids:
+            i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y)
+            before = max((abs(x - y) for x, y in zip(lp_a[:i], lp_b[:i], strict=True)), default=0.0)
+            raise AssertionError(
+                f"{rid}: token {i} is {b.token_ids[i]} (logprob {lp_b[i]:.5f}), expected {a.token_ids[i]} (logprob "
+                f"{lp_a[i]:.5f}); logprobs before it differ by at most {before:.2e}"
+            )
+        diff = torch.tensor(lp_a) - torch.tensor(lp_b)
         assert diff.abs().max().item() < tol, rid
 
 
