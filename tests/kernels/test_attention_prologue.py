@@ -25,13 +25,13 @@ def check_prologue(
     from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
 
     gen = torch.Generator().manual_seed(rows * 100 + heads * 10 + head_dim + kernel)
-    q_cols, kv_cols, d_rel, length = heads * head_dim, kv_heads * head_dim, 4, 12
+    q_cols, kv_cols, d_rel, length = heads * head_dim, kv_heads * head_dim, 4, ring or 12
     wide = torch.randn(rows, q_cols + 2 * kv_cols + heads * d_rel + 8, generator=gen).to(dtype)
     qkvr = wide[:, 8:]
     slots = rows + 2
     pool = torch.randn(slots, 2 * kv_cols + 8, kernel - 1, generator=gen)
     seq = torch.randperm(slots, generator=gen)[:rows]
-    positions = torch.randint(0, 3 * length if ring else length, (rows,), generator=gen)
+    positions = torch.randint(0, 3 * length if ring else length, (rows,), generator=gen)  # rings wrap
     keys, values = (torch.randn(slots, length, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     conv_weight = torch.randn(2 * kv_cols, 1, kernel, generator=gen) / kernel
     q_norm, k_norm = ((1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(2))
