@@ -6,11 +6,13 @@ CUDA only and are imported where used, so CPU processes never load Triton.
 """
 
 from inkwell.kernels.dispatch import (
+    EXPERT_MATMUL_MAX_TOKENS,
     FUSED_MAX_N,
     FUSED_MAX_TOKENS,
     expert_down_lora,
     expert_in_lora_expand,
     expert_lora_shrink,
+    expert_matmul,
     expert_out_lora_expand,
     lora_expand,
     lora_expand_sliced,
@@ -21,16 +23,19 @@ from inkwell.kernels.dispatch import (
     moe_dispatch,
     one_launch_projection,
     shared_sink_route,
+    silu_mul,
 )
 from inkwell.kernels.torch_ops import ExpertGroups
 
 __all__ = [
+    "EXPERT_MATMUL_MAX_TOKENS",
     "FUSED_MAX_N",
     "FUSED_MAX_TOKENS",
     "ExpertGroups",
     "expert_down_lora",
     "expert_in_lora_expand",
     "expert_lora_shrink",
+    "expert_matmul",
     "expert_out_lora_expand",
     "lora_expand",
     "lora_expand_sliced",
@@ -41,4 +46,5 @@ __all__ = [
     "moe_dispatch",
     "one_launch_projection",
     "shared_sink_route",
+    "silu_mul",
 ]

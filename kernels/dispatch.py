@@ -18,6 +18,9 @@ from inkwell.kernels.torch_ops import ExpertGroups
 # epilogue, and lora_shrink_expand is one launch up to FUSED_MAX_N columns too: past them every column tile
 # re-reading its slot's A costs more than a second launch saves (H200 timings in docs/benchmarks.md).
 FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
+# Up to EXPERT_MATMUL_MAX_TOKENS tokens (decode) the experts' GEMMs are `expert_matmul`'s Triton kernel: a few rows
+# per expert, where a grouped GEMM's 128-row tiles read the weights at half the memory's speed.
+EXPERT_MATMUL_MAX_TOKENS = 256
 
 
 def _triton_dense() -> ModuleType:
@@ -241,3 +244,19 @@ def moe_combine(
     CUDA one Triton kernel."""
     ops = _triton_moe() if out.is_cuda else torch_ops
     return ops.moe_combine(out, weights, places, tokens, dtype)
+
+
+def expert_matmul(
+    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor | None, max_rows: int
+) -> torch.Tensor:
+    """Dispatched rows sorted by expert times their expert's weight [E, N, K] (`torch_ops.expert_matmul` says
+    which rows); on CUDA one Triton kernel that also gathers the rows."""
+    ops = _triton_moe() if x.is_cuda else torch_ops
+    return ops.expert_matmul(x, weight, ends, tokens, max_rows)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up] [M, 2F] -> [M, F], each op rounded to the input's dtype as torch rounds
+    them; on CUDA one Triton kernel in place of two (and the strided read of the halves)."""
+    ops = _triton_moe() if gate_up.is_cuda else torch_ops
+    return ops.silu_mul(gate_up)

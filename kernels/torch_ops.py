@@ -208,3 +208,23 @@ def moe_combine(
     [T*k], summed in fp32 (deterministic, unlike an index_add): [T, H] in `dtype`."""
     weighted = out.float() * weights[:, None].float()
     return weighted[places].view(tokens, -1, out.shape[1]).sum(1).to(dtype)
+
+
+def expert_matmul(
+    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor | None, max_rows: int
+) -> torch.Tensor:
+    """Dispatched rows sorted by expert (expert e's end at `ends` [E], cumulative), each times its expert's weight
+    [E, N, K]: row r is x[tokens[r]], or with `tokens` None x[r]. `max_rows` bounds any expert's rows (the kernels
+    size their grid by it; here unused). [rows, N]."""
+    rows = x[tokens] if tokens is not None else x
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    for expert, (start, end) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)):
+        if end > start:
+            out[start:end] = F.linear(rows[start:end], weight[expert])
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up] [M, 2F] -> [M, F] in the input's dtype."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :half]) * gate_up[:, half:]

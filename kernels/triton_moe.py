@@ -12,6 +12,7 @@ the token's rows in its own order, so the result does not depend on the sort.
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -106,3 +107,89 @@ def moe_combine(
             out, weights, places, result, width, out.stride(0), result.stride(0), K=rows // tokens, BLOCK_H=block
         )
     return result
+
+
+@triton.jit
+def _expert_matmul_kernel(
+    x_ptr, w_ptr, ends_ptr, tokens_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
+    GATHER: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
+    the expert's rows return at once."""
+    n_block = tl.program_id(0)
+    m_block = tl.program_id(1)
+    e = tl.program_id(2)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+    end = tl.load(ends_ptr + e).to(tl.int64)
+    first = start + m_block * BLOCK_M
+    if first >= end:
+        return
+    r = first + tl.arange(0, BLOCK_M)
+    in_r = r < end
+    src = tl.load(tokens_ptr + r, mask=in_r, other=0).to(tl.int64) if GATHER else r
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = n < N
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        in_k = (k0 + k) < K
+        a = tl.load(a_ptrs + k0, mask=in_r[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=in_n[:, None] & in_k[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
+    tl.store(out_ptr + r[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=in_r[:, None] & in_n)
+
+
+def expert_matmul(
+    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor | None, max_rows: int
+) -> torch.Tensor:
+    """`torch_ops.expert_matmul` as one Triton kernel, a program per (column block, block of an expert's rows,
+    expert), each streaming its expert's weight block once for up to 64 rows: at decode sizes (a few rows per
+    expert) it reads the weights near the memory's speed, where a grouped GEMM's 128-row tiles do not."""
+    experts, width, depth = weight.shape
+    rows = tokens.shape[0] if tokens is not None else x.shape[0]
+    if x.shape[-1] != depth or x.stride(-1) != 1 or weight.stride(-1) != 1 or ends.shape != (experts,):
+        raise ValueError(
+            f"expert_matmul needs x [., K] and weight [E, N, K] with unit stride along K, ends [E]; got x "
+            f"{list(x.shape)} (strides {x.stride()}), weight {list(weight.shape)}, ends {list(ends.shape)}"
+        )
+    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
+    block_n, block_k = 64, 128
+    grid = (triton.cdiv(width, block_n), triton.cdiv(max_rows, block_m), experts)
+    _expert_matmul_kernel[grid](
+        x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
+        weight.stride(1), out.stride(0), GATHER=tokens is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, F, stride_xm, stride_om, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_c = c < F
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + m * stride_xm + c, mask=in_c, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + m * stride_xm + F + c, mask=in_c, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + (libdevice.exp(-gate) if PRECISE else tl.exp(-gate)))).to(dtype)
+    tl.store(out_ptr + m * stride_om + c, (silu.to(tl.float32) * up).to(dtype), mask=in_c)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`torch_ops.silu_mul` as one Triton kernel, torch's formula x / (1 + exp(-x)) with CUDA's exp (libdevice)."""
+    rows, width = gate_up.shape
+    if width % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"silu_mul needs rows [M, 2F] with unit column stride, got {list(gate_up.shape)}")
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        block = min(triton.next_power_of_2(width // 2), 1024)
+        grid = (rows, triton.cdiv(width // 2, block))
+        _silu_mul_kernel[grid](
+            gate_up, out, width // 2, gate_up.stride(0), out.stride(0), PRECISE=gate_up.is_cuda, BLOCK=block
+        )
+    return out

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkwell.kernels import expert_matmul, silu_mul
 from inkwell.serving.native.lora import LoraSlots
-from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, rms_norm
+from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, few_tokens, rms_norm
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
 
 
@@ -267,16 +268,21 @@ class DecodeForward:
         routing.append(index[:, : m.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, m.num_experts)
         gate_up_w, down_w = m.w[f"{p}.gate_up_proj"], m.w[f"{p}.down_proj"]
-        if self.grouped_mm:
+        tokens = x.shape[0]
+        few = few_tokens(x)
+        if few:
+            gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens)
+        elif self.grouped_mm:
             gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, None)
         else:  # every expert on every token, then each dispatched row's own
             gate_up = torch.matmul(x, gate_up_w.transpose(1, 2))[rows.experts, rows.tokens]
         if side is not None:
             side.join()
         m.add_gate_up_lora(shrunk, rows, experts, gate_up)
-        f = gate_up.shape[1] // 2
-        act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
-        if self.grouped_mm:
+        act = silu_mul(gate_up)
+        if few:
+            down = expert_matmul(act, down_w, rows.ends, None, tokens)
+        elif self.grouped_mm:
             down = expert_gemm(act, down_w, rows.ends, None)
         else:  # a token's experts are distinct, so each (expert, token) cell holds one dispatched row
             cells = act.new_zeros(down_w.shape[0], x.shape[0], act.shape[1])

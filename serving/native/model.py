@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from transformers import InklingTextConfig
 
 from inkwell.kernels import (
+    EXPERT_MATMUL_MAX_TOKENS,
     expert_down_lora,
     expert_in_lora_expand,
+    expert_matmul,
     lora_linear,
     lora_shrink,
     lora_shrink_expand,
@@ -28,6 +30,7 @@ from inkwell.kernels import (
     moe_dispatch,
     one_launch_projection,
     shared_sink_route,
+    silu_mul,
 )
 from inkwell.serving.native.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
@@ -195,6 +198,12 @@ def padded_groups(chunks: list[tuple[int, Segment]], waste: float = 2.0) -> list
         else:
             groups.append([chunk])
     return groups
+
+
+def few_tokens(x: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs over tokens x run as `expert_matmul`'s kernel (CUDA, decode-sized batches): the
+    eager forward and the captured ones take the same kernels, so they round alike."""
+    return x.is_cuda and x.shape[0] <= EXPERT_MATMUL_MAX_TOKENS
 
 
 def expert_gemm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
@@ -579,13 +588,18 @@ class InklingModel:
         """The down outputs [M, H] of the dispatched `rows` of tokens x [T, H], each through its expert (LoRA
         included), in the rows' order."""
         p = f"model.layers.{layer}.mlp.all_experts"
-        xs = x[rows.tokens]
-        bounds = None if self.grouped_mm else rows.ends.tolist()
-        gate_up = expert_gemm(xs, self.w[f"{p}.gate_up_proj"], rows.ends, bounds)
+        gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
+        if few_tokens(x):
+            gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, x.shape[0])
+        else:
+            bounds = None if self.grouped_mm else rows.ends.tolist()
+            gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, bounds)
         self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
-        f = gate_up.shape[1] // 2
-        act = F.silu(gate_up[:, :f]) * gate_up[:, f:]
-        down = expert_gemm(act, self.w[f"{p}.down_proj"], rows.ends, bounds)
+        act = silu_mul(gate_up)
+        if few_tokens(x):
+            down = expert_matmul(act, down_w, rows.ends, None, x.shape[0])
+        else:
+            down = expert_gemm(act, down_w, rows.ends, bounds)
         self.add_down_lora(act, rows, experts, down)
         return down
 

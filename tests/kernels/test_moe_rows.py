@@ -44,6 +44,38 @@ def check_rows(device: str, tokens: int, top_k: int, routed_experts: int, shared
         assert_close(combined.float(), want.double(), dtype, f"combine into {dtype}")
 
 
+def check_expert_matmul(device: str, dtype: torch.dtype, tokens: int, width: int, depth: int) -> None:
+    """The gate/up form (rows gathered from the tokens) and the down form (rows in place), against per-expert
+    GEMMs in float64; rows of 16 routed experts (top 4) and 2 shared ones, so the shared experts hold every token."""
+    from inkwell.kernels import triton_moe
+
+    index, weights, slots, experts = routed(tokens, 4, 16, 2, 0, seed=tokens + width)
+    _, row_tokens, _, _, _, ends, _ = torch_ops.moe_dispatch(index, weights, slots, experts)
+    gen = torch.Generator().manual_seed(depth)
+    x = torch.randn(tokens, depth + 8, generator=gen).to(dtype)[:, :depth]  # strided rows
+    weight = (torch.randn(experts, width, depth, generator=gen) / depth**0.5).to(dtype)
+    for gather in (True, False):
+        rows = x[row_tokens] if gather else torch.randn(row_tokens.shape[0], depth, generator=gen).to(dtype)
+        expected = torch_ops.expert_matmul(rows.double(), weight.double(), ends, None, tokens)
+        d_tokens = row_tokens.to(device) if gather else None
+        got = triton_moe.expert_matmul(
+            (x if gather else rows).to(device), weight.to(device), ends.to(device), d_tokens, tokens
+        )
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert_close(got, expected, dtype, f"expert_matmul ({'gathered' if gather else 'in place'})")
+
+
+def check_silu_mul(device: str, dtype: torch.dtype, rows: int, width: int) -> None:
+    from inkwell.kernels import triton_moe
+
+    gen = torch.Generator().manual_seed(rows + width)
+    gate_up = (3 * torch.randn(rows, 2 * width + 8, generator=gen)).to(dtype)[:, : 2 * width]  # strided rows
+    expected = torch_ops.silu_mul(gate_up.double())
+    got = triton_moe.silu_mul(gate_up.to(device))
+    assert got.dtype == dtype and got.shape == (rows, width)
+    assert_close(got, expected, dtype, "silu(gate) * up")
+
+
 CASES = [  # (tokens, top_k, routed, shared, beyond): decode, rows across sort blocks (> 256), a rank's share
     (8, 4, 16, 2, 0),
     (61, 4, 16, 2, 0),
@@ -56,6 +88,10 @@ def run_interpreted_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for case in CASES:
         check_rows("cpu", *case)
+    for dtype in (torch.float32, torch.float16):
+        for tokens, width, depth in ((8, 72, 136), (40, 64, 40)):  # partial column and K blocks; 40 rows > 16
+            check_expert_matmul("cpu", dtype, tokens, width, depth)
+        check_silu_mul("cpu", dtype, 5, 40)
     print("interpreted cases passed")
 
 
@@ -83,3 +119,12 @@ def test_torch_dispatch_sorts_stably_and_combines_in_token_order():
 @pytest.mark.parametrize("tokens", [8, 128, 8192])
 def test_moe_rows_on_gpu(tokens):
     check_rows("cuda", tokens, 4, 16, 2, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 8, 128, 256])
+def test_expert_matmul_on_gpu_at_inkling_small_widths(dtype, tokens):
+    check_expert_matmul("cuda", dtype, tokens, 1024, 2048)  # gate/up
+    check_expert_matmul("cuda", dtype, tokens, 2048, 512)  # down
+    check_silu_mul("cuda", dtype, tokens * 6, 512)
