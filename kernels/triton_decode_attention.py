@@ -78,7 +78,9 @@ def _decode_attention_kernel(
     k_base, v_base = k_ptr + kv_offset, v_ptr + kv_offset
     top = tl.full((), _MASKED, tl.float32)
     total = tl.zeros((), tl.float32)
-    for p0 in range(0, P, BLOCK_P):  # pass 1: the softmax's max and sum (online)
+    # entries past min(pos + 1, P) hold no key the row sees (a ring fills from entry 0): the loops stop there
+    seen = tl.minimum(pos + 1, P)
+    for p0 in range(0, seen, BLOCK_P):  # pass 1: the softmax's max and sum (online)
         s = _scores(
             q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
             d_rel, SLIDING, LOG_SCALE, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
@@ -87,7 +89,7 @@ def _decode_attention_kernel(
         total = total * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), axis=0)
         top = new_top
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for p0 in range(0, P, BLOCK_P):  # pass 2: probabilities, rounded, times the values
+    for p0 in range(0, seen, BLOCK_P):  # pass 2: probabilities, rounded, times the values
         s = _scores(
             q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
             d_rel, SLIDING, LOG_SCALE, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,

@@ -52,6 +52,8 @@ def check_decode_attention(
     top = 3 * entries if sliding else entries
     pos = torch.randint(0, top, (rows,), generator=gen)
     pos[0], pos[-1] = 1, top - 1  # a ring not yet full / the last entry
+    if rows > 2:
+        pos[1] = min(16, top - 1)  # the row's own key first in a block of 16 (the loops stop after it)
     log_scaling = (4.0, 0.1) if log else None
     expected = reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
     q, r = q.contiguous(), r  # r stays a strided view, as the engine's r is a column slice of q/k/v/r
