@@ -10,9 +10,11 @@ from inkwell.serving.native.engine import Engine
 from tests.serving.test_engine import PROMPT
 
 pytestmark = pytest.mark.gpu
-# bf16 keeps 8 bits of mantissa: a logit of magnitude ~10 moves by ~0.04 with the GEMM shape. A greedy
-# token may differ between two runs only where the top-2 gap is within both runs' error (2 x TOL).
-TOL = 0.1
+# bf16 keeps 8 bits of mantissa: the logits come out of the LM head in bf16, and one of magnitude 8-16 is a
+# multiple of 2^-4 = 0.0625, so a GEMM of another shape (a batch of other rows, another expert kernel tile) moves it
+# by one or two of those steps: 0.125 (the H200 showed 0.119 on 2026-12-02). A greedy token may differ between two
+# runs only where the top-2 gap is within both runs' error (2 x TOL).
+TOL = 0.15
 
 
 def cuda_engine(model_dir, adapters, dtype: str) -> Engine:

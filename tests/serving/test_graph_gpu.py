@@ -10,6 +10,7 @@ import torch
 
 from inkwell.serving.contract import EngineConfig, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
+from tests.serving.test_gpu_serving import compare
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -166,16 +167,23 @@ def test_overlapped_graph_decode_gives_the_tokens_of_synchronous_graph_decode(ti
     assert expected["r2"][0].finish_reason == "stop" and queued >= 30
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
-def test_prompt_tails_after_cached_prefixes_replay_prefill_graphs(tiny_model_dir, tiny_adapters, dtype, tol):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_tails_after_cached_prefixes_replay_prefill_graphs(tiny_model_dir, tiny_adapters, dtype):
     """A prompt's tail after its cached prefix (and each prompt's first chunks: short) runs as a captured prefill
-    graph: the tokens and logprobs of an eager engine without the cache, past the window and the relative extent."""
+    graph: the tokens and logprobs of an eager engine without the cache, past the window and the relative extent.
+    In fp32 every token and logprob to 1e-4; in bf16 (where the cached prefix was computed in other chunks than the
+    eager engine's whole prompt) as `test_gpu_serving.compare` holds a batch to its requests alone."""
     eager = cuda_engine(tiny_model_dir, tiny_adapters, dtype, cuda_graphs=False, prefix_cache=False)
     graphs = cuda_engine(tiny_model_dir, tiny_adapters, dtype, prefix_cache_min_gain=0)  # every last block cached
-    common = list(range(10, 90))
+    common, params, compared = list(range(10, 90)), replace(GREEDY, logprobs=2), 0
     for shared in (16, 33, 64):
         for k, adapter in ((0, "a0"), (50, "a0"), (100, None)):
-            request = Request("r", [*common[:shared], *range(200 + k, 209 + k)], GREEDY, adapter)
-            assert_close(eager.generate([request]), graphs.generate([request]), tol)
+            request = Request("r", [*common[:shared], *range(200 + k, 209 + k)], params, adapter)
+            expected, got = eager.generate([request]), graphs.generate([request])
+            if dtype == "float32":
+                assert_close(expected, got, 1e-4)
+            else:
+                compared += compare(expected["r"][0], got["r"][0])[0]
+    assert dtype == "float32" or compared >= 9 * 10  # not every stream split at its first tokens
     assert graphs.prefix_cache.stats.cached_tokens >= 16 + 32 + 64
     assert {(1, 16, True), (1, 16, False)} <= {key[:2] + key[3:] for key in graphs.graphs.extend_graphs}
