@@ -378,7 +378,8 @@ def lora_linear(
     if tokens == 0 or n == 0:
         return out
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
-    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl)
+    # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it
+    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl, split_k=SHRINK_SPLIT_K)
     block_n = 32
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x,

@@ -114,9 +114,11 @@ def _split_shrink_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """y[t, r-block] = x[t] @ A[slot]^T with the K loop split over SPLIT_K programs per (token tile, slot, rank
-    block); slot -1 rows get zeros.
+    block); slot -1 rows get zeros. LAUNCH_DEPENDENTS as in `_shrink_kernel` (a dependent waits for the whole grid,
+    the programs that sum the partials included).
 
     Each program adds its K range into an fp32 partial ([SPLIT_K, T, R]); the last of a group to finish (an
     atomic count, acquire-release) sums the partials in split order, writes y and resets the count, so the next
@@ -166,8 +168,10 @@ SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for a decode-sized `lo
 # The split shrink's counts: one per (token tile, slot, rank block) of a launch, zero between launches (the last
 # program of each group resets its count). One buffer per device, made on first use outside any graph capture
 # (the decode graphs' warm-up runs first), serves every launch: the engine never runs two split shrinks at once
-# (on one stream launches run in turn, and a programmatic dependent launch pairs a shrink with its GEMM only);
-# two streams running split shrinks at the same time would share the counts, and must not.
+# (on one stream launches run in turn, and a programmatic dependent launch pairs `lora_linear`'s shrink with its
+# own GEMM only, which the next launch waits for; the experts' shrink on the LoRA side stream runs while the main
+# stream routes and runs the experts' GEMMs, no `lora_linear`); two streams running split shrinks at the same time
+# would share the counts, and must not.
 SPLIT_COUNTS = 4096
 _split_counts: dict[torch.device, torch.Tensor] = {}
 
@@ -189,8 +193,7 @@ def launch_shrink(
 ) -> torch.Tensor:
     """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case); rows read A[slot, expert - first].
 
-    `split_k` > 1 splits the K loop over up to that many programs (linear case, one program per slot, no
-    dependent launch)."""
+    `split_k` > 1 splits the K loop over up to that many programs (linear case, one program per slot)."""
     tokens, k = x.shape
     num_slots, num_experts, rank, _ = a.shape
     y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
@@ -201,9 +204,9 @@ def launch_shrink(
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
     split_k = min(split_k, triton.cdiv(k, block_k))
-    splittable = experts is None and not slot_loop and not launch_dependents and math.prod(grid) <= SPLIT_COUNTS
+    splittable = experts is None and not slot_loop and math.prod(grid) <= SPLIT_COUNTS
     if split_k > 1 and splittable:
-        return _split_shrink(x, a, slots, y, grid, split_k, block_t, block_k, block_r)
+        return _split_shrink(x, a, slots, y, grid, split_k, block_t, block_k, block_r, launch_dependents)
     _shrink_kernel[grid](
         x,
         a,
@@ -239,6 +242,7 @@ def _split_shrink(
     block_t: int,
     block_k: int,
     block_r: int,
+    launch_dependents: bool,
 ) -> torch.Tensor:
     tokens, k = x.shape
     rank = a.shape[2]
@@ -266,5 +270,6 @@ def _split_shrink(
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
+        LAUNCH_DEPENDENTS=launch_dependents,
     )
     return y
