@@ -13,9 +13,11 @@ obey it):
     as one batched GEMM of every expert over every token;
   - LoRA always goes through the kernels (rows of slot -1 are untouched), with no "any adapter?"
     check; the caller picks a forward without LoRA on the host when no row has an adapter;
-  - on CUDA, each ShortConv step (with the residual add and the next RMSNorm) and each attention over
-    the cache are one Triton kernel (`inkwell.kernels.triton_short_conv`, `triton_decode_attention`):
-    some dozen launches fewer per layer, rounding where the torch ops round.
+  - on CUDA, each ShortConv step (with the residual add and the next RMSNorm), the attention's prologue (the K/V
+    ShortConv, the Q/K norms and the cache write) and each attention over the cache are one Triton kernel
+    (`inkwell.kernels.triton_short_conv`, `triton_attention_prologue`, `triton_decode_attention`), and so are the
+    MoE layer's dispatch, combine, silu * up and expert GEMMs (`kernels.triton_moe`): 239 launches a step for
+    inkling-small where the torch ops took 668, rounding where the torch ops round.
 With the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
 input) runs on the side stream while the router and the gate/up GEMM run.
 """

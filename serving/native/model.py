@@ -7,7 +7,9 @@ adapter in the batch. Attention and ShortConv read and update each sequence's st
 `StatePool`. The arithmetic follows transformers' eager `InklingForCausalLM` step by step, with
 one regrouping: the shared experts run as experts E..E+n-1 beside the routed ones (their gammas are
 their routing weights), so both take the same dispatch, grouped GEMMs and LoRA kernels. On CUDA the ShortConv
-sites and the attention over prefill chunks are Triton kernels (`attend_chunks`; `attend` is their reference).
+sites, the attention over prefill chunks (`attend_chunks`; `attend` is their reference) and the MoE rows (dispatch,
+combine, silu * up, and at decode sizes the expert GEMMs: `kernels.moe_dispatch` and its neighbours) are Triton
+kernels.
 """
 
 from collections.abc import Callable, Mapping
