@@ -33,13 +33,13 @@ def train_command(
     ),
 ) -> None:
     """Train a LoRA adapter (SFT) and export it in the sglang and peft layouts."""
-    from inkwell.trainer.api import train  # megatron-core loads only when a job really runs
-
     try:
         job = load_job_config(config)
     except TrainConfigError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from exc
+    from inkwell.trainer.api import train  # megatron-core loads only when a job really runs: not for a bad file
+
     columns = (TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
     with Progress(*columns, TextColumn("{task.fields[note]}"), TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("train", total=job.max_steps, note="starting")
