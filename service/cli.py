@@ -25,10 +25,6 @@ from inkwell.service.storage import ObjectStore
 from inkwell.service.storage.seaweed import start_embedded
 from inkwell.service.tinker.auth import tinker_key
 
-# Requests still open this long after SIGTERM (a job's event stream whose client is gone, which never ends on its
-# own) are cancelled: without a bound, uvicorn waits for them forever and the service never stops.
-SHUTDOWN_GRACE_S = 10
-
 console = Console()
 admin_app = typer.Typer(
     help="Manage tenants, API keys and base models (talks to the database directly).", no_args_is_help=True
@@ -103,7 +99,9 @@ def serve(
             host=host,
             port=port,
             log_level="info",
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            # requests still open this long after SIGTERM (a job's event stream whose client is gone, which never
+            # ends on its own) are cancelled: without a bound, uvicorn waits for them and the service never stops
+            timeout_graceful_shutdown=settings.shutdown_grace_seconds,
         )
     finally:
         job_workers.stop()

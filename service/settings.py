@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     train_tp: int = Field(1, ge=1, description="tensor-parallel size")
     train_ep: int = Field(1, ge=1, description="expert-parallel size")
     train_threads: int = Field(2, ge=1, description="torch threads a job worker trains with")
+    shutdown_grace_seconds: float = Field(
+        10.0, gt=0, description="`inkwell serve`: requests still open this long after SIGTERM are cancelled"
+    )
     min_job_workers: int = Field(
         0, ge=0, description="/healthz is degraded while fewer job workers are alive (`inkwell serve` with workers: 1)"
     )
