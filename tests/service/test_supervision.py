@@ -1,6 +1,6 @@
-"""`inkwell serve` supervises what it starts, as a real subprocess on a temp data dir: a `kill -9` of it leaves no
-SeaweedFS or job worker behind and a second serve on the same data dir comes up with no manual step; a job worker
-killed under it is restarted, and /healthz and /metrics count the job workers alive."""
+"""`inkwell serve` supervises what it starts, as a real subprocess on a temp data dir: a job worker killed under it
+is restarted, and /healthz and /metrics count the job workers alive; a `kill -9` of it leaves no SeaweedFS or job
+worker behind and a second serve on the same data dir comes up with no manual step."""
 
 import os
 import re
@@ -50,17 +50,44 @@ def stop(serve: subprocess.Popen, *pids: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_kill_9_of_serve_leaves_no_orphans_and_the_next_serve_starts_on_the_same_data_dir(tmp_path):
-    """The old SeaweedFS is stopped as well (SIGSTOP, an injected fault), so its parent-death SIGTERM stays pending,
-    as for a weed slow to exit: the next serve must find it by its pid file and kill it."""
-    data = tmp_path / "data"
-    env, port = serve_env(data), free_port()
-    first = start_serve(env, port, tmp_path / "first.log", workers=1)
-    weed = worker = 0
+def test_a_killed_job_worker_is_restarted_then_a_kill_9_of_serve_leaves_no_orphans(tmp_path):
+    """One serve (its start, and its job worker's, are most of this test's time) through both faults, in order.
+
+    A job worker killed under serve is restarted, and /healthz and /metrics count it: with a 1 s lease a dead
+    worker's heartbeat row stops counting within a second, long before the restarted worker (half a second of
+    backoff, then importing torch) writes its own.
+
+    Then a `kill -9` of serve leaves no orphans and the next serve starts on the same data dir. The old SeaweedFS
+    is stopped as well (SIGSTOP, an injected fault), so its parent-death SIGTERM stays pending, as for a weed slow
+    to exit: the next serve must find it by its pid file and kill it. The job worker left then is the restarted
+    one: it dies with serve as the first did."""
+    data, port, log = tmp_path / "data", free_port(), tmp_path / "first.log"
+    env = serve_env(data, INKWELL_LEASE_SECONDS="1")
+    first = start_serve(env, port, log, workers=1)
+    weed = old = new = 0
     try:
-        wait_healthy(first, port, tmp_path / "first.log", until=lambda health: health["job_workers"] == 1)
+        wait_healthy(first, port, log, until=lambda health: health["job_workers"] == 1)
+        assert gauge(port) == 1
+        (old,) = job_workers_of(first)
+        os.kill(old, signal.SIGKILL)
+
+        deadline = time.monotonic() + 30
+        while (resp := httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "the killed worker was still counted"
+            time.sleep(0.05)
+        assert resp.status_code == 503 and resp.json()["job_workers"] == 0, resp.json()
+        assert resp.json()["status"] == "degraded" and resp.json()["database"] == "ok"
+        assert gauge(port) == 0
+
+        health = wait_healthy(first, port, log, until=lambda health: health["job_workers"] == 1, timeout=60)
+        assert health["status"] == "ok" and gauge(port) == 1
+        (new,) = job_workers_of(first)
+        assert new != old and not alive(old)
+        text = log.read_text()
+        assert re.search(rf"job worker 0 \(pid {old}\) exited with -9; restarting in \S+s", text), text[-3000:]
+        assert f"job worker 0 restarted (pid {new})" in text
+
         weed = int((data / "s3" / "weed.pid").read_text())
-        (worker,) = job_workers_of(first)
         os.kill(weed, signal.SIGSTOP)
         first.kill()
         first.wait()
@@ -74,40 +101,9 @@ def test_kill_9_of_serve_leaves_no_orphans_and_the_next_serve_starts_on_the_same
             health = wait_healthy(second, port, tmp_path / "second.log")
             assert health["storage"] == "ok" and health["job_workers"] == 0, health
             assert not alive(weed), f"the old SeaweedFS (pid {weed}) survived"
-            assert not alive(worker), f"the old job worker (pid {worker}) survived"
+            assert not alive(new), f"the old job worker (pid {new}) survived"
             assert int((data / "s3" / "weed.pid").read_text()) != weed
         finally:
             stop(second)
     finally:
-        stop(first, weed, worker)
-
-
-def test_a_job_worker_killed_under_serve_is_restarted_and_health_counts_workers(tmp_path):
-    """With a 1 s lease a dead worker's heartbeat row stops counting within a second, long before the restarted
-    worker (half a second of backoff, then importing torch) writes its own."""
-    port, log = free_port(), tmp_path / "serve.log"
-    serve = start_serve(serve_env(tmp_path / "data", INKWELL_LEASE_SECONDS="1"), port, log, workers=1)
-    old = new = 0
-    try:
-        wait_healthy(serve, port, log, until=lambda health: health["job_workers"] == 1)
-        assert gauge(port) == 1
-        (old,) = job_workers_of(serve)
-        os.kill(old, signal.SIGKILL)
-
-        deadline = time.monotonic() + 30
-        while (resp := httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)).status_code == 200:
-            assert time.monotonic() < deadline, "the killed worker was still counted"
-            time.sleep(0.05)
-        assert resp.status_code == 503 and resp.json()["job_workers"] == 0, resp.json()
-        assert resp.json()["status"] == "degraded" and resp.json()["database"] == "ok"
-        assert gauge(port) == 0
-
-        health = wait_healthy(serve, port, log, until=lambda health: health["job_workers"] == 1, timeout=60)
-        assert health["status"] == "ok" and gauge(port) == 1
-        (new,) = job_workers_of(serve)
-        assert new != old and not alive(old)
-        text = log.read_text()
-        assert re.search(rf"job worker 0 \(pid {old}\) exited with -9; restarting in \S+s", text), text[-3000:]
-        assert f"job worker 0 restarted (pid {new})" in text
-    finally:
-        stop(serve, old, new)
+        stop(first, weed, old, new)
