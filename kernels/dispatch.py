@@ -19,8 +19,10 @@ from inkwell.kernels.torch_ops import ExpertGroups
 # re-reading its slot's A costs more than a second launch saves (H200 timings in docs/benchmarks.md).
 FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
 # Up to EXPERT_MATMUL_MAX_TOKENS tokens (decode) the experts' GEMMs are `expert_matmul`'s Triton kernel: a few rows
-# per expert, where a grouped GEMM's 128-row tiles read the weights at half the memory's speed.
-EXPERT_MATMUL_MAX_TOKENS = 256
+# per expert, where a grouped GEMM's 128-row tiles read the weights at half the memory's speed (H200: 499 µs a
+# batch-8 step against 837). Measured through decode batches of 128; prefill steps of more tokens (the engine's
+# default is 256) keep the grouped GEMM until a measurement says otherwise.
+EXPERT_MATMUL_MAX_TOKENS = 128
 
 
 def _triton_dense() -> ModuleType:
