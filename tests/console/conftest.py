@@ -1,5 +1,6 @@
-"""The console in a real browser: Debian's chromium driven by Selenium, against the SDK tests' service with a real job
-worker (SQLite, SeaweedFS, inkling-tiny). One service and one browser for the whole module."""
+"""The console in a real browser: Debian's chromium driven by Selenium, against the session's service with a real job
+worker (`training_service` of tests/conftest.py: SQLite, SeaweedFS, inkling-tiny), which the SDK's training tests
+share. One browser for the whole module."""
 
 import base64
 import os
@@ -10,9 +11,6 @@ from pathlib import Path
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service as DriverService
-
-from tests.sdk.conftest import training_service  # noqa: F401  (fixture)
-from tests.service.conftest import seaweed  # noqa: F401  (fixture)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -65,7 +65,7 @@ def log_in(driver, base: str, key: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def console(training_service):  # noqa: F811
+def console(training_service):
     return training_service
 
 

@@ -20,8 +20,7 @@ from inkwell.trainer import TrainCallbacks, TrainEvent, train
 from inkwell.trainer.config import parse_config
 from inkwell.trainer.dataset import RowStream
 from inkwell.trainer.prepare import prepare
-from tests.service.conftest import make_settings, start_service
-from tests.service.helpers import Service
+from tests.service.helpers import Service, make_settings, start_service
 from tests.trainer.helpers import reverse_sample, tiny_job
 
 SESSION_ENV = {"INKWELL_SESSION_IDLE_SECONDS": "6", "INKWELL_SESSION_REAP_INTERVAL": "0.5"}

@@ -1,21 +1,18 @@
-"""One service for every Tinker test (SQLite, SeaweedFS, session and serving workers on inkling-tiny), and a
-tenant's key in the form the `tinker` client takes (`tml-` + the inkwell key)."""
+"""One service for every Tinker test (the session's SQLite service of tests/conftest.py, on SeaweedFS, with its
+session and serving workers on inkling-tiny), and a tenant's key in the form the `tinker` client takes (`tml-` +
+the inkwell key)."""
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from inkwell.service.tinker.auth import tinker_key
-from tests.service.conftest import seaweed  # noqa: F401  (fixture)
-from tests.service.helpers import Service, make_settings, start_service
+from tests.service.helpers import Service
 
 
 @pytest.fixture(scope="session")
-def service(seaweed, tmp_path_factory) -> Iterator[Service]:  # noqa: F811
-    svc = start_service(make_settings(tmp_path_factory.mktemp("svc-tinker"), None, seaweed))
-    yield svc
-    svc.stop()
+def service(sqlite_service) -> Service:
+    return sqlite_service
 
 
 @pytest.fixture(scope="session")
