@@ -51,8 +51,8 @@ def pg_database() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def sqlite_service(tmp_path_factory, seaweed):
-    """The API on SQLite only, for tests that do not depend on the database backend (service, SDK, recipes and
-    Tinker tests; each makes tenants of its own)."""
+    """The API on SQLite only, for tests that do not depend on the database backend (service, SDK and recipes
+    tests; each makes tenants of its own)."""
     from tests.service.helpers import make_settings, start_service
 
     data_dir = tmp_path_factory.mktemp("svc-sqlite-only")

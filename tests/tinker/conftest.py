@@ -1,18 +1,20 @@
-"""One service for every Tinker test (the session's SQLite service of tests/conftest.py, on SeaweedFS, with its
-session and serving workers on inkling-tiny), and a tenant's key in the form the `tinker` client takes (`tml-` +
-the inkwell key)."""
+"""One service for every Tinker test (SQLite, the session's SeaweedFS, session and serving workers on inkling-tiny),
+and a tenant's key in the form the `tinker` client takes (`tml-` + the inkwell key)."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from inkwell.service.tinker.auth import tinker_key
-from tests.service.helpers import Service
+from tests.service.helpers import Service, make_settings, start_service
 
 
 @pytest.fixture(scope="session")
-def service(sqlite_service) -> Service:
-    return sqlite_service
+def service(seaweed, tmp_path_factory) -> Iterator[Service]:
+    svc = start_service(make_settings(tmp_path_factory.mktemp("svc-tinker"), None, seaweed))
+    yield svc
+    svc.stop()
 
 
 @pytest.fixture(scope="session")
