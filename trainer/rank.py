@@ -5,6 +5,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from inkwell.exiting import exit_now
 from inkwell.trainer.api import run_in_process
 from inkwell.trainer.config import TrainingCancelled, TrainJobConfig
 from inkwell.trainer.launch import FileCallbacks
@@ -27,4 +28,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # without the interpreter's teardown once the result file is written (inkwell/exiting.py): the launch waits for
+    # every rank; an exception still ends the process the usual way, with its traceback
+    exit_now(main(sys.argv[1:]))
