@@ -26,7 +26,7 @@ def fragile(tmp_path):
     svc = start_service(make_settings(tmp_path / "svc", None, weed))
     yield weed, svc
     svc.stop()
-    weed.stop()
+    weed.stop(grace=0)  # a throwaway store: no graceful shutdown (2 s of weed's own) to wait for
 
 
 def test_seaweed_stopped_mid_upload_is_503_and_nothing_half_published(fragile, tmp_path, monkeypatch):

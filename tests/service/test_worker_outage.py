@@ -30,7 +30,7 @@ def outage(request, tmp_path):
         url = stack.enter_context(scratch_pg_database("inkwell_outage")) if request.param == "postgres" else None
         weed = EmbeddedSeaweed(tmp_path / "weed")
         weed.start()
-        stack.callback(weed.stop)
+        stack.callback(weed.stop, grace=0)  # a throwaway store: no graceful shutdown (2 s of weed's own) to wait for
         svc = start_service(make_settings(tmp_path / "svc", url, weed))
         stack.callback(svc.stop)
         yield weed, svc

@@ -104,7 +104,7 @@ def served(tmp_path_factory, tiny_adapters):
     yield served
     server.should_exit = True
     thread.join(60)
-    weed.stop()
+    weed.stop(grace=0)  # a throwaway store: no graceful shutdown (2 s of weed's own) to wait for
     for k, v in saved_env.items():
         if v is None:
             os.environ.pop(k, None)
