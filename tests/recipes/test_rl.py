@@ -21,7 +21,9 @@ from inkwell.trainer.verifiers import verifier
 
 TASK = TASKS["letter-case"]
 PROBLEMS, REWARD = TASK.problems(), verifier(TASK.verifier)
-CONFIG = dataclasses.replace(TASK.config, steps=10, save_every=4)
+# 8 steps: states saved after steps 3 and 7, and the last 4 steps' reward against the first 4 (0.31 against 0.10 on
+# the demo's run of the same task and seeds; the reward nears 0.5 by step 8)
+CONFIG = dataclasses.replace(TASK.config, steps=8, save_every=4)
 
 
 @pytest.fixture(scope="module")
