@@ -24,14 +24,16 @@ from inkwell.kernels.dispatch import (
     one_launch_projection,
     shared_sink_route,
     silu_mul,
+    silu_mul_shrink,
 )
-from inkwell.kernels.torch_ops import ExpertGroups
+from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
 
 __all__ = [
     "EXPERT_MATMUL_MAX_TOKENS",
     "FUSED_MAX_N",
     "FUSED_MAX_TOKENS",
     "ExpertGroups",
+    "RowExpand",
     "expert_down_lora",
     "expert_in_lora_expand",
     "expert_lora_shrink",
@@ -47,4 +49,5 @@ __all__ = [
     "one_launch_projection",
     "shared_sink_route",
     "silu_mul",
+    "silu_mul_shrink",
 ]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from inkwell.kernels import torch_ops
-from inkwell.kernels.torch_ops import ExpertGroups
+from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
 
 # On CUDA, up to FUSED_MAX_TOKENS tokens (decode) lora_linear is one Triton GEMM with the LoRA beside it and in its
 # epilogue, and lora_shrink_expand is one launch up to FUSED_MAX_N columns too: past them every column tile
@@ -249,12 +249,18 @@ def moe_combine(
 
 
 def expert_matmul(
-    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor | None, max_rows: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    tokens: torch.Tensor | None,
+    max_rows: int,
+    expand: RowExpand | None = None,
 ) -> torch.Tensor:
     """Dispatched rows sorted by expert times their expert's weight [E, N, K] (`torch_ops.expert_matmul` says
-    which rows); on CUDA one Triton kernel that also gathers the rows."""
+    which rows), plus `expand`'s LoRA; on CUDA one Triton kernel that also gathers the rows and adds the LoRA in its
+    epilogue."""
     ops = _triton_moe() if x.is_cuda else torch_ops
-    return ops.expert_matmul(x, weight, ends, tokens, max_rows)
+    return ops.expert_matmul(x, weight, ends, tokens, max_rows, expand)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -262,3 +268,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     them; on CUDA one Triton kernel in place of two (and the strided read of the halves)."""
     ops = _triton_moe() if gate_up.is_cuda else torch_ops
     return ops.silu_mul(gate_up)
+
+
+def silu_mul_shrink(
+    gate_up: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor, groups: ExpertGroups
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul` of dispatched rows and the down LoRA's shrink of the result over per-expert A [S, E, R, F]:
+    (act [M, F], y [M, R]); on CUDA one Triton kernel."""
+    ops = _triton_moe() if gate_up.is_cuda else torch_ops
+    return ops.silu_mul_shrink(gate_up, lora_a, slots, expert_ids, groups)

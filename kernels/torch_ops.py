@@ -160,6 +160,26 @@ def expert_out_lora_expand(
     return out
 
 
+@dataclass(frozen=True)
+class RowExpand:
+    """A LoRA expand that `expert_matmul` adds to its output rows, in its epilogue on CUDA: output row i (x's row
+    `tokens[i]`, or i) adds scalings[slot, block] * y[that row of x, block] @ B^T, rounded as `expert_in_lora_expand`
+    and `expert_out_lora_expand` add it. B is per expert, [S, P, E, N, R] (the gate/up: y [T, P*G*R] the tokens'
+    shrink, block p*G+g for projection p of group g), or per group, [S, G, N, R] (the down: y [M, R], block g).
+    Rows of slot -1, or of an expert the groups do not cover, get nothing."""
+
+    y: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor  # [M], each output row's slot
+    experts: torch.Tensor  # [M], each output row's expert id (sorted: the kernel reads it from its grid)
+    scalings: torch.Tensor  # [S, P*G] or [S, G]
+    groups: ExpertGroups
+
+    @property
+    def per_expert(self) -> bool:
+        return self.b.dim() == 5
+
+
 def shared_sink_route(
     logits: torch.Tensor,
     bias: torch.Tensor,
@@ -211,20 +231,41 @@ def moe_combine(
 
 
 def expert_matmul(
-    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor | None, max_rows: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    tokens: torch.Tensor | None,
+    max_rows: int,
+    expand: RowExpand | None = None,
 ) -> torch.Tensor:
     """Dispatched rows sorted by expert (expert e's end at `ends` [E], cumulative), each times its expert's weight
-    [E, N, K]: row r is x[tokens[r]], or with `tokens` None x[r]. `max_rows` bounds any expert's rows (the kernels
-    size their grid by it; here unused). [rows, N]."""
+    [E, N, K]: row r is x[tokens[r]], or with `tokens` None x[r]; plus `expand`'s LoRA. `max_rows` bounds any
+    expert's rows (the kernels size their grid by it; here unused). [rows, N]."""
     rows = x[tokens] if tokens is not None else x
     out = rows.new_empty(rows.shape[0], weight.shape[1])
     for expert, (start, end) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)):
         if end > start:
             out[start:end] = F.linear(rows[start:end], weight[expert])
-    return out
+    if expand is None:
+        return out
+    e = expand
+    if e.per_expert:
+        sources = tokens if tokens is not None else torch.arange(out.shape[0], device=out.device)
+        return expert_in_lora_expand(e.y, e.b, e.slots, e.experts, e.scalings, out, sources, e.groups)
+    y = e.y[tokens] if tokens is not None else e.y
+    return expert_out_lora_expand(y, e.b, e.slots, e.experts, e.scalings, out, e.groups)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of rows [gate | up] [M, 2F] -> [M, F] in the input's dtype."""
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :half]) * gate_up[:, half:]
+
+
+def silu_mul_shrink(
+    gate_up: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor, groups: ExpertGroups
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul` and the down LoRA's shrink of its rows (`expert_lora_shrink` over per-expert A [S, E, R, F]):
+    (act [M, F], y [M, R]), the y that a down `RowExpand` takes."""
+    act = silu_mul(gate_up)
+    return act, expert_lora_shrink(act, lora_a, slots, expert_ids, groups)

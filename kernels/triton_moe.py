@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
+from inkwell.kernels.triton_lora.common import local_split, pow2, require, scale_strides
+
 
 @triton.jit
 def _keys(index_ptr, i, M, E):
@@ -110,25 +113,69 @@ def moe_combine(
 
 
 @triton.jit
+def _row_deltas(
+    e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first, count, split, groups,
+    stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
+    PER_EXPERT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    R_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (in one part, starting at n0): every row
+    reads its own slot's B as contiguous [BLOCK_N, R_CHUNK] blocks, so mixed slots need no loop over the slots."""
+    local = e - first
+    slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
+    has = slots >= 0
+    part = n0 // part_cols
+    block = part * groups + (local >= split).to(tl.int32)
+    which = local if PER_EXPERT else (local >= split).to(tl.int32)
+    y_rows = y_ptr + src * stride_ym + block * stride_yb
+    b_row = b_ptr + slots.to(tl.int64) * stride_bs + part * stride_bp + which.to(tl.int64) * stride_be
+    b_cols = b_row[:, None] + (n - part * part_cols)[None, :] * stride_bn
+    b_mask = has[:, None] & in_n[None, :]
+    rc = tl.arange(0, R_CHUNK)
+    delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for j0 in tl.static_range(0, BLOCK_R, R_CHUNK):
+        j = j0 + rc
+        in_j = j < R
+        y = tl.load(y_rows[:, None] + j[None, :], mask=has[:, None] & in_j[None, :], other=0.0).to(tl.float32)
+        b_ptrs = b_cols[:, :, None] + j[None, None, :] * stride_br
+        bt = tl.load(b_ptrs, mask=b_mask[:, :, None] & in_j[None, None, :], other=0.0).to(tl.float32)
+        delta += tl.sum(bt * y[:, None, :], axis=2)
+    scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=has, other=0.0).to(tl.float32)
+    return delta * scale[:, None]
+
+
+@triton.jit
 def _expert_matmul_kernel(
     x_ptr, w_ptr, ends_ptr, tokens_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
-    GATHER: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first, count, split, groups, stride_ym, stride_yb, stride_bs,
+    stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
+    GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    R_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
-    the expert's rows return at once."""
+    the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM; it is computed before the K loop,
+    which needs none of it, so its loads are in flight with the loop's first ones."""
     n_block = tl.program_id(0)
     m_block = tl.program_id(1)
     e = tl.program_id(2)
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
     end = tl.load(ends_ptr + e).to(tl.int64)
-    first = start + m_block * BLOCK_M
-    if first >= end:
+    first_row = start + m_block * BLOCK_M
+    if first_row >= end:
         return
-    r = first + tl.arange(0, BLOCK_M)
+    r = first_row + tl.arange(0, BLOCK_M)
     in_r = r < end
     src = tl.load(tokens_ptr + r, mask=in_r, other=0).to(tl.int64) if GATHER else r
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < N
+    if EXPAND:
+        delta = _row_deltas(
+            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first,
+            count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
+            stride_ss, stride_sb, PER_EXPERT, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK,
+        )  # fmt: skip
     k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]
@@ -138,15 +185,57 @@ def _expert_matmul_kernel(
         a = tl.load(a_ptrs + k0, mask=in_r[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=in_n[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
-    tl.store(out_ptr + r[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=in_r[:, None] & in_n)
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype)
+    if EXPAND:  # a row without LoRA adds an exact 0
+        out = (out.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
+
+
+def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int) -> tuple[list, dict]:
+    """The kernel's LoRA arguments for `expand` (checked against x [., K] and the output [rows, width]) and its
+    constexprs, with a column tile that does not straddle two parts (gate | up)."""
+    y, b, groups = expand.y, expand.b, expand.groups
+    if expand.per_expert:
+        num_slots, parts, count, part_cols, rank = b.shape
+        b_strides = b.stride()
+        block_stride = rank
+        want_y = (x.shape[0], parts * groups.groups * rank)
+    else:  # one B per group: the group takes the expert's place in B's strides
+        num_slots, _, part_cols, rank = b.shape
+        parts, count = 1, groups.count
+        b_strides = (b.stride(0), 0, b.stride(1), b.stride(2), b.stride(3))
+        block_stride = 0
+        want_y = (x.shape[0], rank)
+    require(
+        tuple(y.shape) == want_y and y.stride(1) == 1,
+        f"the expand's y must be {list(want_y)} with unit column stride, got {list(y.shape)} (strides {y.stride()})",
+    )
+    require(parts * part_cols == width, f"the expand's B gives {parts} x {part_cols} columns, the output {width}")
+    require(groups.count == count, f"groups cover {groups.count} experts, the expand's B has {count}")
+    require(expand.slots.shape == (rows,), f"the expand's slots must be [M={rows}], got {list(expand.slots.shape)}")
+    block_n = next((size for size in (64, 32, 16) if parts == 1 or part_cols % size == 0), None)
+    require(block_n is not None, f"the expand's {part_cols} columns per part must be a multiple of 16")
+    stride_ss, stride_sb = scale_strides(expand.scalings, num_slots, parts * groups.groups)
+    args = [
+        y, b, expand.slots, expand.scalings, rank, part_cols, groups.first, groups.count, local_split(groups),
+        groups.groups, y.stride(0), block_stride, *b_strides, stride_ss, stride_sb,
+    ]  # fmt: skip
+    return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=pow2(rank, 2), BLOCK_N=block_n)
 
 
 def expert_matmul(
-    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tokens: torch.Tensor | None, max_rows: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    tokens: torch.Tensor | None,
+    max_rows: int,
+    expand: RowExpand | None = None,
 ) -> torch.Tensor:
     """`torch_ops.expert_matmul` as one Triton kernel, a program per (column block, block of an expert's rows,
     expert), each streaming its expert's weight block once for up to 64 rows: at decode sizes (a few rows per
-    expert) it reads the weights near the memory's speed, where a grouped GEMM's 128-row tiles do not."""
+    expert) it reads the weights near the memory's speed, where a grouped GEMM's 128-row tiles do not. `expand`'s
+    LoRA is added in the epilogue, so an adapter costs no launch and no second pass over the output."""
     experts, width, depth = weight.shape
     rows = tokens.shape[0] if tokens is not None else x.shape[0]
     if x.shape[-1] != depth or x.stride(-1) != 1 or weight.stride(-1) != 1 or ends.shape != (experts,):
@@ -157,39 +246,96 @@ def expert_matmul(
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    if expand is None:
+        lora = [ends] * 4 + [0] * 15
+        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=2, BLOCK_N=64)
+    else:
+        lora, consts = _expand_args(expand, x, rows, width)
     block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
-    block_n, block_k = 64, 128
-    grid = (triton.cdiv(width, block_n), triton.cdiv(max_rows, block_m), experts)
+    # B's rank blocks per load: an [M, N, R_CHUNK] tile of at most 16K elements
+    consts["R_CHUNK"] = max(2, min(consts["BLOCK_R"], 16384 // (block_m * consts["BLOCK_N"])))
+    grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
-        weight.stride(1), out.stride(0), GATHER=tokens is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+        weight.stride(1), out.stride(0), *lora, GATHER=tokens is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_K=128, num_warps=4, num_stages=4, **consts,
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, F, stride_xm, stride_om, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    x_ptr, out_ptr, F, stride_xm, stride_om, a_ptr, slot_ptr, expert_ptr, y_ptr, R, first, count, stride_as,
+    stride_ae, stride_ar, stride_ym,
+    PRECISE: tl.constexpr, SHRINK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Row m's silu(gate) * up over its column blocks (the grid's second axis strides them); with SHRINK (one
+    program per row) also y[m] = act[m] @ A[slot, expert]^T, summed in fp32 over the rounded act, then rounded."""
     m = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_c = c < F
     dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + m * stride_xm + c, mask=in_c, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + m * stride_xm + F + c, mask=in_c, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + (libdevice.exp(-gate) if PRECISE else tl.exp(-gate)))).to(dtype)
-    tl.store(out_ptr + m * stride_om + c, (silu.to(tl.float32) * up).to(dtype), mask=in_c)
+    rr = tl.arange(0, BLOCK_R)
+    y = tl.zeros([BLOCK_R], tl.float32)
+    covered = False
+    a_row = a_ptr
+    if SHRINK:
+        slot = tl.load(slot_ptr + m)
+        local = tl.load(expert_ptr + m).to(tl.int32) - first
+        covered = (slot >= 0) & (local >= 0) & (local < count)
+        a_row = a_ptr + slot.to(tl.int64) * stride_as + local.to(tl.int64) * stride_ae
+    for c0 in range(tl.program_id(1) * BLOCK, F, tl.num_programs(1) * BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        in_c = c < F
+        gate = tl.load(x_ptr + m * stride_xm + c, mask=in_c, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + m * stride_xm + F + c, mask=in_c, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + (libdevice.exp(-gate) if PRECISE else tl.exp(-gate)))).to(dtype)
+        act = (silu.to(tl.float32) * up).to(dtype)
+        tl.store(out_ptr + m * stride_om + c, act, mask=in_c)
+        if covered:  # False, a constant, without SHRINK
+            a_ptrs = a_row + rr[:, None] * stride_ar + c[None, :]
+            at = tl.load(a_ptrs, mask=(rr < R)[:, None] & in_c[None, :], other=0.0)
+            y += tl.sum(at.to(tl.float32) * act.to(tl.float32)[None, :], axis=1)
+    if SHRINK:
+        tl.store(y_ptr + m * stride_ym + rr, y.to(dtype), mask=rr < R)
+
+
+def _silu_mul(gate_up: torch.Tensor, shrink: tuple | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """silu_mul's launch, with `shrink` (lora_a, slots, expert_ids, groups) or without; (act, y or None)."""
+    rows, width = gate_up.shape
+    if width % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"silu_mul needs rows [M, 2F] with unit column stride, got {list(gate_up.shape)}")
+    half = width // 2
+    out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(triton.next_power_of_2(half), 1024)
+    if shrink is None:
+        y, args, consts = None, [gate_up] * 4 + [0] * 7, dict(SHRINK=False, BLOCK_R=16)
+        grid = (rows, triton.cdiv(half, block))
+    else:
+        lora_a, slots, expert_ids, groups = shrink
+        _, count, rank, depth = lora_a.shape
+        require(depth == half and lora_a.stride(3) == 1, f"lora_a must be [S, E, R, F={half}] with unit F stride")
+        require(slots.shape == expert_ids.shape == (rows,), f"slots and expert_ids must be [M={rows}]")
+        require(groups.count == count, f"groups cover {groups.count} experts, lora_a has {count}")
+        y = torch.empty(rows, rank, dtype=gate_up.dtype, device=gate_up.device)
+        args = [lora_a, slots, expert_ids, y, rank, groups.first, count, *lora_a.stride()[:3], y.stride(0)]
+        block_r = pow2(rank)
+        consts, grid = dict(SHRINK=True, BLOCK_R=block_r), (rows, 1)
+        block = min(block, max(16, 8192 // block_r))  # the A tile [R, BLOCK] in registers
+    if out.numel():
+        _silu_mul_kernel[grid](
+            gate_up, out, half, gate_up.stride(0), out.stride(0), *args, PRECISE=gate_up.is_cuda, BLOCK=block, **consts
+        )
+    return out, y
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`torch_ops.silu_mul` as one Triton kernel, torch's formula x / (1 + exp(-x)) with CUDA's exp (libdevice)."""
-    rows, width = gate_up.shape
-    if width % 2 or gate_up.stride(1) != 1:
-        raise ValueError(f"silu_mul needs rows [M, 2F] with unit column stride, got {list(gate_up.shape)}")
-    out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
-    if out.numel():
-        block = min(triton.next_power_of_2(width // 2), 1024)
-        grid = (rows, triton.cdiv(width // 2, block))
-        _silu_mul_kernel[grid](
-            gate_up, out, width // 2, gate_up.stride(0), out.stride(0), PRECISE=gate_up.is_cuda, BLOCK=block
-        )
-    return out
+    return _silu_mul(gate_up, None)[0]
+
+
+def silu_mul_shrink(
+    gate_up: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, expert_ids: torch.Tensor, groups: ExpertGroups
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch_ops.silu_mul_shrink` as one kernel: a program per row holds the row's act, so the down LoRA's shrink
+    of it costs a read of the row's A, not a launch that reads the act again."""
+    act, y = _silu_mul(gate_up, (lora_a, slots, expert_ids, groups))
+    return act, y

@@ -17,9 +17,10 @@ obey it):
     ShortConv, the Q/K norms and the cache write) and each attention over the cache are one Triton kernel
     (`inkwell.kernels.triton_short_conv`, `triton_attention_prologue`, `triton_decode_attention`), and so are the
     MoE layer's dispatch, combine, silu * up and expert GEMMs (`kernels.triton_moe`): 239 launches a step for
-    inkling-small where the torch ops took 668, rounding where the torch ops round.
+    inkling-small where the torch ops took 668, rounding where the torch ops round; with adapters the experts'
+    LoRA adds one launch per MoE layer (the gate/up shrink), its expands riding in the GEMMs' epilogues.
 With the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
-input) runs on the side stream while the router and the gate/up GEMM run.
+input) runs on the side stream while the router runs (and the gate/up GEMM, where that does not take its result).
 """
 
 from dataclasses import dataclass
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkwell.kernels import expert_matmul, silu_mul
-from inkwell.serving.native.lora import LoraSlots
+from inkwell.kernels import silu_mul
+from inkwell.serving.native.lora import ExpertLora, LoraSlots
 from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, few_tokens, rms_norm
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
+from inkwell.serving.native.streams import SideStream
 
 
 def grouped_mm_capturable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -258,7 +260,6 @@ class DecodeForward:
         """Routed and shared experts (one id space) as one gate/up and one down GEMM over the dispatched rows; the
         routed ids [B, top_k] are appended to `routing`."""
         m = self.model
-        p = f"model.layers.{layer}.mlp.all_experts"
         experts = lora.experts.get(layer) if lora is not None else None
         side = m.lora_stream if experts is not None else None
         if side is None:
@@ -269,26 +270,42 @@ class DecodeForward:
         index, weights = m.route(x, layer)
         routing.append(index[:, : m.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, m.num_experts)
+        if few_tokens(x):
+            if side is not None:
+                side.join()
+            down = m.few_experts(x, layer, rows, shrunk, experts)
+        else:
+            down = self._many_experts(x, layer, rows, shrunk, experts, side)
+        return rows.combine(down, x.shape[0], x.dtype)
+
+    def _many_experts(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        rows: Dispatch,
+        shrunk: torch.Tensor | None,
+        experts: ExpertLora | None,
+        side: SideStream | None,
+    ) -> torch.Tensor:
+        """`InklingModel.run_experts` past `few_tokens`, capturable: the grouped GEMM where it needs no host sync,
+        else every expert over every token and each dispatched row's own; `shrunk` is joined from `side` after the
+        gate/up GEMM."""
+        m = self.model
+        p = f"model.layers.{layer}.mlp.all_experts"
         gate_up_w, down_w = m.w[f"{p}.gate_up_proj"], m.w[f"{p}.down_proj"]
-        tokens = x.shape[0]
-        few = few_tokens(x)
-        if few:
-            gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens)
-        elif self.grouped_mm:
+        if self.grouped_mm:
             gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, None)
-        else:  # every expert on every token, then each dispatched row's own
+        else:
             gate_up = torch.matmul(x, gate_up_w.transpose(1, 2))[rows.experts, rows.tokens]
         if side is not None:
             side.join()
         m.add_gate_up_lora(shrunk, rows, experts, gate_up)
         act = silu_mul(gate_up)
-        if few:
-            down = expert_matmul(act, down_w, rows.ends, None, tokens)
-        elif self.grouped_mm:
+        if self.grouped_mm:
             down = expert_gemm(act, down_w, rows.ends, None)
         else:  # a token's experts are distinct, so each (expert, token) cell holds one dispatched row
             cells = act.new_zeros(down_w.shape[0], x.shape[0], act.shape[1])
             cells[rows.experts, rows.tokens] = act
             down = torch.matmul(cells, down_w.transpose(1, 2))[rows.experts, rows.tokens]
         m.add_down_lora(act, rows, experts, down)
-        return rows.combine(down, x.shape[0], x.dtype)
+        return down

@@ -22,6 +22,7 @@ from transformers import InklingTextConfig
 
 from inkwell.kernels import (
     EXPERT_MATMUL_MAX_TOKENS,
+    RowExpand,
     expert_down_lora,
     expert_in_lora_expand,
     expert_matmul,
@@ -33,6 +34,7 @@ from inkwell.kernels import (
     one_launch_projection,
     shared_sink_route,
     silu_mul,
+    silu_mul_shrink,
 )
 from inkwell.serving.native.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
@@ -589,21 +591,37 @@ class InklingModel:
     ) -> torch.Tensor:
         """The down outputs [M, H] of the dispatched `rows` of tokens x [T, H], each through its expert (LoRA
         included), in the rows' order."""
-        p = f"model.layers.{layer}.mlp.all_experts"
-        gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
         if few_tokens(x):
-            gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, x.shape[0])
-        else:
-            bounds = None if self.grouped_mm else rows.ends.tolist()
-            gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, bounds)
+            return self.few_experts(x, layer, rows, self.expert_shrink(x, slots, experts), experts)
+        p = f"model.layers.{layer}.mlp.all_experts"
+        bounds = None if self.grouped_mm else rows.ends.tolist()
+        gate_up = expert_gemm(x[rows.tokens], self.w[f"{p}.gate_up_proj"], rows.ends, bounds)
         self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
         act = silu_mul(gate_up)
-        if few_tokens(x):
-            down = expert_matmul(act, down_w, rows.ends, None, x.shape[0])
-        else:
-            down = expert_gemm(act, down_w, rows.ends, bounds)
+        down = expert_gemm(act, self.w[f"{p}.down_proj"], rows.ends, bounds)
         self.add_down_lora(act, rows, experts, down)
         return down
+
+    def few_experts(
+        self, x: torch.Tensor, layer: int, rows: Dispatch, shrunk: torch.Tensor | None, experts: ExpertLora | None
+    ) -> torch.Tensor:
+        """`run_experts` at decode sizes (`few_tokens`), given the gate/up LoRA's `shrunk` tokens: three kernels
+        with or without adapters, the experts' GEMMs with each LoRA expand in their epilogue and the down LoRA's
+        shrink inside silu * up (which holds each row's activations)."""
+        p = f"model.layers.{layer}.mlp.all_experts"
+        tokens = x.shape[0]
+        gate_up_expand = down_expand = None
+        if experts is not None:
+            buf = experts.gate_up
+            gate_up_expand = RowExpand(shrunk, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
+        gate_up = expert_matmul(x, self.w[f"{p}.gate_up_proj"], rows.ends, rows.tokens, tokens, gate_up_expand)
+        if experts is None:
+            act = silu_mul(gate_up)
+        else:
+            buf = experts.down
+            act, y = silu_mul_shrink(gate_up, buf.a, rows.slots, rows.experts, experts.groups)
+            down_expand = RowExpand(y, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
+        return expert_matmul(act, self.w[f"{p}.down_proj"], rows.ends, None, tokens, down_expand)
 
     # ---- the whole model ----------------------------------------------------------------------
 

@@ -76,6 +76,48 @@ def check_silu_mul(device: str, dtype: torch.dtype, rows: int, width: int) -> No
     assert_close(got, expected, dtype, "silu(gate) * up")
 
 
+def check_expert_lora_epilogues(device: str, dtype: torch.dtype, tokens: int, hidden: int, ffn: int, rank: int):
+    """The experts' gate/up GEMM with its LoRA expand in the epilogue, silu * up with the down LoRA's shrink, and
+    the down GEMM with its expand, against the torch twins' GEMM-then-LoRA in float64 on the same rows: 4 slots
+    (rows of slot -1 and of every slot), rank `rank` (padded tiles where it is under 16), both expert groups
+    covered, and then only the routed experts (the shared experts' rows get no LoRA)."""
+    from inkwell.kernels import triton_moe
+
+    index, weights, slots, experts = routed(tokens, 4, 16, 2, 0, seed=tokens + rank)
+    _, row_tokens, row_experts, _, row_slots, ends, _ = torch_ops.moe_dispatch(index, weights, slots, experts)
+    gen = torch.Generator().manual_seed(hidden + ffn)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate_up_w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(dtype)
+    down_w = (torch.randn(experts, hidden, ffn, generator=gen) / ffn**0.5).to(dtype)
+
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    for groups in (torch_ops.ExpertGroups(0, 18, split=16), torch_ops.ExpertGroups(0, 16)):
+        g = groups.groups
+        y_in = torch.randn(tokens, 2 * g * rank, generator=gen).to(dtype)
+        b_in = (torch.randn(4, 2, groups.count, ffn, rank, generator=gen) / rank**0.5).to(dtype)
+        a_down = (torch.randn(4, groups.count, rank, ffn, generator=gen) / ffn**0.5).to(dtype)
+        b_down = (torch.randn(4, g, hidden, rank, generator=gen) / rank**0.5).to(dtype)
+        s_in, s_down = torch.rand(4, 2 * g, generator=gen) + 0.5, torch.rand(4, g, generator=gen) + 0.5
+        rows = (row_slots, row_experts)
+        what = f"{groups}, {dtype}"
+        ref_in = torch_ops.RowExpand(y_in.double(), b_in.double(), *rows, s_in, groups)
+        want_gate_up = torch_ops.expert_matmul(x.double(), gate_up_w.double(), ends, row_tokens, tokens, ref_in)
+        expand_in = torch_ops.RowExpand(*map(on, (y_in, b_in, *rows, s_in)), groups)
+        gate_up = triton_moe.expert_matmul(on(x), on(gate_up_w), on(ends), on(row_tokens), tokens, expand_in)
+        assert_close(gate_up, want_gate_up, dtype, f"gate/up GEMM with its expand ({what})")
+        want_act, want_y = torch_ops.silu_mul_shrink(gate_up.cpu().double(), a_down.double(), *rows, groups)
+        act, y = triton_moe.silu_mul_shrink(gate_up, on(a_down), *map(on, rows), groups)
+        assert_close(act, want_act, dtype, f"silu * up beside the shrink ({what})")
+        assert_close(y, want_y, dtype, f"the down LoRA's shrink in silu * up ({what})")
+        ref_down = torch_ops.RowExpand(y.cpu().double(), b_down.double(), *rows, s_down, groups)
+        want_down = torch_ops.expert_matmul(act.cpu().double(), down_w.double(), ends, None, tokens, ref_down)
+        expand_down = torch_ops.RowExpand(y, *map(on, (b_down, *rows, s_down)), groups)
+        down = triton_moe.expert_matmul(act, on(down_w), on(ends), None, tokens, expand_down)
+        assert_close(down, want_down, dtype, f"down GEMM with its expand ({what})")
+
+
 CASES = [  # (tokens, top_k, routed, shared, beyond): decode, rows across sort blocks (> 256), a rank's share
     (8, 4, 16, 2, 0),
     (61, 4, 16, 2, 0),
@@ -92,6 +134,7 @@ def run_interpreted_cases() -> None:
         for tokens, width, depth in ((8, 72, 136), (40, 64, 40)):  # partial column and K blocks; 40 rows > 16
             check_expert_matmul("cpu", dtype, tokens, width, depth)
         check_silu_mul("cpu", dtype, 5, 40)
+        check_expert_lora_epilogues("cpu", dtype, 6, 40, 48, 8)  # 48 columns a part: 16-column tiles
     print("interpreted cases passed")
 
 
@@ -128,3 +171,10 @@ def test_expert_matmul_on_gpu_at_inkling_small_widths(dtype, tokens):
     check_expert_matmul("cuda", dtype, tokens, 1024, 2048)  # gate/up
     check_expert_matmul("cuda", dtype, tokens, 2048, 512)  # down
     check_silu_mul("cuda", dtype, tokens * 6, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 8, 128])
+def test_expert_lora_epilogues_on_gpu_at_inkling_small_widths(dtype, tokens):
+    check_expert_lora_epilogues("cuda", dtype, tokens, 2048, 512, 16)
