@@ -6,6 +6,7 @@ CUDA only and are imported where used, so CPU processes never load Triton.
 """
 
 from inkwell.kernels.dispatch import (
+    EXPERT_LORA_EPILOGUE_MAX_TOKENS,
     EXPERT_MATMUL_MAX_TOKENS,
     FUSED_MAX_N,
     FUSED_MAX_TOKENS,
@@ -26,14 +27,16 @@ from inkwell.kernels.dispatch import (
     silu_mul,
     silu_mul_shrink,
 )
-from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
+from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 
 __all__ = [
+    "EXPERT_LORA_EPILOGUE_MAX_TOKENS",
     "EXPERT_MATMUL_MAX_TOKENS",
     "FUSED_MAX_N",
     "FUSED_MAX_TOKENS",
     "ExpertGroups",
     "RowExpand",
+    "TokenShrink",
     "expert_down_lora",
     "expert_in_lora_expand",
     "expert_lora_shrink",

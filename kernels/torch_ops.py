@@ -9,7 +9,7 @@ Triton twins in this package match.
 """
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +161,16 @@ def expert_out_lora_expand(
 
 
 @dataclass(frozen=True)
+class TokenShrink:
+    """A gate/up `RowExpand`'s y left for `expert_matmul` to compute, the tokens' x @ A[slot]^T (`lora_shrink`): on
+    CUDA it launches the shrink right before the GEMM, which starts beside it (programmatic dependent launch) and
+    waits for it only where its epilogue needs y."""
+
+    a: torch.Tensor  # [S, P*G*R, K], each group's gate and up A
+    token_slots: torch.Tensor  # [T]
+
+
+@dataclass(frozen=True)
 class RowExpand:
     """A LoRA expand that `expert_matmul` adds to its output rows, in its epilogue on CUDA: output row i (x's row
     `tokens[i]`, or i) adds scalings[slot, block] * y[that row of x, block] @ B^T, rounded as `expert_in_lora_expand`
@@ -168,7 +178,7 @@ class RowExpand:
     shrink, block p*G+g for projection p of group g), or per group, [S, G, N, R] (the down: y [M, R], block g).
     Rows of slot -1, or of an expert the groups do not cover, get nothing."""
 
-    y: torch.Tensor
+    y: torch.Tensor | TokenShrink
     b: torch.Tensor
     slots: torch.Tensor  # [M], each output row's slot
     experts: torch.Tensor  # [M], each output row's expert id (sorted: the kernel reads it from its grid)
@@ -249,6 +259,8 @@ def expert_matmul(
     if expand is None:
         return out
     e = expand
+    if isinstance(e.y, TokenShrink):
+        e = replace(e, y=lora_shrink(x, e.y.a, e.y.token_slots))
     if e.per_expert:
         sources = tokens if tokens is not None else torch.arange(out.shape[0], device=out.device)
         return expert_in_lora_expand(e.y, e.b, e.slots, e.experts, e.scalings, out, sources, e.groups)

@@ -9,13 +9,17 @@ expert before it) and writes every output there. The combine is one program per 
 the token's rows in its own order, so the result does not depend on the sort.
 """
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_wait
 
-from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
+from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 from inkwell.kernels.triton_lora.common import local_split, pow2, require, scale_strides
+from inkwell.kernels.triton_lora.dense import lora_shrink
 
 
 @triton.jit
@@ -112,6 +116,22 @@ def moe_combine(
     return result
 
 
+# expert_matmul's tiles (BLOCK_N the widest column tile: an expand's parts may take a half or less of it), from
+# benchmarks/bench_expert_matmul.py on the H200 (2026-12-03): 128 x 64 columns x K where a program has little K to
+# stream or many rows (inkling-small's down GEMM 1.08-1.17x at 8-128 tokens, its gate/up 1.26x at 128), 64 x 128
+# for the deep, few-row gate/up of decode (0.96-0.99x with the wider tile). The sweep sets `tile_override`.
+WIDE_TILES = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+DEEP_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+tile_override: dict | None = None
+
+
+def expert_tiles(depth: int, max_rows: int) -> dict:
+    """expert_matmul's tiles for weights of K = `depth` and up to `max_rows` rows per expert."""
+    if tile_override is not None:
+        return tile_override
+    return WIDE_TILES if depth <= 1024 or max_rows >= 64 else DEEP_TILES
+
+
 @triton.jit
 def _row_deltas(
     e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first, count, split, groups,
@@ -150,13 +170,14 @@ def _expert_matmul_kernel(
     y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first, count, split, groups, stride_ym, stride_yb, stride_bs,
     stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    R_CHUNK: tl.constexpr,
+    WAIT_FOR_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
     output rounded, itself rounded first, as `plus_delta` adds it after a GEMM; it is computed before the K loop,
-    which needs none of it, so its loads are in flight with the loop's first ones."""
+    which needs none of it, so its loads are in flight with the loop's first ones, or with WAIT_FOR_Y (y is being
+    written by the kernel launched before this one) after the loop and the wait."""
     n_block = tl.program_id(0)
     m_block = tl.program_id(1)
     e = tl.program_id(2)
@@ -170,7 +191,7 @@ def _expert_matmul_kernel(
     src = tl.load(tokens_ptr + r, mask=in_r, other=0).to(tl.int64) if GATHER else r
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < N
-    if EXPAND:
+    if EXPAND and not WAIT_FOR_Y:
         delta = _row_deltas(
             e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first,
             count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
@@ -185,6 +206,13 @@ def _expert_matmul_kernel(
         a = tl.load(a_ptrs + k0, mask=in_r[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=in_n[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
+    if WAIT_FOR_Y:  # the shrink launched before this GEMM, which ran beside its K loop
+        gdc_wait()
+        delta = _row_deltas(
+            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first,
+            count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
+            stride_ss, stride_sb, PER_EXPERT, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK,
+        )  # fmt: skip
     dtype = out_ptr.dtype.element_ty
     out = acc.to(dtype)
     if EXPAND:  # a row without LoRA adds an exact 0
@@ -192,7 +220,7 @@ def _expert_matmul_kernel(
     tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
 
 
-def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int) -> tuple[list, dict]:
+def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int) -> tuple[list, dict]:
     """The kernel's LoRA arguments for `expand` (checked against x [., K] and the output [rows, width]) and its
     constexprs, with a column tile that does not straddle two parts (gate | up)."""
     y, b, groups = expand.y, expand.b, expand.groups
@@ -214,8 +242,9 @@ def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int) -> t
     require(parts * part_cols == width, f"the expand's B gives {parts} x {part_cols} columns, the output {width}")
     require(groups.count == count, f"groups cover {groups.count} experts, the expand's B has {count}")
     require(expand.slots.shape == (rows,), f"the expand's slots must be [M={rows}], got {list(expand.slots.shape)}")
-    block_n = next((size for size in (64, 32, 16) if parts == 1 or part_cols % size == 0), None)
-    require(block_n is not None, f"the expand's {part_cols} columns per part must be a multiple of 16")
+    sizes = (widest >> halving for halving in range(widest.bit_length()))
+    block_n = next((size for size in sizes if parts == 1 or part_cols % size == 0), 0)
+    require(block_n >= 16, f"the expand's {part_cols} columns per part must be a multiple of 16")
     stride_ss, stride_sb = scale_strides(expand.scalings, num_slots, parts * groups.groups)
     args = [
         y, b, expand.slots, expand.scalings, rank, part_cols, groups.first, groups.count, local_split(groups),
@@ -235,7 +264,8 @@ def expert_matmul(
     """`torch_ops.expert_matmul` as one Triton kernel, a program per (column block, block of an expert's rows,
     expert), each streaming its expert's weight block once for up to 64 rows: at decode sizes (a few rows per
     expert) it reads the weights near the memory's speed, where a grouped GEMM's 128-row tiles do not. `expand`'s
-    LoRA is added in the epilogue, so an adapter costs no launch and no second pass over the output."""
+    LoRA is added in the epilogue, so an adapter costs no launch and no second pass over the output; a `TokenShrink`
+    y is launched just before, beside the K loop."""
     experts, width, depth = weight.shape
     rows = tokens.shape[0] if tokens is not None else x.shape[0]
     if x.shape[-1] != depth or x.stride(-1) != 1 or weight.stride(-1) != 1 or ends.shape != (experts,):
@@ -246,11 +276,17 @@ def expert_matmul(
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    wait = False
+    if expand is not None and isinstance(expand.y, TokenShrink):
+        wait = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
+        expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, launch_dependents=wait))
+    tiles = expert_tiles(depth, max_rows)
     if expand is None:
         lora = [ends] * 4 + [0] * 15
-        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=2, BLOCK_N=64)
+        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=2, BLOCK_N=tiles["BLOCK_N"])
     else:
-        lora, consts = _expand_args(expand, x, rows, width)
+        lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
+    consts["WAIT_FOR_Y"] = wait
     block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     # B's rank blocks per load: an [M, N, R_CHUNK] tile of at most 16K elements
     consts["R_CHUNK"] = max(2, min(consts["BLOCK_R"], 16384 // (block_m * consts["BLOCK_N"])))
@@ -258,7 +294,8 @@ def expert_matmul(
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
         weight.stride(1), out.stride(0), *lora, GATHER=tokens is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_K=128, num_warps=4, num_stages=4, **consts,
+        BLOCK_M=block_m, BLOCK_K=tiles["BLOCK_K"], num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        **consts, **({"launch_pdl": True} if wait else {}),
     )  # fmt: skip
     return out
 

@@ -288,14 +288,19 @@ def launch_fused(
 # ---- public ops: the torch twins' signatures --------------------------------------------------------
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, launch_dependents: bool = False
+) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks.
 
-    Up to FUSED_MAX_TOKENS tokens (decode) the K loop is split over SHRINK_SPLIT_K programs per slot."""
+    Up to FUSED_MAX_TOKENS tokens (decode) the K loop is split over SHRINK_SPLIT_K programs per slot. With
+    `launch_dependents` the next kernel, launched with `launch_pdl`, may start at once and must wait for y."""
     require(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
     _check_shrink(x, lora_a, token_slots)
     split_k = SHRINK_SPLIT_K if x.shape[0] <= FUSED_MAX_TOKENS else 1
-    return launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, split_k=split_k)
+    return launch_shrink(
+        x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=launch_dependents, split_k=split_k
+    )
 
 
 def lora_expand(

@@ -18,9 +18,10 @@ obey it):
     (`inkwell.kernels.triton_short_conv`, `triton_attention_prologue`, `triton_decode_attention`), and so are the
     MoE layer's dispatch, combine, silu * up and expert GEMMs (`kernels.triton_moe`): 239 launches a step for
     inkling-small where the torch ops took 668, rounding where the torch ops round; with adapters the experts'
-    LoRA adds one launch per MoE layer (the gate/up shrink), its expands riding in the GEMMs' epilogues.
-With the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
-input) runs on the side stream while the router runs (and the gate/up GEMM, where that does not take its result).
+    LoRA adds one launch per MoE layer (the gate/up shrink, beside the gate/up GEMM), its expands riding in the
+    GEMMs' epilogues.
+Past `few_tokens`, with the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
+input) runs on the side stream while the router and the gate/up GEMM run.
 """
 
 from dataclasses import dataclass
@@ -261,19 +262,19 @@ class DecodeForward:
         routed ids [B, top_k] are appended to `routing`."""
         m = self.model
         experts = lora.experts.get(layer) if lora is not None else None
-        side = m.lora_stream if experts is not None else None
-        if side is None:
-            shrunk = m.expert_shrink(x, slots, experts)
-        else:
+        few = few_tokens(x)  # then the gate/up shrink runs beside the gate/up GEMM, in `few_experts`
+        side = m.lora_stream if experts is not None and not few else None
+        shrunk = None
+        if side is not None:
             with side.fork():
                 shrunk = m.expert_shrink(x, slots, experts)
+        elif not few:
+            shrunk = m.expert_shrink(x, slots, experts)
         index, weights = m.route(x, layer)
         routing.append(index[:, : m.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, m.num_experts)
-        if few_tokens(x):
-            if side is not None:
-                side.join()
-            down = m.few_experts(x, layer, rows, shrunk, experts)
+        if few:
+            down = m.few_experts(x, layer, rows, slots, experts)
         else:
             down = self._many_experts(x, layer, rows, shrunk, experts, side)
         return rows.combine(down, x.shape[0], x.dtype)

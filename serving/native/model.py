@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from transformers import InklingTextConfig
 
 from inkwell.kernels import (
+    EXPERT_LORA_EPILOGUE_MAX_TOKENS,
     EXPERT_MATMUL_MAX_TOKENS,
     RowExpand,
+    TokenShrink,
     expert_down_lora,
     expert_in_lora_expand,
     expert_matmul,
@@ -592,7 +594,7 @@ class InklingModel:
         """The down outputs [M, H] of the dispatched `rows` of tokens x [T, H], each through its expert (LoRA
         included), in the rows' order."""
         if few_tokens(x):
-            return self.few_experts(x, layer, rows, self.expert_shrink(x, slots, experts), experts)
+            return self.few_experts(x, layer, rows, slots, experts)
         p = f"model.layers.{layer}.mlp.all_experts"
         bounds = None if self.grouped_mm else rows.ends.tolist()
         gate_up = expert_gemm(x[rows.tokens], self.w[f"{p}.gate_up_proj"], rows.ends, bounds)
@@ -603,25 +605,35 @@ class InklingModel:
         return down
 
     def few_experts(
-        self, x: torch.Tensor, layer: int, rows: Dispatch, shrunk: torch.Tensor | None, experts: ExpertLora | None
+        self, x: torch.Tensor, layer: int, rows: Dispatch, slots: torch.Tensor, experts: ExpertLora | None
     ) -> torch.Tensor:
-        """`run_experts` at decode sizes (`few_tokens`), given the gate/up LoRA's `shrunk` tokens: three kernels
-        with or without adapters, the experts' GEMMs with each LoRA expand in their epilogue and the down LoRA's
-        shrink inside silu * up (which holds each row's activations)."""
+        """`run_experts` at decode sizes (`few_tokens`) of tokens x with LoRA `slots`: three kernels without
+        adapters, the experts' GEMMs and silu * up, and one more with them, the gate/up shrink, which runs beside
+        the gate/up GEMM; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
+        holds each row's activations). Past EXPERT_LORA_EPILOGUE_MAX_TOKENS the LoRA kernels follow each GEMM."""
         p = f"model.layers.{layer}.mlp.all_experts"
+        gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
         tokens = x.shape[0]
+        if experts is not None and tokens > EXPERT_LORA_EPILOGUE_MAX_TOKENS:  # the LoRA kernels after each GEMM
+            gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens)
+            self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
+            act = silu_mul(gate_up)
+            down = expert_matmul(act, down_w, rows.ends, None, tokens)
+            self.add_down_lora(act, rows, experts, down)
+            return down
         gate_up_expand = down_expand = None
         if experts is not None:
             buf = experts.gate_up
-            gate_up_expand = RowExpand(shrunk, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
-        gate_up = expert_matmul(x, self.w[f"{p}.gate_up_proj"], rows.ends, rows.tokens, tokens, gate_up_expand)
+            shrink = TokenShrink(buf.a, slots)
+            gate_up_expand = RowExpand(shrink, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
+        gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens, gate_up_expand)
         if experts is None:
             act = silu_mul(gate_up)
         else:
             buf = experts.down
             act, y = silu_mul_shrink(gate_up, buf.a, rows.slots, rows.experts, experts.groups)
             down_expand = RowExpand(y, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
-        return expert_matmul(act, self.w[f"{p}.down_proj"], rows.ends, None, tokens, down_expand)
+        return expert_matmul(act, down_w, rows.ends, None, tokens, down_expand)
 
     # ---- the whole model ----------------------------------------------------------------------
 

@@ -77,8 +77,9 @@ def check_silu_mul(device: str, dtype: torch.dtype, rows: int, width: int) -> No
 
 
 def check_expert_lora_epilogues(device: str, dtype: torch.dtype, tokens: int, hidden: int, ffn: int, rank: int):
-    """The experts' gate/up GEMM with its LoRA expand in the epilogue, silu * up with the down LoRA's shrink, and
-    the down GEMM with its expand, against the torch twins' GEMM-then-LoRA in float64 on the same rows: 4 slots
+    """The experts' gate/up GEMM with its LoRA expand in the epilogue (given the tokens' shrink, or launching it
+    first), silu * up with the down LoRA's shrink, and the down GEMM with its expand, against the torch twins'
+    GEMM-then-LoRA in float64 on the same rows: 4 slots
     (rows of slot -1 and of every slot), rank `rank` (padded tiles where it is under 16), both expert groups
     covered, and then only the routed experts (the shared experts' rows get no LoRA)."""
     from inkwell.kernels import triton_moe
@@ -107,6 +108,14 @@ def check_expert_lora_epilogues(device: str, dtype: torch.dtype, tokens: int, hi
         expand_in = torch_ops.RowExpand(*map(on, (y_in, b_in, *rows, s_in)), groups)
         gate_up = triton_moe.expert_matmul(on(x), on(gate_up_w), on(ends), on(row_tokens), tokens, expand_in)
         assert_close(gate_up, want_gate_up, dtype, f"gate/up GEMM with its expand ({what})")
+        a_in = (torch.randn(4, 2 * g * rank, hidden, generator=gen) / hidden**0.5).to(dtype)
+        shrink = torch_ops.TokenShrink(a_in.double(), slots)
+        ref_shrunk = torch_ops.RowExpand(shrink, b_in.double(), *rows, s_in, groups)
+        want = torch_ops.expert_matmul(x.double(), gate_up_w.double(), ends, row_tokens, tokens, ref_shrunk)
+        shrink = torch_ops.TokenShrink(on(a_in), on(slots))
+        expand_shrunk = torch_ops.RowExpand(shrink, *map(on, (b_in, *rows, s_in)), groups)
+        got = triton_moe.expert_matmul(on(x), on(gate_up_w), on(ends), on(row_tokens), tokens, expand_shrunk)
+        assert_close(got, want, dtype, f"gate/up GEMM after the tokens' shrink ({what})")
         want_act, want_y = torch_ops.silu_mul_shrink(gate_up.cpu().double(), a_down.double(), *rows, groups)
         act, y = triton_moe.silu_mul_shrink(gate_up, on(a_down), *map(on, rows), groups)
         assert_close(act, want_act, dtype, f"silu * up beside the shrink ({what})")
