@@ -168,10 +168,11 @@ SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for a decode-sized `lo
 # The split shrink's counts: one per (token tile, slot, rank block) of a launch, zero between launches (the last
 # program of each group resets its count). One buffer per device, made on first use outside any graph capture
 # (the decode graphs' warm-up runs first), serves every launch: the engine never runs two split shrinks at once
-# (on one stream launches run in turn, and a programmatic dependent launch pairs `lora_linear`'s shrink with its
-# own GEMM only, which the next launch waits for; the experts' shrink on the LoRA side stream runs while the main
-# stream routes and runs the experts' GEMMs, no `lora_linear`); two streams running split shrinks at the same time
-# would share the counts, and must not.
+# (on one stream launches run in turn, and a programmatic dependent launch pairs a shrink only with the GEMM that
+# reads it, `lora_linear`'s or `expert_matmul`'s after a `TokenShrink`, which the next launch waits for; the
+# experts' shrink on the LoRA side stream, past decode sizes, runs while the main stream routes and runs the
+# experts' grouped GEMMs, no split shrink); two streams running split shrinks at the same time would share the
+# counts, and must not.
 SPLIT_COUNTS = 4096
 _split_counts: dict[torch.device, torch.Tensor] = {}
 
