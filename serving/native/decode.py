@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkwell.kernels import silu_mul
 from inkwell.serving.native.lora import ExpertLora, LoraSlots
 from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, few_tokens, rms_norm
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
@@ -291,22 +290,16 @@ class DecodeForward:
         """`InklingModel.run_experts` past `few_tokens`, capturable: the grouped GEMM where it needs no host sync,
         else every expert over every token and each dispatched row's own; `shrunk` is joined from `side` after the
         gate/up GEMM."""
-        m = self.model
-        p = f"model.layers.{layer}.mlp.all_experts"
-        gate_up_w, down_w = m.w[f"{p}.gate_up_proj"], m.w[f"{p}.down_proj"]
-        if self.grouped_mm:
-            gate_up = expert_gemm(x[rows.tokens], gate_up_w, rows.ends, None)
-        else:
-            gate_up = torch.matmul(x, gate_up_w.transpose(1, 2))[rows.experts, rows.tokens]
-        if side is not None:
-            side.join()
-        m.add_gate_up_lora(shrunk, rows, experts, gate_up)
-        act = silu_mul(gate_up)
-        if self.grouped_mm:
-            down = expert_gemm(act, down_w, rows.ends, None)
-        else:  # a token's experts are distinct, so each (expert, token) cell holds one dispatched row
-            cells = act.new_zeros(down_w.shape[0], x.shape[0], act.shape[1])
-            cells[rows.experts, rows.tokens] = act
-            down = torch.matmul(cells, down_w.transpose(1, 2))[rows.experts, rows.tokens]
-        m.add_down_lora(act, rows, experts, down)
-        return down
+
+        def gemm(inputs: torch.Tensor, weight: torch.Tensor, gather: bool) -> torch.Tensor:
+            if self.grouped_mm:
+                return expert_gemm(inputs[rows.tokens] if gather else inputs, weight, rows.ends, None)
+            if gather:  # every expert on every token, then each dispatched row's own
+                return torch.matmul(inputs, weight.transpose(1, 2))[rows.experts, rows.tokens]
+            # a token's experts are distinct, so each (expert, token) cell holds one dispatched row
+            cells = inputs.new_zeros(weight.shape[0], x.shape[0], inputs.shape[1])
+            cells[rows.experts, rows.tokens] = inputs
+            return torch.matmul(cells, weight.transpose(1, 2))[rows.experts, rows.tokens]
+
+        join = side.join if side is not None else None
+        return self.model.experts_then_lora(x, layer, rows, shrunk, experts, gemm, join)

@@ -595,12 +595,33 @@ class InklingModel:
         included), in the rows' order."""
         if few_tokens(x):
             return self.few_experts(x, layer, rows, slots, experts)
-        p = f"model.layers.{layer}.mlp.all_experts"
         bounds = None if self.grouped_mm else rows.ends.tolist()
-        gate_up = expert_gemm(x[rows.tokens], self.w[f"{p}.gate_up_proj"], rows.ends, bounds)
-        self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
+
+        def gemm(inputs: torch.Tensor, weight: torch.Tensor, gather: bool) -> torch.Tensor:
+            return expert_gemm(inputs[rows.tokens] if gather else inputs, weight, rows.ends, bounds)
+
+        return self.experts_then_lora(x, layer, rows, self.expert_shrink(x, slots, experts), experts, gemm)
+
+    def experts_then_lora(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        rows: Dispatch,
+        shrunk: torch.Tensor | None,
+        experts: ExpertLora | None,
+        gemm: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
+        join: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """The dispatched rows' experts with each LoRA kernel after its GEMM: gemm(x, gate/up weight, True) (its
+        rows gathered from tokens x), then (after `join`, where `shrunk` came from a side stream) the gate/up LoRA
+        of the tokens' `shrunk`, silu * up, gemm(act, down weight, False) and the down LoRA. [M, H]."""
+        p = f"model.layers.{layer}.mlp.all_experts"
+        gate_up = gemm(x, self.w[f"{p}.gate_up_proj"], True)
+        if join is not None:
+            join()
+        self.add_gate_up_lora(shrunk, rows, experts, gate_up)
         act = silu_mul(gate_up)
-        down = expert_gemm(act, self.w[f"{p}.down_proj"], rows.ends, bounds)
+        down = gemm(act, self.w[f"{p}.down_proj"], False)
         self.add_down_lora(act, rows, experts, down)
         return down
 
@@ -611,16 +632,15 @@ class InklingModel:
         adapters, the experts' GEMMs and silu * up, and one more with them, the gate/up shrink, which runs beside
         the gate/up GEMM; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
         holds each row's activations). Past EXPERT_LORA_EPILOGUE_MAX_TOKENS the LoRA kernels follow each GEMM."""
+        tokens = x.shape[0]
+        if experts is not None and tokens > EXPERT_LORA_EPILOGUE_MAX_TOKENS:
+
+            def gemm(inputs: torch.Tensor, weight: torch.Tensor, gather: bool) -> torch.Tensor:
+                return expert_matmul(inputs, weight, rows.ends, rows.tokens if gather else None, tokens)
+
+            return self.experts_then_lora(x, layer, rows, self.expert_shrink(x, slots, experts), experts, gemm)
         p = f"model.layers.{layer}.mlp.all_experts"
         gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
-        tokens = x.shape[0]
-        if experts is not None and tokens > EXPERT_LORA_EPILOGUE_MAX_TOKENS:  # the LoRA kernels after each GEMM
-            gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens)
-            self.add_gate_up_lora(self.expert_shrink(x, slots, experts), rows, experts, gate_up)
-            act = silu_mul(gate_up)
-            down = expert_matmul(act, down_w, rows.ends, None, tokens)
-            self.add_down_lora(act, rows, experts, down)
-            return down
         gate_up_expand = down_expand = None
         if experts is not None:
             buf = experts.gate_up
