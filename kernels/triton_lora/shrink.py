@@ -124,6 +124,8 @@ def _split_shrink_kernel(
     atomic count, acquire-release) sums the partials in split order, writes y and resets the count, so the next
     launch and every CUDA graph replay find it zero. Programs of slots absent from their tile exit at once.
     """
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     slot = tl.program_id(1) - 1
     split = tl.program_id(2) % SPLIT_K
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
