@@ -5,6 +5,10 @@ left empty, base-model tokens, decode and prefill sizes, bf16 and fp32; CUDA-gra
 new slot contents without recapture.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -149,3 +153,31 @@ def test_cuda_graph_replay_sees_new_slot_contents_and_slots(tokens):
     assert_close(out, ref, torch.bfloat16, "graph replay after swap")
     ref_projected = ref - base.cpu().double() + x.cpu().double() @ weight.cpu().double().t()
     assert_close(projected, ref_projected, torch.bfloat16, "lora_linear in graph replays after swap")
+
+
+LINEAR_AT_DECODE = """
+import torch
+from inkwell.kernels import lora_linear
+x = torch.randn(8, 2048, dtype=torch.bfloat16, device="cuda")
+w = torch.randn(3072, 2048, dtype=torch.bfloat16, device="cuda")
+a = torch.randn(2, 16, 2048, dtype=torch.bfloat16, device="cuda")
+b = torch.randn(2, 3072, 16, dtype=torch.bfloat16, device="cuda")
+lora_linear(x, w, a, b, torch.tensor([0, 1] * 4, device="cuda"), torch.ones(2, device="cuda"))
+torch.cuda.synchronize()
+"""
+
+
+def test_decode_shrink_lets_the_gemm_beside_it_start(tmp_path):
+    """`lora_linear` at decode sizes runs its GEMM beside the split shrink only if the shrink triggers its
+    dependent launch (without the trigger the GEMM starts once every shrink program has exited: the two in
+    series, ~265 µs a step on inkling-small) and the GEMM waits for it: read from the PTX Triton compiled."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", LINEAR_AT_DECODE], env=env, check=True, timeout=300)
+
+    def ptx(kernel: str) -> list[str]:
+        return [p.read_text() for p in tmp_path.rglob(f"{kernel}.ptx")]
+
+    shrinks, gemms = ptx("_split_shrink_kernel"), ptx("_linear_kernel")
+    assert shrinks and gemms, f"no PTX cached for the decode shrink or GEMM under {tmp_path}"
+    assert all("griddepcontrol.launch_dependents" in text for text in shrinks)
+    assert all("griddepcontrol.wait" in text for text in gemms)
