@@ -1,9 +1,9 @@
 """The shrink y = x @ A[slot, expert]^T over token tiles, for the dense projections and the experts' rows alike.
 
-Its launcher can let the next kernel start early (programmatic dependent launch), which `lora_linear` uses to
-run its base GEMM beside the shrink. At decode sizes a shrink that nothing runs beside (the experts' gate/up
-shrink) can split its K loop over several programs instead (`split_k`): one program streaming a slot's whole A
-is latency, not bandwidth, and a decode step waits for all of it.
+Its launcher can let the next kernel start early (programmatic dependent launch): `lora_linear`'s base GEMM, and
+the experts' gate/up GEMM after a `TokenShrink`, run their K loops beside the shrink and wait for y only in their
+epilogues. At decode sizes the shrink splits its K loop over several programs (`split_k`): one program streaming a
+slot's whole A is latency, not bandwidth, and the GEMM beside it waits for all of it.
 """
 
 import math
