@@ -127,11 +127,13 @@ def check_expert_lora_epilogues(device: str, dtype: torch.dtype, tokens: int, hi
         assert_close(down, want_down, dtype, f"down GEMM with its expand ({what})")
 
 
-CASES = [  # (tokens, top_k, routed, shared, beyond): decode, rows across sort blocks (> 256), a rank's share
+CASES = [  # (tokens, top_k, routed, shared, beyond): decode, rows across sort blocks (> 256), a rank's share, prefill
     (8, 4, 16, 2, 0),
     (61, 4, 16, 2, 0),
     (9, 2, 8, 2, 3),
     (1, 1, 4, 1, 0),
+    (300, 4, 16, 2, 0),  # past ONE_PROGRAM_MAX_ROWS: counted and placed by blocks
+    (700, 2, 8, 2, 3),
 ]
 
 
