@@ -7,12 +7,14 @@ each (for example the previous commit's package first on PYTHONPATH).
 Each row also gives the step's matrix throughput: 2 FLOPs per active weight per prompt token (every linear weight
 a token passes through: attention, dense MLPs, the router, top-k routed plus the shared experts; not the embedding
 or the LM head, which prefill applies to one row per prompt; attention's own products not counted), against
-`--peak` (the H200's dense bf16 figure). `--profile` then prints the CUDA kernels of one step with 8 adapters by
-total time, and how much of the step's wall time the GPU was busy.
+`--peak` (the H200's dense bf16 figure). `--profile` then prints the CUDA kernels of one step by total time, with no
+adapter and with 8, how much of the step's wall time the GPU was busy, and the host's functions (cProfile).
 Run: python benchmarks/bench_prefill.py [--preset inkling-small] [--profile]
 CPU smoke run: python benchmarks/bench_prefill.py --preset inkling-tiny --device cpu --prompt 16 --repeats 1
 """
 
+import cProfile
+import pstats
 import statistics
 import tempfile
 from pathlib import Path
@@ -48,7 +50,8 @@ def active_weights(engine: Engine) -> int:
 
 
 def profile_step(engine: Engine, clock: Clock, prompts, keys) -> None:
-    """The CUDA kernels of one prefill step by total time, and the share of the step the GPU was busy."""
+    """The CUDA kernels of one prefill step by total time, and the share of the step the GPU was busy (`keys`: each
+    prompt's adapter, None for none)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine_batch(engine, clock, prompts, keys, 1)
@@ -57,21 +60,27 @@ def profile_step(engine: Engine, clock: Clock, prompts, keys) -> None:
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3
     launches = sum(e.count for e in kernels)
+    adapters = len({key for key in keys if key is not None})
     print(
-        f"\nprofiled step: {run['prefill_s'] * 1e3:.1f} ms wall (under the profiler), GPU busy {busy:.1f} ms, "
+        f"\nprofiled step with {adapters} adapters: {run['prefill_s'] * 1e3:.1f} ms wall (under the profiler), "
+        f"GPU busy {busy:.1f} ms, "
         f"{launches} kernel launches"
     )
     print("| kernel | calls | total ms | share of busy |\n|---|---|---|---|")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
         ms = e.self_device_time_total / 1e3
         print(f"| {e.key[:90]} | {e.count} | {ms:.2f} | {ms / busy:.1%} |")
+    host = cProfile.Profile()
+    host.runcall(engine_batch, engine, clock, prompts, keys, 1)
+    print("\nthe host's side of one more step, by time in each function itself (cProfile):")
+    pstats.Stats(host).sort_stats("tottime").print_stats(15)
 
 
 def main() -> None:
     ap = engine_parser(__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the GPU (H200: 989e12)")
-    ap.add_argument("--profile", action="store_true", help="then profile one step with 8 adapters")
+    ap.add_argument("--profile", action="store_true", help="then profile one step with no adapter and one with 8")
     args = parse_engine_args(ap)
     clock = Clock(torch.device(args.device))
     with tempfile.TemporaryDirectory(prefix="bench-prefill-") as tmp:
@@ -90,7 +99,8 @@ def main() -> None:
             flops = tok_s * flops_per_token
             print(f"| {n} | {tok_s:.0f} | {step_ms:.1f} | {flops / 1e12:.1f} | {flops / args.peak:.1%} |", flush=True)
         if args.profile:
-            profile_step(engine, clock, prompts, adapter_keys(COUNTS[-1], args.batch))
+            for n in (0, COUNTS[-1]):
+                profile_step(engine, clock, prompts, adapter_keys(n, args.batch))
 
 
 if __name__ == "__main__":
