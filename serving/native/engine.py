@@ -430,11 +430,7 @@ class Engine:
             device = self.device
             batch = ForwardBatch(
                 input_ids=ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=device),
-                lora_slots=torch.tensor(
-                    [slot for slot, length in zip(lora_slots, lengths, strict=True) for _ in range(length)],
-                    dtype=torch.long,
-                    device=device,
-                ),
+                lora_slots=torch.tensor(lora_slots).repeat_interleave(torch.tensor(lengths)).to(device),
                 segments=[Segment(*segment) for segment in zip(seq_slots, starts, lengths, strict=True)],
                 logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             )

@@ -69,11 +69,17 @@ class Singles:
     max_position: int
 
 
+def segment_columns(segments: list[tuple[int, Segment]]) -> tuple[torch.Tensor, ...]:
+    """Host tensors [n] of the (batch row, segment) pairs' first rows, state slots, starts and lengths."""
+    return torch.tensor([(row, seg.seq_slot, seg.start, seg.length) for row, seg in segments]).unbind(1)
+
+
 @dataclass(frozen=True)
 class Chunks:
     """A group of a batch's multi-token segments (prefill), each with its first row, and the same as padded
     [B, L] tables, so that ShortConv and attention run once for the group. Padding goes on the right, where
-    neither a causal conv nor a causal query of a real token looks."""
+    neither a causal conv nor a causal query of a real token looks. A group of chunks of one length back to back in
+    the batch is flat: its table is a view of the batch's rows."""
 
     segments: list[tuple[int, Segment]]
     rows: torch.Tensor  # [B, L] long: the batch row of chunk b's token j (padding repeats the chunk's last row)
@@ -83,22 +89,27 @@ class Chunks:
     slots: torch.Tensor  # [B] long: state slots
     starts: torch.Tensor  # [B] long: each chunk's first position
     lengths: torch.Tensor  # [B] long: its real tokens
+    first: int | None  # where the group is flat, its first batch row
     _cache_index: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, segments: list[tuple[int, Segment]], device: torch.device) -> "Chunks":
-        width = max(seg.length for _, seg in segments)
-        rows = [[row + min(j, seg.length - 1) for j in range(width)] for row, seg in segments]
-        real = [b * width + j for b, (_, seg) in enumerate(segments) for j in range(seg.length)]
+        """The group of `segments` (batch row, segment); its index tables built on the host by tensor ops (a prefill
+        of 8 x 1,024 tokens took ~25 ms of the host in Python lists) and copied over."""
+        segments = sorted(segments, key=lambda segment: segment[0])  # in batch order, so that a flat group is a view
+        firsts, slots, starts, lengths = segment_columns(segments)
+        width = int(lengths.max())
+        j = torch.arange(width)
+        rows = firsts[:, None] + torch.minimum(j, lengths[:, None] - 1)
+        real = (j < lengths[:, None]).flatten().nonzero()[:, 0]
+        back_to_back = firsts == firsts[0] + width * torch.arange(len(segments))
+        flat = bool((lengths == width).all()) and bool(back_to_back.all())
+        tables = dict(rows=rows, positions=starts[:, None] + j, real=real, real_rows=rows.flatten()[real])
+        columns = dict(slots=slots, starts=starts, lengths=lengths)
         return cls(
             segments=segments,
-            rows=torch.tensor(rows, device=device),
-            positions=torch.tensor([[seg.start + j for j in range(width)] for _, seg in segments], device=device),
-            real=torch.tensor(real, device=device),
-            real_rows=torch.tensor([row + j for row, seg in segments for j in range(seg.length)], device=device),
-            slots=torch.tensor([seg.seq_slot for _, seg in segments], device=device),
-            starts=torch.tensor([seg.start for _, seg in segments], device=device),
-            lengths=torch.tensor([seg.length for _, seg in segments], device=device),
+            **{name: t.to(device) for name, t in (tables | columns).items()},
+            first=int(firsts[0]) if flat else None,
         )
 
     def history(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -109,7 +120,7 @@ class Chunks:
     def stored(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(batch rows, state slots, positions) of the tokens whose keys and values a cache keeps: every token,
         or with a sliding `window` each chunk's last `window` (their ring places are then distinct)."""
-        return self._memo(("stored", window), lambda: self._columns(self._kept(window)))
+        return self._memo(("stored", window), lambda: tuple(t.to(self.rows.device) for t in self._kept(window)))
 
     def conv_tail(self, keep: int) -> torch.Tensor:
         """[B, keep]: where each chunk's last `keep` inputs sit in its ShortConv window (saved inputs, then the
@@ -121,12 +132,14 @@ class Chunks:
             ),
         )
 
-    def _kept(self, window: int | None) -> list[tuple[int, int, int]]:
-        return [
-            (row + j, seg.seq_slot, seg.start + j)
-            for row, seg in self.segments
-            for j in range(0 if window is None else max(0, seg.length - window), seg.length)
-        ]
+    def _kept(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        firsts, slots, starts, lengths = segment_columns(self.segments)
+        j = torch.arange(int(lengths.max()))
+        kept = j < lengths[:, None]
+        if window is not None:
+            kept &= j >= lengths[:, None] - window
+        chunk, j = kept.nonzero(as_tuple=True)
+        return firsts[chunk] + j, slots[chunk], starts[chunk] + j
 
     def _history(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
         firsts = [0 if window is None else max(0, seg.start - (window - 1)) for _, seg in self.segments]
@@ -150,12 +163,17 @@ class Chunks:
         return self._cache_index[key]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token rows x [T, ...] as the padded table [B, L, ...]."""
+        """Per-token rows x [T, ...] as the padded table [B, L, ...] (a view of x where the group is flat)."""
+        if self.first is not None:
+            return x[self.first : self.first + self.rows.numel()].unflatten(0, tuple(self.rows.shape))
         return x[self.rows]
 
     def scatter(self, table: torch.Tensor, out: torch.Tensor) -> None:
         """Write the real tokens of a padded table [B, L, ...] to their rows of out [T, ...]."""
-        out[self.real_rows] = table.flatten(0, 1)[self.real]
+        if self.first is not None:
+            out[self.first : self.first + self.rows.numel()] = table.flatten(0, 1)
+        else:
+            out[self.real_rows] = table.flatten(0, 1)[self.real]
 
 
 @dataclass
@@ -187,6 +205,15 @@ class ForwardBatch:
             max_position=max(s.start for s in singles),
         )
         return group, groups
+
+    @cached_property
+    def whole(self) -> Chunks | None:
+        """The batch's one group where that group is flat and holds every row (prompts of one length, no decode
+        rows): the kernels' [B, L] outputs are then the batch's rows, with nothing to scatter."""
+        singles, groups = self.split
+        if singles is None and len(groups) == 1 and groups[0].first == 0:
+            return groups[0] if groups[0].rows.numel() == self.input_ids.shape[0] else None
+        return None
 
 
 def padded_groups(chunks: list[tuple[int, Segment]], waste: float = 2.0) -> list[list[tuple[int, Segment]]]:
@@ -265,13 +292,14 @@ class Dispatch:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Inkling RMSNorm: normalized in fp32, rounded to x's dtype, then scaled by the weight.
 
-    On CUDA the normalization is `torch.rms_norm` without a weight, one fused kernel instead of five; on the CPU
-    that op's composite is up to 2.8x slower than the plain ops (bitwise the same result), so it keeps them."""
+    On CUDA one Triton kernel (`kernels.triton_rms_norm`: one pass where the torch ops take four); on the CPU the
+    plain ops (torch.rms_norm's composite is up to 2.8x slower there, bitwise the same result)."""
+    if x.is_cuda:
+        from inkwell.kernels.triton_rms_norm import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x, weight, eps)
     xf = x.float()
-    if xf.is_cuda:
-        normalized = torch.rms_norm(xf, (x.shape[-1],), eps=eps)
-    else:
-        normalized = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normalized = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normalized.to(x.dtype)
 
 
@@ -412,6 +440,9 @@ class InklingModel:
         if x.is_cuda:
             from inkwell.kernels.triton_short_conv import short_conv_chunks, short_conv_step
 
+            whole = batch.whole
+            if whole is not None:
+                return short_conv_chunks(whole.gather(x), saved, whole.slots, whole.lengths, weight).flatten(0, 1)
             out = torch.empty_like(x)
             singles, groups = batch.split
             if singles is not None:
@@ -432,6 +463,38 @@ class InklingModel:
             tail = chunks.conv_tail(saved.shape[-1])[:, None, :].expand(-1, seq.shape[1], -1)
             saved[chunks.slots] = seq.gather(-1, tail)
         return (out + xf).to(x.dtype)
+
+    def sconv_add_norm(
+        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool, norm: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream h plus the site's ShortConv of the block output x, and that sum's RMSNorm by weight
+        `norm` (the next block's input). On CUDA the ShortConv kernels add and normalize as they write their rows,
+        so the stream is read and written once where torch's add and norm take five passes."""
+        norm_weight = self.w[norm]
+        if not x.is_cuda:
+            h = h + self._sconv(x, layer, site, batch, state)
+            return h, rms_norm(h, norm_weight, self.eps)
+        from inkwell.kernels.triton_short_conv import short_conv_chunks, short_conv_step
+
+        weight, saved = self.sconv_weight(layer, site), state.conv[layer][site]
+        fused = dict(norm_weight=norm_weight, eps=self.eps)
+        whole = batch.whole
+        if whole is not None:
+            h_b, out_b = short_conv_chunks(
+                whole.gather(x), saved, whole.slots, whole.lengths, weight, whole.gather(h), **fused
+            )
+            return h_b.flatten(0, 1), out_b.flatten(0, 1)
+        h_out, out = torch.empty_like(h), torch.empty_like(x)
+        singles, groups = batch.split
+        if singles is not None:
+            rows = singles.rows
+            h_out[rows], out[rows] = short_conv_step(x[rows], saved, singles.slots, weight, h[rows], **fused)
+        for chunks in groups:
+            x_b, h_b = chunks.gather(x), chunks.gather(h)
+            h_b, out_b = short_conv_chunks(x_b, saved, chunks.slots, chunks.lengths, weight, h_b, **fused)
+            chunks.scatter(h_b, h_out)
+            chunks.scatter(out_b, out)
+        return h_out, out
 
     def attend(
         self,
@@ -529,7 +592,8 @@ class InklingModel:
         k = rms_norm(k.view(tokens, -1, head_dim), self.w[f"{p}.k_norm.weight"], self.eps)
         v = v.view(tokens, -1, head_dim)
         r = r.view(tokens, q.shape[1], -1)
-        out = torch.empty_like(q)
+        whole = batch.whole
+        out = torch.empty_like(q) if whole is None else None  # else the one group's output is every row
         singles, groups = batch.split
         if singles is not None:
             rows = singles.rows
@@ -540,7 +604,6 @@ class InklingModel:
             if q.is_cuda:
                 lengths = chunks.lengths
                 out_b = self.attend_chunks(layer, q_b, keys, values, r_b, chunks.slots, chunks.starts, lengths, state)
-                chunks.scatter(out_b, out)
             else:
                 k_pos = chunks.positions
                 past = chunks.history(window)
@@ -549,7 +612,11 @@ class InklingModel:
                     keys = torch.cat([state.keys[layer][seqs, places], keys], dim=1)
                     values = torch.cat([state.values[layer][seqs, places], values], dim=1)
                     k_pos = torch.cat([past_pos, k_pos], dim=1)
-                chunks.scatter(self.attend(layer, q_b, keys, values, r_b, chunks.positions, k_pos), out)
+                out_b = self.attend(layer, q_b, keys, values, r_b, chunks.positions, k_pos)
+            if whole is not None:
+                out = out_b.flatten(0, 1)
+            else:
+                chunks.scatter(out_b, out)
             rows, seq_slots, positions = chunks.stored(window)  # after the history is read
             state.store(layer, seq_slots, positions, k[rows], v[rows])
         return self.linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
@@ -674,19 +741,19 @@ class InklingModel:
             lora = None
         h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
         h = rms_norm(h, self.w["model.embed_tokens.embed_norm.weight"], self.eps)
+        x = rms_norm(h, self.w["model.layers.0.input_layernorm.weight"], self.eps)
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}"
-            x = rms_norm(h, self.w[f"{p}.input_layernorm.weight"], self.eps)
-            x = self._attention(x, layer, batch, state, lora)
-            h = h + self._sconv(x, layer, ATTN_SITE, batch, state)
-            x = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], self.eps)
+            out = self._attention(x, layer, batch, state, lora)
+            h, x = self.sconv_add_norm(out, h, layer, ATTN_SITE, batch, state, f"{p}.post_attention_layernorm.weight")
             if cfg.mlp_layer_types[layer] == "dense":
-                x = self.dense_mlp(x, layer, slots, lora)
+                out = self.dense_mlp(x, layer, slots, lora)
             else:
-                x = self._moe(x, layer, slots, lora, routing)
-            h = h + self._sconv(x, layer, MLP_SITE, batch, state)
-        h = rms_norm(h, self.w["model.norm.weight"], self.eps)
-        h = h[batch.logit_rows] / cfg.logits_mup_width_multiplier
+                out = self._moe(x, layer, slots, lora, routing)
+            last = layer + 1 == cfg.num_hidden_layers
+            norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
+            h, x = self.sconv_add_norm(out, h, layer, MLP_SITE, batch, state, norm)
+        h = x[batch.logit_rows] / cfg.logits_mup_width_multiplier
         logits = self.linear(h, "lm_head", slots[batch.logit_rows], lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]

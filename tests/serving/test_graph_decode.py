@@ -259,3 +259,26 @@ def test_chunks_are_padded_together_only_where_padding_costs_little():
     # a chunk deep into its sequence attends to 4,128 keys: the new prompts do not all pad out to its history
     assert groups(*[(0, 128)] * 3, (4000, 128), *[(0, 128)] * 4) == [[(0, 128), (4000, 128)], [(0, 128)] * 6]
     assert groups((0, 30), (0, 24), (10, 20)) == [[(0, 24), (0, 30), (10, 20)]]
+
+
+def test_a_flat_group_of_chunks_is_a_view_of_the_batch_rows():
+    def batch(*segments: Segment) -> ForwardBatch:
+        tokens = sum(seg.length for seg in segments)
+        return batch_of(list(range(tokens)), [-1] * tokens, list(segments), [tokens - 1])
+
+    x = torch.arange(12.0)[:, None].repeat(1, 3)
+    # equal chunks back to back (the second deeper in its sequence, so grouping lists it first): one flat group
+    whole = batch(Segment(0, 0, 4), Segment(1, 6, 4), Segment(2, 0, 4)).whole
+    assert whole is not None and whole.first == 0
+    table = whole.gather(x)
+    assert table.shape == (3, 4, 3) and table.data_ptr() == x.data_ptr()
+    assert torch.equal(table, x[whole.rows])
+    out = torch.zeros_like(x)
+    whole.scatter(table * 2, out)
+    assert torch.equal(out, x * 2)
+    # chunks of two lengths pad; a decode row between chunks leaves them apart: no flat group, no whole batch
+    ragged = batch(Segment(0, 0, 4), Segment(1, 0, 3))
+    assert ragged.whole is None and ragged.split[1][0].first is None
+    assert torch.equal(ragged.split[1][0].gather(x[:7]), x[:7][ragged.split[1][0].rows])
+    mixed = batch(Segment(0, 0, 4), Segment(1, 9, 1), Segment(2, 0, 4))
+    assert mixed.whole is None and mixed.split[1][0].first is None
