@@ -618,7 +618,10 @@ class InklingModel:
             else:
                 chunks.scatter(out_b, out)
             rows, seq_slots, positions = chunks.stored(window)  # after the history is read
-            state.store(layer, seq_slots, positions, k[rows], v[rows])
+            if whole is not None and window is None:  # every row, in order: no gather
+                state.store(layer, seq_slots, positions, k, v)
+            else:
+                state.store(layer, seq_slots, positions, k[rows], v[rows])
         return self.linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
 
     # ---- MLPs --------------------------------------------------------------------------------
