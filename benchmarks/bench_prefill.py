@@ -9,7 +9,9 @@ a token passes through: attention, dense MLPs, the router, top-k routed plus the
 or the LM head, which prefill applies to one row per prompt; attention's own products not counted), against
 `--peak` (the H200's dense bf16 figure). `--profile` then prints the CUDA kernels of one step by total time, with no
 adapter and with 8, how much of the step's wall time the GPU was busy, and the host's functions (cProfile).
-Run: python benchmarks/bench_prefill.py [--preset inkling-small] [--profile]
+`--graph-prefill-tokens` sets the engine's limit for prefill steps replayed from CUDA graphs (its default, 512, leaves
+a step of 8 x 1,024 tokens eager; 8192 replays it).
+Run: python benchmarks/bench_prefill.py [--preset inkling-small] [--profile] [--graph-prefill-tokens 8192]
 CPU smoke run: python benchmarks/bench_prefill.py --preset inkling-tiny --device cpu --prompt 16 --repeats 1
 """
 
@@ -34,6 +36,7 @@ from bench_serving import (
 )
 
 from inkwell.models import init_base_model
+from inkwell.serving.contract import EngineConfig
 from inkwell.serving.native.engine import Engine
 
 
@@ -81,14 +84,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the GPU (H200: 989e12)")
     ap.add_argument("--profile", action="store_true", help="then profile one step with no adapter and one with 8")
+    ap.add_argument(
+        "--graph-prefill-tokens",
+        type=int,
+        default=EngineConfig.graph_prefill_tokens,
+        help="EngineConfig.graph_prefill_tokens: steps padding to at most this many token places replay CUDA graphs",
+    )
     args = parse_engine_args(ap)
     clock = Clock(torch.device(args.device))
     with tempfile.TemporaryDirectory(prefix="bench-prefill-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
         prompts = make_prompts(args.batch, args.prompt)
-        engine = make_engine(model_dir, random_adapters(model_dir), args)
+        graphs = dict(graph_prefill_tokens=args.graph_prefill_tokens)
+        engine = make_engine(model_dir, random_adapters(model_dir), args, **graphs)
         flops_per_token = 2 * active_weights(engine)
-        print(f"{args.batch} x {args.prompt} tokens; {flops_per_token / 2e9:.3f}B active weights per token\n")
+        print(
+            f"{args.batch} x {args.prompt} tokens; {flops_per_token / 2e9:.3f}B active weights per token; "
+            f"graph_prefill_tokens {args.graph_prefill_tokens}\n"
+        )
         print("| adapters | prefill tok/s | step ms | TFLOP/s | of peak |\n|---|---|---|---|---|")
         for n in COUNTS:
             keys = adapter_keys(n, args.batch)
