@@ -187,3 +187,25 @@ def test_prompt_tails_after_cached_prefixes_replay_prefill_graphs(tiny_model_dir
     assert dtype == "float32" or compared >= 9 * 10  # not every stream split at its first tokens
     assert graphs.prefix_cache.stats.cached_tokens >= 16 + 32 + 64
     assert {(1, 16, True), (1, 16, False)} <= {key[:2] + key[3:] for key in graphs.graphs.extend_graphs}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_step_of_thousands_of_places_replays_as_eager(tiny_model_dir, tiny_adapters, dtype):
+    """Four 300-token prompts in one step (4 x 512 places, past the default graph limit) replay one captured prefill
+    graph, whose MoE rows take the block dispatch (4,800 rows): the tokens and logprobs of the eager engine, fp32 to
+    1e-4, bf16 as `test_gpu_serving.compare` holds a batch to its requests alone."""
+    big = dict(max_batch_tokens=2048, prefix_cache=False)
+    eager = cuda_engine(tiny_model_dir, tiny_adapters, dtype, cuda_graphs=False, **big)
+    graphs = cuda_engine(tiny_model_dir, tiny_adapters, dtype, graph_prefill_tokens=2048, **big)
+    gen = torch.Generator().manual_seed(7)
+    params = replace(GREEDY, max_tokens=8, logprobs=2)
+    requests = [
+        Request(f"r{i}", [1, *torch.randint(3, 380, (299,), generator=gen).tolist()], params, adapter)
+        for i, adapter in enumerate(("a0", "a1", None, "a0"))
+    ]
+    expected, got = eager.generate(requests), graphs.generate(requests)
+    assert (4, 512) in {key[:2] for key in graphs.graphs.extend_graphs}
+    if dtype == "float32":
+        assert_close(expected, got, 1e-4)
+    else:
+        assert sum(compare(expected[r.request_id][0], got[r.request_id][0])[0] for r in requests) >= 16
