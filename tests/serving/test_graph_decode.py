@@ -282,3 +282,22 @@ def test_a_flat_group_of_chunks_is_a_view_of_the_batch_rows():
     assert torch.equal(ragged.split[1][0].gather(x[:7]), x[:7][ragged.split[1][0].rows])
     mixed = batch(Segment(0, 0, 4), Segment(1, 9, 1), Segment(2, 0, 4))
     assert mixed.whole is None and mixed.split[1][0].first is None
+
+
+def test_stored_keys_are_each_chunks_last_window_of_tokens():
+    segments = [Segment(4, 10, 6), Segment(7, 0, 2), Segment(9, 30, 5)]
+    tokens = sum(seg.length for seg in segments)
+    groups = batch_of(list(range(tokens)), [-1] * tokens, segments, [tokens - 1]).split[1]
+    rows = [0, 6, 8]  # each chunk's first batch row
+
+    def expected(window: int | None) -> list[tuple[int, int, int]]:
+        return [
+            (row + j, seg.seq_slot, seg.start + j)
+            for row, seg in zip(rows, segments, strict=True)
+            for j in range(seg.length)
+            if window is None or j >= seg.length - window
+        ]
+
+    for window in (None, 3, 8):
+        got = sorted(cell for g in groups for cell in zip(*(t.tolist() for t in g.stored(window)), strict=True))
+        assert got == sorted(expected(window)), window
