@@ -66,8 +66,7 @@ def profile_step(engine: Engine, clock: Clock, prompts, keys) -> None:
     adapters = len({key for key in keys if key is not None})
     print(
         f"\nprofiled step with {adapters} adapters: {run['prefill_s'] * 1e3:.1f} ms wall (under the profiler), "
-        f"GPU busy {busy:.1f} ms, "
-        f"{launches} kernel launches"
+        f"GPU busy {busy:.1f} ms, {launches} kernel launches"
     )
     print("| kernel | calls | total ms | share of busy |\n|---|---|---|---|")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:

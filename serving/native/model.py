@@ -122,6 +122,13 @@ class Chunks:
         or with a sliding `window` each chunk's last `window` (their ring places are then distinct)."""
         return self._memo(("stored", window), lambda: tuple(t.to(self.rows.device) for t in self._kept(window)))
 
+    def kept(self, x: torch.Tensor, window: int | None) -> torch.Tensor:
+        """The rows of per-token x [T, ...] that `stored(window)` lists, in its order: a view where the group is flat
+        and keeps every token (no window, or chunks no longer than it)."""
+        if self.first is not None and (window is None or self.rows.shape[1] <= window):
+            return x[self.first : self.first + self.rows.numel()]
+        return x[self.stored(window)[0]]
+
     def conv_tail(self, keep: int) -> torch.Tensor:
         """[B, keep]: where each chunk's last `keep` inputs sit in its ShortConv window (saved inputs, then the
         chunk), the state the conv carries to the sequence's next step."""
@@ -435,21 +442,10 @@ class InklingModel:
     def _sconv(self, x: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         """Causal depthwise conv over each sequence's chunk continuing its saved inputs, plus the residual (fp32);
         on CUDA a Triton kernel for the one-token rows and one for each padded group of chunks."""
+        if x.is_cuda:
+            return self._sconv_kernels(x, layer, site, batch, state)[0]
         weight = self.sconv_weight(layer, site)
         saved = state.conv[layer][site]
-        if x.is_cuda:
-            from inkwell.kernels.triton_short_conv import short_conv_chunks, short_conv_step
-
-            whole = batch.whole
-            if whole is not None:
-                return short_conv_chunks(whole.gather(x), saved, whole.slots, whole.lengths, weight).flatten(0, 1)
-            out = torch.empty_like(x)
-            singles, groups = batch.split
-            if singles is not None:
-                out[singles.rows] = short_conv_step(x[singles.rows], saved, singles.slots, weight)
-            for chunks in groups:
-                chunks.scatter(short_conv_chunks(chunks.gather(x), saved, chunks.slots, chunks.lengths, weight), out)
-            return out
         xf = x.float()
         out = torch.empty_like(xf)
         singles, groups = batch.split
@@ -470,31 +466,50 @@ class InklingModel:
         """The residual stream h plus the site's ShortConv of the block output x, and that sum's RMSNorm by weight
         `norm` (the next block's input). On CUDA the ShortConv kernels add and normalize as they write their rows,
         so the stream is read and written once where torch's add and norm take five passes."""
-        norm_weight = self.w[norm]
         if not x.is_cuda:
             h = h + self._sconv(x, layer, site, batch, state)
-            return h, rms_norm(h, norm_weight, self.eps)
+            return h, rms_norm(h, self.w[norm], self.eps)
+        h_out, out = self._sconv_kernels(x, layer, site, batch, state, h, norm)
+        return h_out, out
+
+    def _sconv_kernels(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        site: int,
+        batch: ForwardBatch,
+        state: StatePool,
+        residual: torch.Tensor | None = None,
+        norm: str | None = None,
+    ) -> list[torch.Tensor]:
+        """The site's ShortConv over every row of the batch as Triton kernels (CUDA): one launch for the one-token
+        rows, one per group of chunks (a batch that is one flat group is read and written in place). [conv + x];
+        with the `residual` h and the name of the `norm` weight, [h + that, its RMSNorm]."""
         from inkwell.kernels.triton_short_conv import short_conv_chunks, short_conv_step
 
         weight, saved = self.sconv_weight(layer, site), state.conv[layer][site]
-        fused = dict(norm_weight=norm_weight, eps=self.eps)
+        fused = {} if residual is None else dict(norm_weight=self.w[norm], eps=self.eps)
+
+        def run(kernel: Callable, rows_of: Callable, *index: torch.Tensor) -> list[torch.Tensor]:
+            """`kernel` over the rows `rows_of` takes from x (and the residual); its outputs as a list."""
+            h = None if residual is None else rows_of(residual)
+            result = kernel(rows_of(x), saved, *index, weight, h, **fused)
+            return [result] if residual is None else list(result)
+
         whole = batch.whole
         if whole is not None:
-            h_b, out_b = short_conv_chunks(
-                whole.gather(x), saved, whole.slots, whole.lengths, weight, whole.gather(h), **fused
-            )
-            return h_b.flatten(0, 1), out_b.flatten(0, 1)
-        h_out, out = torch.empty_like(h), torch.empty_like(x)
+            return [t.flatten(0, 1) for t in run(short_conv_chunks, whole.gather, whole.slots, whole.lengths)]
+        outs = [torch.empty_like(x) for _ in range(1 if residual is None else 2)]
         singles, groups = batch.split
         if singles is not None:
-            rows = singles.rows
-            h_out[rows], out[rows] = short_conv_step(x[rows], saved, singles.slots, weight, h[rows], **fused)
+            parts = run(short_conv_step, lambda t: t[singles.rows], singles.slots)
+            for out, part in zip(outs, parts, strict=True):
+                out[singles.rows] = part
         for chunks in groups:
-            x_b, h_b = chunks.gather(x), chunks.gather(h)
-            h_b, out_b = short_conv_chunks(x_b, saved, chunks.slots, chunks.lengths, weight, h_b, **fused)
-            chunks.scatter(h_b, h_out)
-            chunks.scatter(out_b, out)
-        return h_out, out
+            parts = run(short_conv_chunks, chunks.gather, chunks.slots, chunks.lengths)
+            for out, part in zip(outs, parts, strict=True):
+                chunks.scatter(part, out)
+        return outs
 
     def attend(
         self,
@@ -617,11 +632,8 @@ class InklingModel:
                 out = out_b.flatten(0, 1)
             else:
                 chunks.scatter(out_b, out)
-            rows, seq_slots, positions = chunks.stored(window)  # after the history is read
-            if whole is not None and window is None:  # every row, in order: no gather
-                state.store(layer, seq_slots, positions, k, v)
-            else:
-                state.store(layer, seq_slots, positions, k[rows], v[rows])
+            _, seq_slots, positions = chunks.stored(window)  # after the history is read
+            state.store(layer, seq_slots, positions, chunks.kept(k, window), chunks.kept(v, window))
         return self.linear(out.reshape(tokens, -1), f"{p}.o_proj", slots, lora)
 
     # ---- MLPs --------------------------------------------------------------------------------

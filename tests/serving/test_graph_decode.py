@@ -276,6 +276,10 @@ def test_a_flat_group_of_chunks_is_a_view_of_the_batch_rows():
     out = torch.zeros_like(x)
     whole.scatter(table * 2, out)
     assert torch.equal(out, x * 2)
+    for window in (None, 4, 2):  # every token kept (a view of the rows), then each chunk's last two
+        kept = whole.kept(x, window)
+        assert torch.equal(kept, x[whole.stored(window)[0]])
+        assert (kept.data_ptr() == x.data_ptr()) == (window != 2)
     # chunks of two lengths pad; a decode row between chunks leaves them apart: no flat group, no whole batch
     ragged = batch(Segment(0, 0, 4), Segment(1, 0, 3))
     assert ragged.whole is None and ragged.split[1][0].first is None
