@@ -70,8 +70,10 @@ class Singles:
 
 
 def segment_columns(segments: list[tuple[int, Segment]]) -> tuple[torch.Tensor, ...]:
-    """Host tensors [n] of the (batch row, segment) pairs' first rows, state slots, starts and lengths."""
-    return torch.tensor([(row, seg.seq_slot, seg.start, seg.length) for row, seg in segments]).unbind(1)
+    """Host tensors [n] of the (batch row, segment) pairs' first rows, state slots, starts and lengths, each
+    contiguous (a kernel reads them by flat index, and `.to` keeps a strided column strided on the CPU)."""
+    columns = torch.tensor([(row, seg.seq_slot, seg.start, seg.length) for row, seg in segments])
+    return columns.t().contiguous().unbind(0)
 
 
 @dataclass(frozen=True)

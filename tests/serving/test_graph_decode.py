@@ -270,6 +270,8 @@ def test_a_flat_group_of_chunks_is_a_view_of_the_batch_rows():
     # equal chunks back to back (the second deeper in its sequence, so grouping lists it first): one flat group
     whole = batch(Segment(0, 0, 4), Segment(1, 6, 4), Segment(2, 0, 4)).whole
     assert whole is not None and whole.first == 0
+    # the kernels read the chunk columns by flat index: each is a contiguous tensor, not a strided column
+    assert all(t.is_contiguous() for t in (whole.slots, whole.starts, whole.lengths))
     table = whole.gather(x)
     assert table.shape == (3, 4, 3) and table.data_ptr() == x.data_ptr()
     assert torch.equal(table, x[whole.rows])
