@@ -245,12 +245,17 @@ def moe_dispatch(
 
 
 def moe_combine(
-    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, tokens: int, dtype: torch.dtype
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    places: torch.Tensor,
+    tokens: int,
+    dtype: torch.dtype,
+    down: RowExpand | None = None,
 ) -> torch.Tensor:
-    """Each token's dispatched rows weighted and summed in fp32, in the token's own order: [T, H] in `dtype`; on
-    CUDA one Triton kernel."""
+    """Each token's dispatched rows weighted and summed in fp32, in the token's own order, with `down` (the experts'
+    down LoRA of the rows, shrunk) added: [T, H] in `dtype`; on CUDA one Triton kernel."""
     ops = _triton_moe() if out.is_cuda else torch_ops
-    return ops.moe_combine(out, weights, places, tokens, dtype)
+    return ops.moe_combine(out, weights, places, tokens, dtype, down)
 
 
 def expert_matmul(

@@ -232,11 +232,20 @@ def moe_dispatch(
 
 
 def moe_combine(
-    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, tokens: int, dtype: torch.dtype
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    places: torch.Tensor,
+    tokens: int,
+    dtype: torch.dtype,
+    down: RowExpand | None = None,
 ) -> torch.Tensor:
     """Each token's dispatched rows of out [T*k, H] (at `places`, in the token's own order) times their weights
-    [T*k], summed in fp32 (deterministic, unlike an index_add): [T, H] in `dtype`."""
-    weighted = out.float() * weights[:, None].float()
+    [T*k], summed in fp32 (deterministic, unlike an index_add): [T, H] in `dtype`. With `down`, the experts' down
+    LoRA over out's rows (a per-group `RowExpand`, y [T*k, R]), each row's delta joins it in fp32 first."""
+    rows = out.to(torch.promote_types(out.dtype, torch.float32), copy=down is not None)  # float64 stays (tests)
+    if down is not None:
+        expert_out_lora_expand(down.y, down.b, down.slots, down.experts, down.scalings, rows, down.groups)
+    weighted = rows * weights[:, None].to(rows.dtype)
     return weighted[places].view(tokens, -1, out.shape[1]).sum(1).to(dtype)
 
 

@@ -19,7 +19,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_wait
 
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
-from inkwell.kernels.triton_lora.common import local_split, pow2, require, scale_strides
+from inkwell.kernels.triton_lora.common import SENTINEL, dot_operands, local_split, pow2, require, scale_strides
 from inkwell.kernels.triton_lora.dense import lora_shrink
 
 
@@ -159,10 +159,108 @@ def _combine_kernel(
     tl.store(result_ptr + t * stride_rt + c, acc.to(result_ptr.dtype.element_ty), mask=in_c)
 
 
+@triton.jit
+def _group_expand(acc, z, sel, scale, b_ptrs, b_mask, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += (the `sel` tokens' z [T, R] * scale) @ the B tile at b_ptrs [R, H]."""
+    bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    z = tl.where(sel, z * scale, 0.0)
+    if DOT_FP32:
+        return tl.dot(z, bt.to(tl.float32), acc, input_precision=PRECISION)
+    return tl.dot(z.to(bt.dtype), bt, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _combine_down_kernel(
+    out_ptr, w_ptr, places_ptr, result_ptr, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr, T, H, R, first, count,
+    split, stride_om, stride_rt, stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ss, stride_sg,
+    K: tl.constexpr, GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """`_combine_kernel` over a tile of tokens, with the experts' down LoRA: B is shared by a group's experts, so
+    sum_j w_j (down_j + s_g y_j @ B_g^T) = sum_j w_j down_j + s_g (sum_j w_j y_j) @ B_g^T: each token's rows' shrunk
+    y, weighted and summed per group in fp32, then one dot per (slot in the tile, group) adds the expand."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = rt < T
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_c = c < H
+    rr = tl.arange(0, BLOCK_R)
+    in_r = rr < R
+    acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    z_first = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+    z_second = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+    for j in tl.static_range(K):
+        place = tl.load(places_ptr + rt.to(tl.int64) * K + j, mask=in_t, other=0)
+        weight = tl.load(w_ptr + place, mask=in_t, other=0.0).to(tl.float32)
+        rows = tl.load(out_ptr + place[:, None] * stride_om + c[None, :], mask=in_t[:, None] & in_c[None, :], other=0.0)
+        acc += rows.to(tl.float32) * weight[:, None]
+        slot = tl.load(slot_ptr + place, mask=in_t, other=-1)
+        local = tl.load(expert_ptr + place, mask=in_t, other=0).to(tl.int32) - first
+        covered = (slot >= 0) & (local >= 0) & (local < count)
+        y = tl.load(y_ptr + place[:, None] * stride_ym + rr[None, :], mask=covered[:, None] & in_r[None, :], other=0.0)
+        wy = y.to(tl.float32) * weight[:, None]
+        second = (local >= split)[:, None]
+        z_first += tl.where(second, 0.0, wy)
+        z_second += tl.where(second, wy, 0.0)
+    token_slots = tl.load(slot_ptr + tl.load(places_ptr + rt.to(tl.int64) * K, mask=in_t, other=0), mask=in_t, other=-1)
+    keys = tl.where(in_t & (token_slots >= 0), token_slots, SENTINEL)
+    key = tl.min(keys, 0)
+    while key < SENTINEL:  # each slot among the tile's tokens (one in a prefill chunk's tile)
+        sel = (keys == key)[:, None]
+        b_slot = b_ptr + key.to(tl.int64) * stride_bs
+        b_tile = rr[:, None] * stride_br + c[None, :] * stride_bn
+        b_mask = in_r[:, None] & in_c[None, :]
+        scale = tl.load(scale_ptr + key * stride_ss).to(tl.float32)
+        acc = _group_expand(acc, z_first, sel, scale, b_slot + b_tile, b_mask, DOT_FP32, PRECISION)
+        if GROUPS == 2:
+            scale = tl.load(scale_ptr + key * stride_ss + stride_sg).to(tl.float32)
+            acc = _group_expand(acc, z_second, sel, scale, b_slot + stride_bg + b_tile, b_mask, DOT_FP32, PRECISION)
+        keys = tl.where(keys == key, SENTINEL, keys)
+        key = tl.min(keys, 0)
+    tl.store(
+        result_ptr + rt.to(tl.int64)[:, None] * stride_rt + c[None, :],
+        acc.to(result_ptr.dtype.element_ty),
+        mask=in_t[:, None] & in_c[None, :],
+    )
+
+
+def _combine_down(
+    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, down: RowExpand, result: torch.Tensor
+):
+    """`_combine_down_kernel`'s launch: tiles of 16 tokens at decode sizes (programs enough to fill the GPU), 32
+    past them."""
+    tokens, width = result.shape
+    rows = out.shape[0]
+    num_slots, groups, n, rank = down.b.shape
+    require(
+        down.y.shape == (rows, rank) and down.slots.shape == down.experts.shape == (rows,) and n == width,
+        f"the combine's down LoRA needs y [M={rows}, R={rank}], slots and experts [M] and B [S, G, N={width}, R]; got "
+        f"y {list(down.y.shape)}, B {list(down.b.shape)}",
+    )
+    require(down.y.stride(1) == 1, "the combine's down LoRA needs y with unit column stride")
+    require(groups == down.groups.groups, f"B has {groups} groups, the groups say {down.groups.groups}")
+    ss, sg = scale_strides(down.scalings, num_slots, groups)
+    block_t = 16 if tokens <= 1024 else 32
+    block_h = 64 if tokens <= 256 else 128
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_h))
+    _combine_down_kernel[grid](
+        out, weights, places, result, down.y, down.b, down.slots, down.experts, down.scalings, tokens, width, rank,
+        down.groups.first, down.groups.count, local_split(down.groups), out.stride(0), result.stride(0),
+        down.y.stride(0), *down.b.stride(), ss, sg, K=rows // tokens, GROUPS=groups,
+        **dot_operands(down.y.dtype, down.b.dtype), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_R=pow2(rank),
+    )  # fmt: skip
+
+
 def moe_combine(
-    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, tokens: int, dtype: torch.dtype
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    places: torch.Tensor,
+    tokens: int,
+    dtype: torch.dtype,
+    down: RowExpand | None = None,
 ) -> torch.Tensor:
-    """`torch_ops.moe_combine` as one Triton kernel, a program per (token, 1,024 columns)."""
+    """`torch_ops.moe_combine` as one Triton kernel: a program per (token, 1,024 columns), or with `down` (the
+    experts' down LoRA) per (tile of tokens, column tile), which expands each token's weighted sum of its rows'
+    shrunk y once per group instead of every row's."""
     rows, width = out.shape
     if out.stride(1) != 1 or rows % max(tokens, 1) or places.shape != (rows,) or weights.shape != (rows,):
         raise ValueError(
@@ -171,7 +269,9 @@ def moe_combine(
             f"{list(places.shape)}, T {tokens}"
         )
     result = torch.empty(tokens, width, dtype=dtype, device=out.device)
-    if result.numel():
+    if result.numel() and down is not None:
+        _combine_down(out, weights, places, down, result)
+    elif result.numel():
         block = min(triton.next_power_of_2(width), 1024)
         grid = (tokens, triton.cdiv(width, block))
         _combine_kernel[grid](

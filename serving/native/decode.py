@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkwell.kernels import RowExpand
 from inkwell.serving.native.lora import ExpertLora, LoraSlots
 from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, few_tokens, rms_norm
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
@@ -273,10 +274,10 @@ class DecodeForward:
         routing.append(index[:, : m.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, m.num_experts)
         if few:
-            down = m.few_experts(x, layer, rows, slots, experts)
+            down, down_lora = m.few_experts(x, layer, rows, slots, experts)
         else:
-            down = self._many_experts(x, layer, rows, shrunk, experts, side)
-        return rows.combine(down, x.shape[0], x.dtype)
+            down, down_lora = self._many_experts(x, layer, rows, shrunk, experts, side)
+        return rows.combine(down, x.shape[0], x.dtype, down_lora)
 
     def _many_experts(
         self,
@@ -286,7 +287,7 @@ class DecodeForward:
         shrunk: torch.Tensor | None,
         experts: ExpertLora | None,
         side: SideStream | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, RowExpand | None]:
         """`InklingModel.run_experts` past `few_tokens`, capturable: the grouped GEMM where it needs no host sync,
         else every expert over every token and each dispatched row's own; `shrunk` is joined from `side` after the
         gate/up GEMM."""

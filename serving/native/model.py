@@ -27,6 +27,7 @@ from inkwell.kernels import (
     TokenShrink,
     expert_down_lora,
     expert_in_lora_expand,
+    expert_lora_shrink,
     expert_matmul,
     lora_linear,
     lora_shrink,
@@ -292,10 +293,13 @@ class Dispatch:
             slots=self.slots[:count],
         )
 
-    def combine(self, out: torch.Tensor, tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Each token's rows of `out` [M, H], weighted and summed in fp32 in the token's own order (deterministic,
-        unlike an index_add): [T, H] in `dtype`."""
-        return moe_combine(out, self.weights, self.places, tokens, dtype)
+    def combine(
+        self, out: torch.Tensor, tokens: int, dtype: torch.dtype = torch.float32, down: RowExpand | None = None
+    ) -> torch.Tensor:
+        """Each token's rows of `out` [M, H] with the experts' `down` LoRA of them (`InklingModel.down_lora`),
+        weighted and summed in fp32 in the token's own order (deterministic, unlike an index_add): [T, H] in
+        `dtype`."""
+        return moe_combine(out, self.weights, self.places, tokens, dtype, down)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -423,11 +427,22 @@ class InklingModel:
             )
 
     @staticmethod
-    def add_down_lora(act: torch.Tensor, rows: Dispatch, experts: ExpertLora | None, down: torch.Tensor) -> None:
-        """Add each dispatched row's down LoRA (its expert's A, its group's shared B) to `down`."""
-        if experts is not None:
-            buf = experts.down
+    def down_lora(
+        act: torch.Tensor, rows: Dispatch, experts: ExpertLora | None, down: torch.Tensor, x: torch.Tensor
+    ) -> RowExpand | None:
+        """The down LoRA of the rows dispatched from tokens `x`, over their `act`. Past `few_tokens(x)` it is left
+        for the combine (`Dispatch.combine`): each row's act shrunk by its expert's A here; its group's B, shared by
+        the group's experts, then expands each token's weighted sum of its rows' y once instead of every row's (a
+        sixth of the rows at prefill, and no in-place pass over them). At decode sizes, where the combine's tiles of
+        tokens would walk many slots, one launch adds every row's delta to `down` here (None returned)."""
+        if experts is None:
+            return None
+        buf = experts.down
+        if few_tokens(x):
             expert_down_lora(act, buf.a, buf.b, rows.slots, rows.experts, buf.scalings, down, experts.groups, rows.ends)
+            return None
+        y = expert_lora_shrink(act, buf.a, rows.slots, rows.experts, experts.groups)
+        return RowExpand(y, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
 
     # ---- ShortConv and attention, per sequence ----------------------------------------------
 
@@ -670,13 +685,14 @@ class InklingModel:
         index, weights = self.route(x, layer)
         routing.append(index[:, : self.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, self.num_experts)  # grouped by expert
-        return rows.combine(self.run_experts(x, layer, slots, rows, experts), x.shape[0], x.dtype)
+        down, down_lora = self.run_experts(x, layer, slots, rows, experts)
+        return rows.combine(down, x.shape[0], x.dtype, down_lora)
 
     def run_experts(
         self, x: torch.Tensor, layer: int, slots: torch.Tensor, rows: Dispatch, experts: ExpertLora | None
-    ) -> torch.Tensor:
-        """The down outputs [M, H] of the dispatched `rows` of tokens x [T, H], each through its expert (LoRA
-        included), in the rows' order."""
+    ) -> tuple[torch.Tensor, RowExpand | None]:
+        """The down outputs [M, H] of the dispatched `rows` of tokens x [T, H], each through its expert, in the rows'
+        order, and their down LoRA where the combine is to add it (`down_lora`; None: none, or added already)."""
         if few_tokens(x):
             return self.few_experts(x, layer, rows, slots, experts)
         bounds = None if self.grouped_mm else rows.ends.tolist()
@@ -695,10 +711,11 @@ class InklingModel:
         experts: ExpertLora | None,
         gemm: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
         join: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, RowExpand | None]:
         """The dispatched rows' experts with each LoRA kernel after its GEMM: gemm(x, gate/up weight, True) (its
         rows gathered from tokens x), then (after `join`, where `shrunk` came from a side stream) the gate/up LoRA
-        of the tokens' `shrunk`, silu * up, gemm(act, down weight, False) and the down LoRA. [M, H]."""
+        of the tokens' `shrunk`, silu * up, gemm(act, down weight, False) and the down LoRA (`down_lora`): the down
+        rows [M, H] and their down LoRA where the combine is to add it."""
         p = f"model.layers.{layer}.mlp.all_experts"
         gate_up = gemm(x, self.w[f"{p}.gate_up_proj"], True)
         if join is not None:
@@ -706,12 +723,11 @@ class InklingModel:
         self.add_gate_up_lora(shrunk, rows, experts, gate_up)
         act = silu_mul(gate_up)
         down = gemm(act, self.w[f"{p}.down_proj"], False)
-        self.add_down_lora(act, rows, experts, down)
-        return down
+        return down, self.down_lora(act, rows, experts, down, x)
 
     def few_experts(
         self, x: torch.Tensor, layer: int, rows: Dispatch, slots: torch.Tensor, experts: ExpertLora | None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, RowExpand | None]:
         """`run_experts` at decode sizes (`few_tokens`) of tokens x with LoRA `slots`: three kernels without
         adapters, the experts' GEMMs and silu * up, and one more with them, the gate/up shrink, which runs beside
         the gate/up GEMM; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
@@ -737,7 +753,7 @@ class InklingModel:
             buf = experts.down
             act, y = silu_mul_shrink(gate_up, buf.a, rows.slots, rows.experts, experts.groups)
             down_expand = RowExpand(y, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
-        return expert_matmul(act, down_w, rows.ends, None, tokens, down_expand)
+        return expert_matmul(act, down_w, rows.ends, None, tokens, down_expand), None
 
     # ---- the whole model ----------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from transformers import InklingTextConfig
 
+from inkwell.kernels import expert_out_lora_expand
 from inkwell.serving.native.group import RankGroup
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import Dispatch, ForwardBatch, InklingModel
@@ -62,5 +63,9 @@ class ShardedInklingModel(InklingModel):
         held = int(rows.ends[-1])
         down = x.new_zeros(rows.tokens.shape[0], x.shape[1])
         if held:
-            down[:held] = self.run_experts(x, layer, slots, rows.head(held), experts)
+            down[:held], lora = self.run_experts(x, layer, slots, rows.head(held), experts)
+            if lora is not None:  # this rank's rows only: their delta joins them before the sum over ranks
+                expert_out_lora_expand(
+                    lora.y, lora.b, lora.slots, lora.experts, lora.scalings, down[:held], lora.groups
+                )
         return self.group.sum_over_all(rows.combine(down, x.shape[0])).to(x.dtype)

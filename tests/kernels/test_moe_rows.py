@@ -127,6 +127,32 @@ def check_expert_lora_epilogues(device: str, dtype: torch.dtype, tokens: int, hi
         assert_close(down, want_down, dtype, f"down GEMM with its expand ({what})")
 
 
+def check_combine_down(device: str, dtype: torch.dtype, tokens: int, width: int, rank: int) -> None:
+    """The combine with the experts' down LoRA (each token's rows' shrunk y weighted and summed, then expanded once
+    per group) against the torch twin's per-row expand then combine, in float64: 4 slots and slot -1 (tokens of
+    several slots share a tile), both groups covered, then the routed experts only (shared rows' y ignored)."""
+    from inkwell.kernels import triton_moe
+
+    index, weights, slots, experts = routed(tokens, 4, 16, 2, 0, seed=tokens + width)
+    _, _, row_experts, row_w, row_slots, _, places = torch_ops.moe_dispatch(index, weights, slots, experts)
+    gen = torch.Generator().manual_seed(rank)
+    rows = index.numel()
+    out = torch.randn(rows, width, generator=gen).to(dtype)
+    y = torch.randn(rows, rank, generator=gen).to(dtype)  # uncovered rows too: the kernel must skip them
+    for groups in (torch_ops.ExpertGroups(0, 18, split=16), torch_ops.ExpertGroups(0, 16)):
+        g = groups.groups
+        b = (torch.randn(4, g, width, rank, generator=gen) / rank**0.5).to(dtype)
+        scalings = torch.rand(4, g, generator=gen) + 0.5
+        ref = torch_ops.RowExpand(y.double(), b.double(), row_slots, row_experts, scalings.double(), groups)
+        want = torch_ops.moe_combine(out.double(), row_w.double(), places, tokens, torch.float64, ref)
+        on = [t.to(device) for t in (y, b, row_slots, row_experts, scalings)]
+        got = triton_moe.moe_combine(
+            out.to(device), row_w.to(device), places.to(device), tokens, dtype, torch_ops.RowExpand(*on, groups)
+        )
+        assert got.dtype == dtype and got.shape == (tokens, width)
+        assert_close(got, want, dtype, f"combine with the down LoRA ({groups}, {dtype}, {tokens} tokens)")
+
+
 CASES = [  # (tokens, top_k, routed, shared, beyond): decode, rows across sort blocks (> 256), a rank's share, prefill
     (8, 4, 16, 2, 0),
     (61, 4, 16, 2, 0),
@@ -146,6 +172,7 @@ def run_interpreted_cases() -> None:
             check_expert_matmul("cpu", dtype, tokens, width, depth)
         check_silu_mul("cpu", dtype, 5, 40)
         check_expert_lora_epilogues("cpu", dtype, 6, 40, 48, 8)  # 48 columns a part: 16-column tiles
+        check_combine_down("cpu", dtype, 21, 72, 8)  # two token tiles, a partial one; partial column tiles, rank < 16
     print("interpreted cases passed")
 
 
@@ -182,6 +209,13 @@ def test_expert_matmul_on_gpu_at_inkling_small_widths(dtype, tokens):
     check_expert_matmul("cuda", dtype, tokens, 1024, 2048)  # gate/up
     check_expert_matmul("cuda", dtype, tokens, 2048, 512)  # down
     check_silu_mul("cuda", dtype, tokens * 6, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 64, 300, 2048])
+def test_combine_with_the_down_lora_on_gpu(dtype, tokens):
+    check_combine_down("cuda", dtype, tokens, 2048, 16)
 
 
 @pytest.mark.gpu
