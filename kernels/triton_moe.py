@@ -7,7 +7,8 @@ about fifteen launches per MoE layer for a few KB at decode. Here the dispatch i
 each expert's rows, then gives each row its place (its expert's first place, plus the rows of that expert before
 it) and writes every output there; one program at decode, a program per block of rows at prefill. The combine is
 one program per (token, column block), summing the token's rows in its own order, so the result does not depend on
-the sort.
+the sort; with the experts' down LoRA, one per (tile of tokens, column block), which also sums each token's rows'
+shrunk y per group and expands the sums (B is shared by a group's experts).
 """
 
 from dataclasses import replace
@@ -226,8 +227,8 @@ def _combine_down_kernel(
 def _combine_down(
     out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, down: RowExpand, result: torch.Tensor
 ):
-    """`_combine_down_kernel`'s launch: tiles of 16 tokens at decode sizes (programs enough to fill the GPU), 32
-    past them."""
+    """`_combine_down_kernel`'s launch: tiles of 16 tokens up to 1,024 (programs enough to fill the GPU), 32 past
+    them."""
     tokens, width = result.shape
     rows = out.shape[0]
     num_slots, groups, n, rank = down.b.shape
