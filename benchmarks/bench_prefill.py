@@ -9,9 +9,9 @@ a token passes through: attention, dense MLPs, the router, top-k routed plus the
 or the LM head, which prefill applies to one row per prompt; attention's own products not counted), against
 `--peak` (the H200's dense bf16 figure). `--profile` then prints the CUDA kernels of one step by total time, with no
 adapter and with 8, how much of the step's wall time the GPU was busy, and the host's functions (cProfile).
-`--graph-prefill-tokens` sets the engine's limit for prefill steps replayed from CUDA graphs (its default, 512, leaves
-a step of 8 x 1,024 tokens eager; 8192 replays it).
-Run: python benchmarks/bench_prefill.py [--preset inkling-small] [--profile] [--graph-prefill-tokens 8192]
+`--graph-prefill-tokens` sets the engine's limit for prefill steps replayed from CUDA graphs (its default, 8192,
+replays a step of 8 x 1,024 tokens; 0 runs every step eagerly).
+Run: python benchmarks/bench_prefill.py [--preset inkling-small] [--profile] [--graph-prefill-tokens 0]
 CPU smoke run: python benchmarks/bench_prefill.py --preset inkling-tiny --device cpu --prompt 16 --repeats 1
 """
 

@@ -126,8 +126,11 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graphs: bool = True  # CUDA only: pure decode steps replay captured graphs
     # CUDA graphs only: steps with prefill chunks replay captured graphs too where their chunks pad to at most this
-    # many token places (sequences bucket x longest chunk's power of two); longer ones run eagerly. 0: never.
-    graph_prefill_tokens: int = 512
+    # many token places (sequences bucket x longest chunk's power of two); longer ones run eagerly. 0: never. An
+    # eager step's host takes 31-64 ms to issue its launches (H200 host, docs/benchmarks.md) and a replayed step of
+    # 8,192 places about 30 ms on the GPU, so up to here a graph wins even over the padding; every step of the
+    # service's 256-token budget (16 sequences x 256 places at most) replays one.
+    graph_prefill_tokens: int = 8192
     # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: since decode projections take
     # one launch each (lora_linear), its forks and joins cost graph decode more than they hide (docs/benchmarks.md)
     lora_side_stream: bool = False

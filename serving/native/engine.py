@@ -6,10 +6,10 @@ their adapters: the per-token slot index selects each token's LoRA. A request is
 adapter's slot when it is admitted, so an adapter version loaded later never changes a running
 request; copying an adapter into a slot happens between steps and touches only that slot.
 On CUDA, steps in which every sequence decodes one token replay a captured CUDA graph (`StepGraphs`), and so do
-steps whose prefill chunks are short (`EngineConfig.graph_prefill_tokens`: a prompt's tail after a cached prefix,
-a short chat turn); longer prefills run the eager forward. Every step picks its tokens on
-the device (greedy, or drawn at a uniform from the sequence's own generator); while no sequence needs
-its logits on the host (logprobs), the next step is queued before this one's tokens reach the host
+steps whose prefill chunks pad to at most `EngineConfig.graph_prefill_tokens` token places (every step of the
+service's 256-token budget; a step of 8 x 1,024 tokens); larger prefill steps run the eager forward. Every step
+picks its tokens on the device (greedy, or drawn at a uniform from the sequence's own generator); while no
+sequence needs its logits on the host (logprobs), the next step is queued before this one's tokens reach the host
 (`Engine.step`), so the host's work per step hides behind the GPU's. A request may ask for routing traces
 (`SamplingParams.return_routing`, `prompt_routing`): every step's routed expert ids come back to the host beside
 its tokens, and each token gets the routing of the forward that scored it (`inkwell.models.routing`).

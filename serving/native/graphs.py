@@ -4,8 +4,9 @@ short prefill steps, one per (batch bucket, chunk length bucket, context bucket,
 An eager step of a 1B model launches hundreds of kernels and is bound by the host. A graph captured over
 `DecodeForward` (or `ExtendForward`, for chunks of several tokens) replays them all in one launch: the step's
 inputs are copied into the bucket's static buffers (one host-to-device copy) and the graph runs. Prefill steps
-are captured where their chunks pad to at most `extend_tokens` token places: the steps whose launches cost more
-than their arithmetic (a prompt's tail after a cached prefix, a short chat turn); longer prefills run eagerly.
+are captured where their chunks pad to at most `extend_tokens` token places: below that a replay, padding and all,
+ends before an eager step's host has issued its launches (a prompt's tail after a cached prefix, a short chat turn,
+and on an H200 up to 8 x 1,024 tokens); larger prefill steps run eagerly.
 The LoRA slot buffers and the state pools are read and written in place, so an adapter swap, which rewrites a
 slot's contents, needs no re-capture. Graphs are captured lazily on a bucket's first step, after a warm-up run
 (Triton compiles, cuBLAS picks its workspaces) whose padding-only batch touches only the scratch state slot; all

@@ -8,10 +8,11 @@ import torch
 from inkwell.models import base_model_identity, load_base_config, load_base_weights
 from inkwell.serving.contract import EngineConfig, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
-from inkwell.serving.native.graphs import StepGraphs, batch_buckets, context_bucket
+from inkwell.serving.native.graphs import StepGraphs, batch_buckets, chunk_bucket, context_bucket
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment, padded_groups
 from inkwell.serving.native.state import StatePool
+from inkwell.serving.settings import ServingSettings
 
 MAX_CONTEXT = 96
 
@@ -123,6 +124,15 @@ def test_base_only_batch_skips_lora_and_equals_eager(tiny):
         model.forward(batch_of(prompt, [-1] * 29, [Segment(slot, 0, 29)], [28]), state, lora)
     expected = model.forward(batch_of([7], [-1], [Segment(e, 29, 1)], [0]), eager, lora)
     assert (graphs.decode([7], [p], [29], [-1]).logits - expected).abs().max().item() < 1e-5
+
+
+def test_every_step_of_the_services_budget_pads_within_the_default_prefill_graphs():
+    """Whatever its chunks, a step of the service's defaults (`ServingSettings`: 16 sequences, 256 tokens) pads to
+    at most EngineConfig's `graph_prefill_tokens` places (the sequences' last bucket x the longest chunk's), so on
+    CUDA every such step replays a captured graph instead of issuing its launches from the host."""
+    settings = ServingSettings()
+    worst = batch_buckets(settings.max_seqs)[-1] * chunk_bucket(settings.max_batch_tokens)
+    assert worst <= EngineConfig.graph_prefill_tokens, (worst, EngineConfig.graph_prefill_tokens)
 
 
 def test_prefill_chunks_equal_eager_forward(tiny):
