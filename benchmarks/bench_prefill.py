@@ -94,8 +94,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-prefill-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
         prompts = make_prompts(args.batch, args.prompt)
-        graphs = dict(graph_prefill_tokens=args.graph_prefill_tokens)
-        engine = make_engine(model_dir, random_adapters(model_dir), args, **graphs)
+        engine = make_engine(
+            model_dir, random_adapters(model_dir), args, graph_prefill_tokens=args.graph_prefill_tokens
+        )
         flops_per_token = 2 * active_weights(engine)
         print(
             f"{args.batch} x {args.prompt} tokens; {flops_per_token / 2e9:.3f}B active weights per token; "
