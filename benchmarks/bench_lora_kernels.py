@@ -1,7 +1,7 @@
 """Multi-LoRA kernel timings on one GPU: inkwell's Triton kernels vs torch gather/bmm vs the base GEMM.
 
 Rank 16, hidden 2048, bf16; projections qkvr (N=3328, 4 slices), o (2048), gate_up (11264, 2 slices),
-lm_head (32000); decode (8 and 32 tokens, one per sequence) and prefill (8 sequences x 512 tokens); 1, 4, 8
+lm_head (32000); decode (8, 32, 64 and 128 tokens, one per sequence) and prefill (8 sequences x 512 tokens); 1, 4, 8
 distinct adapters in 8 slots. Every figure is µs per op from CUDA-graph replays (each graph runs the op
 REPS times, cycling over SETS weight sets so weights are not served from L2), median of replays.
 Columns:
@@ -42,7 +42,7 @@ PROJECTIONS = {
     "gate_up": (0, 5632, 11264),
     "lm_head": (0, 32000),  # inkling-small's vocabulary
 }
-CASES = {"decode8": (8, 1), "decode32": (32, 1), "prefill8x512": (8, 512)}
+CASES = {"decode8": (8, 1), "decode32": (32, 1), "decode64": (64, 1), "decode128": (128, 1), "prefill8x512": (8, 512)}
 REPS, SETS, REPLAYS = 20, 8, 30
 FUSED_SWEEP = [
     (128, 256, 4, 3),

@@ -13,7 +13,10 @@ from inkwell.kernels.torch_ops import ExpertGroups
 
 SENTINEL = tl.constexpr(2**30)  # above every group key and local expert id: "no row left", "no second group"
 MAX_SLICES = 4
-SLOT_LOOP_MIN_TOKENS = 64  # above, a program walks its tile's slots instead of one program per slot
+# Above this many tokens a program walks its token tile's slots (prefill: long runs of one slot); up to it one
+# program per (tile, slot) runs them in parallel, the shrink's K loop split too. Decode batches of 64-256 sequences
+# hold every slot in each tile, and a few programs walking 8 slots each left most of the GPU idle.
+SLOT_LOOP_MIN_TOKENS = 256
 # Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
 # per (expert, slot): decode's few rows per expert then take one step each instead of a walk over all groups.
 SEGMENT_MAX_ROWS = 1024

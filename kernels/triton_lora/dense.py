@@ -293,13 +293,13 @@ def lora_shrink(
 ) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks.
 
-    Up to FUSED_MAX_TOKENS tokens (decode) the K loop is split over SHRINK_SPLIT_K programs per slot. With
-    `launch_dependents` the next kernel, launched with `launch_pdl`, may start at once and must wait for y."""
+    Where each slot has its own programs (up to SLOT_LOOP_MIN_TOKENS tokens) their K loop is split over up to
+    SHRINK_SPLIT_K programs. With `launch_dependents` the next kernel, launched with `launch_pdl`, may start at once
+    and must wait for y."""
     require(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
     _check_shrink(x, lora_a, token_slots)
-    split_k = SHRINK_SPLIT_K if x.shape[0] <= FUSED_MAX_TOKENS else 1
     return launch_shrink(
-        x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=launch_dependents, split_k=split_k
+        x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=launch_dependents, split_k=SHRINK_SPLIT_K
     )
 
 

@@ -2,8 +2,9 @@
 
 Its launcher can let the next kernel start early (programmatic dependent launch): `lora_linear`'s base GEMM, and
 the experts' gate/up GEMM after a `TokenShrink`, run their K loops beside the shrink and wait for y only in their
-epilogues. At decode sizes the shrink splits its K loop over several programs (`split_k`): one program streaming a
-slot's whole A is latency, not bandwidth, and the GEMM beside it waits for all of it.
+epilogues. Where each slot has its own programs (decode, and steps up to SLOT_LOOP_MIN_TOKENS tokens) the shrink
+splits its K loop over several programs (`split_k`): one program streaming a slot's whole A is latency, not
+bandwidth, and the GEMM beside it waits for all of it.
 """
 
 import math
@@ -166,15 +167,15 @@ def _split_shrink_kernel(
         tl.atomic_xchg(count_ptr + group, 0)
 
 
-SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for a decode-sized `lora_shrink` (2048 / 256 at bf16)
+SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for `lora_shrink` (2048 / 256 at bf16)
 # The split shrink's counts: one per (token tile, slot, rank block) of a launch, zero between launches (the last
 # program of each group resets its count). One buffer per device, made on first use outside any graph capture
 # (the decode graphs' warm-up runs first), serves every launch: the engine never runs two split shrinks at once
 # (on one stream launches run in turn, and a programmatic dependent launch pairs a shrink only with the GEMM that
 # reads it, `lora_linear`'s or `expert_matmul`'s after a `TokenShrink`, which the next launch waits for; the
 # experts' shrink on the LoRA side stream, past decode sizes, runs while the main stream routes and runs the
-# experts' grouped GEMMs, no split shrink); two streams running split shrinks at the same time would share the
-# counts, and must not.
+# experts' GEMMs, no shrink; a projection's shrink on the side stream runs beside its base GEMM alone); two streams
+# running split shrinks at the same time would share the counts, and must not.
 SPLIT_COUNTS = 4096
 _split_counts: dict[torch.device, torch.Tensor] = {}
 

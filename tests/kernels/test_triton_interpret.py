@@ -24,6 +24,7 @@ def run_interpreted_cases() -> None:
     for dtype in (torch.float32, torch.float16):
         check_linear(**dev, dtype=dtype, tokens=5, num_slots=3, used=2, rank=8, k=40, n=24)
         check_linear(**dev, dtype=dtype, tokens=70, num_slots=4, used=3, rank=16, k=72, n=130)
+        check_linear(**dev, dtype=dtype, tokens=260, num_slots=3, used=3, rank=8, k=24, n=40)  # slot loop
         # decode sizes: the shrink's K loop split over 2-3 programs, the last of which sums their partials
         check_linear(**dev, dtype=dtype, tokens=9, num_slots=4, used=3, rank=8, k=300, n=24)
         check_sliced(**dev, dtype=dtype, tokens=9, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
@@ -37,7 +38,7 @@ def run_interpreted_cases() -> None:
             check_experts(
                 **expert_dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered
             )
-        check_experts(**expert_dev, dtype=dtype, rows=100, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
+        check_experts(**expert_dev, dtype=dtype, rows=260, num_slots=3, experts=3, rank=8, k=24, n=40)  # slot loop
     check_linear(**dev, dtype=torch.float32, tokens=20, num_slots=2, used=2, rank=80, k=16, n=16)  # 2 rank tiles
     print("interpreted cases passed")
 
