@@ -181,7 +181,7 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
     measure(row, "serial", serial)
     measure(row, "side", side_stream)
     measure(row, "side_fused", side_fused)
-    if tokens <= dispatch.FUSED_MAX_TOKENS:
+    if tokens <= dispatch.FUSED_NARROW_MAX_TOKENS:  # where lora_linear is one GEMM (narrow N only past 32)
         measure(row, "linear", lambda i: dispatch.lora_linear(x, w[i], a[i], b[i], slots, scal))
         measure(row, "linear_sl", lambda i: dispatch.lora_linear(x, w[i], a_stk[i], b[i], slots, scal_p, offsets))
     if sweep and tokens <= 64:  # tile sweep of the fused decode kernel: (BLOCK_N, BLOCK_K, warps, stages)

@@ -16,8 +16,11 @@ from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
 
 # On CUDA, up to FUSED_MAX_TOKENS tokens (decode) lora_linear is one Triton GEMM with the LoRA beside it and in its
 # epilogue, and lora_shrink_expand is one launch up to FUSED_MAX_N columns too: past them every column tile
-# re-reading its slot's A costs more than a second launch saves (H200 timings in docs/benchmarks.md).
-FUSED_MAX_TOKENS, FUSED_MAX_N = 32, 4096
+# re-reading its slot's A costs more than a second launch saves (H200 timings in docs/benchmarks.md). Projections
+# of at most FUSED_MAX_N columns (attention's) stay one GEMM up to FUSED_NARROW_MAX_TOKENS: at 64 tokens it beat
+# cuBLAS and the LoRA after it (qkvr 11.8-14.6 µs against 18.3-18.7), where wider ones lost (lm_head 75-81 against
+# 50-62).
+FUSED_MAX_TOKENS, FUSED_NARROW_MAX_TOKENS, FUSED_MAX_N = 32, 64, 4096
 # Up to EXPERT_MATMUL_MAX_TOKENS tokens (decode) the experts' GEMMs are `expert_matmul`'s Triton kernel: a few rows
 # per expert, where a grouped GEMM's 128-row tiles read the weights at half the memory's speed (H200: 499 µs a
 # batch-8 step against 837). Measured through decode batches of 128; prefill steps of more tokens (the engine's
@@ -197,9 +200,14 @@ def lora_shrink_expand(
     return _torch_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets)
 
 
-def one_launch_projection(x: torch.Tensor) -> bool:
-    """Whether `lora_linear` of x [T,K] is the one-GEMM path (decode sizes on CUDA)."""
-    return x.is_cuda and x.shape[0] <= FUSED_MAX_TOKENS
+def fused_linear(tokens: int, columns: int) -> bool:
+    """Whether the Triton `lora_linear` of `tokens` rows and `columns` outputs is one GEMM with its LoRA inside."""
+    return tokens <= FUSED_MAX_TOKENS or (tokens <= FUSED_NARROW_MAX_TOKENS and columns <= FUSED_MAX_N)
+
+
+def one_launch_projection(x: torch.Tensor, columns: int) -> bool:
+    """Whether `lora_linear` of x [T,K] to `columns` outputs is the one-GEMM path (decode sizes on CUDA)."""
+    return x.is_cuda and fused_linear(x.shape[0], columns)
 
 
 def lora_linear(

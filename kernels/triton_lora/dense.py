@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS
+from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS, fused_linear
 from inkwell.kernels.torch_ops import check_token_slots
 from inkwell.kernels.triton_lora.common import (
     add_delta,
@@ -361,7 +361,7 @@ def lora_linear(
 ) -> torch.Tensor:
     """x @ W^T plus each token's (sliced) LoRA delta: `F.linear` then `lora_shrink_expand`.
 
-    Up to FUSED_MAX_TOKENS tokens (decode) with one dtype throughout, the LoRA hides behind the base GEMM: the
+    Where `fused_linear` holds (decode sizes) with one dtype throughout, the LoRA hides behind the base GEMM: the
     shrink launches first and lets the GEMM kernel start at once (programmatic dependent launch), the GEMM's K
     loop runs beside it, and the expand is the GEMM tiles' epilogue. Otherwise the base GEMM, then
     `lora_shrink_expand`.
@@ -374,7 +374,7 @@ def lora_linear(
     num_slots, rank = lora_a.shape[0], lora_b.shape[2]
     one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
     # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
-    if tokens > FUSED_MAX_TOKENS or not one_dtype or rank == 0:
+    if not fused_linear(tokens, n) or not one_dtype or rank == 0:
         out = torch.nn.functional.linear(x, weight)
         return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     parts, o1, o2, o3 = parse_slices(slice_offsets, n)

@@ -399,7 +399,7 @@ class InklingModel:
         if buf is None:
             return F.linear(x, weight)
         offsets = buf.slice_offsets
-        if self.lora_stream is None or one_launch_projection(x):
+        if self.lora_stream is None or one_launch_projection(x, weight.shape[0]):
             return lora_linear(x, weight, buf.a, buf.b, slots, buf.scalings, offsets)
         delta = x.new_empty(x.shape[0], weight.shape[0])
         with self.lora_stream.fork():
