@@ -145,7 +145,7 @@ def pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
 
 
 def runs_per_row(rows: int) -> bool:
-    """Whether `rows` dispatched rows run the per-row expert kernels; one reader of ROW_MAX_ROWS, which tests lower."""
+    """Whether `rows` dispatched rows run the per-row expert kernels (the gate/up expand and the fused down alike)."""
     return rows <= ROW_MAX_ROWS
 
 
