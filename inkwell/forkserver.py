@@ -1,4 +1,4 @@
-"""Where model-holding child processes (serving workers, session workers) start from.
+"""Where model-holding child processes (serving workers, session workers) start from, and how they are stopped.
 
 A spawned child is a fresh interpreter that imports torch, transformers, megatron-core and inkwell before it does
 anything: about 8 s on two CPU cores, most of what a new CPU session or serving worker waited for. A CPU child
@@ -13,7 +13,10 @@ INKWELL_FORKSERVER=0 spawns every child instead (what benchmarks/bench_startup.p
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import threading
 from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 # The children's entry modules (names, not imports: this module sits below both of them).
 PRELOAD = ["inkwell.serving.worker", "inkwell.service.sessions.worker"]
@@ -46,3 +49,16 @@ def warm() -> None:
         return
     context("cpu")
     multiprocessing.forkserver.ensure_running()
+
+
+def stop(process: BaseProcess, inbox: Any, stop_message: Any, reader: threading.Thread | None, timeout: float) -> None:
+    """Ask a child to stop (`stop_message` on its `inbox` queue), wait up to `timeout` s, kill it if it is still
+    alive, then join the thread that reads its outbox (which ends when the child's side closes)."""
+    if process.is_alive():
+        inbox.put(stop_message)
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    if reader is not None:
+        reader.join(timeout=5)

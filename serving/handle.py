@@ -218,14 +218,7 @@ class WorkerHandle:
         if self._closed:
             return
         self._closed = True
-        if self.process.is_alive():
-            self.inbox.put(messages.Stop())
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        if self._reader is not None:
-            self._reader.join(timeout=5)
+        forkserver.stop(self.process, self.inbox, messages.Stop(), self._reader, timeout)
 
 
 def _settle(future: asyncio.Future, exc: Exception | None) -> None:

@@ -122,14 +122,7 @@ class SessionHandle:
         if self._closing:
             return
         self._closing = True
-        if self.process.is_alive():
-            self.inbox.put(messages.Stop())
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        if self._reader is not None:
-            self._reader.join(timeout=5)
+        forkserver.stop(self.process, self.inbox, messages.Stop(), self._reader, timeout)
         self._died("the session was closed")
 
 
