@@ -382,6 +382,8 @@ def lora_linear(
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens == 0 or n == 0:
         return out
+    block_t = token_block(tokens)
+    require(tokens <= block_t, f"lora_linear's one GEMM holds every token in one tile of {block_t}, got {tokens}")
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it
     y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl, split_k=SHRINK_SPLIT_K)
@@ -411,7 +413,7 @@ def lora_linear(
         WAIT_FOR_SHRINK=pdl,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=dot_precision(x.dtype),
-        BLOCK_T=token_block(tokens),
+        BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
         PREFETCH_B=rank <= 16,  # a larger block of B would not fit in registers beside the K loop
