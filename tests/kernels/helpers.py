@@ -1,5 +1,5 @@
-"""What the kernel tests share: the tolerance check against a float64 reference, and running a test module's
-interpreted cases in a child process with Triton's CPU interpreter."""
+"""What the kernel tests share: the tolerance check against a float64 reference, and running a test module's cases
+in a child process (with Triton's CPU interpreter, or with a stand-in driver that only compiles)."""
 
 import os
 import subprocess
@@ -35,11 +35,20 @@ def assert_close(
     assert err <= bound, f"{what}: worst row relative error {err:.2e} (allowed {bound:.2e})"
 
 
+def run_in_child(module: str, function: str, done: str, env: dict[str, str] | None = None, timeout: int = 300) -> None:
+    """Run `module`'s `function()` in a child process (with `env` added to this one's); fail with its output unless
+    it exits 0 and prints `done`."""
+    code = f"from {module} import {function}; {function}()"
+    root = Path(__file__).resolve().parents[2]  # where `tests` is importable from
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **(env or {})}, cwd=root, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert done in proc.stdout
+
+
 def run_in_interpreter(module: str) -> None:
     """Run `module`'s `run_interpreted_cases()` in a child process with TRITON_INTERPRET=1; fail with its output."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = f"from {module} import run_interpreted_cases; run_interpreted_cases()"
-    root = Path(__file__).resolve().parents[2]  # where `tests` is importable from
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "interpreted cases passed" in proc.stdout
+    env = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    run_in_child(module, "run_interpreted_cases", "interpreted cases passed", env)

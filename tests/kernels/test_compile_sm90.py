@@ -9,14 +9,11 @@ slots, at decode and prefill sizes, so each program shape its launcher picks is 
 modules must compile at least once: a new kernel needs a call here.
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
+from tests.kernels.helpers import run_in_child
+
 H, F, R, S, ROUTED, SHARED, TOP_K = 2048, 512, 16, 8, 16, 2, 4
-MODULES = ("inkwell.kernels.triton_moe", "inkwell.kernels.triton_lora")
 
 
 def run_compile_cases() -> None:
@@ -101,8 +98,4 @@ def run_compile_cases() -> None:
 
 
 def test_moe_and_lora_kernels_compile_for_sm90():
-    code = "from tests.kernels.test_compile_sm90 import run_compile_cases; run_compile_cases()"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "compiled for sm_90" in proc.stdout
+    run_in_child("tests.kernels.test_compile_sm90", "run_compile_cases", "compiled for sm_90", timeout=600)
