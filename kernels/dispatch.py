@@ -281,11 +281,15 @@ def expert_matmul(
     return ops.expert_matmul(x, weight, ends, tokens, max_rows, expand)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(
+    gate_up: torch.Tensor, expand: RowExpand | None = None, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
     """silu(gate) * up of rows [gate | up] [M, 2F] -> [M, F], each op rounded to the input's dtype as torch rounds
-    them; on CUDA one Triton kernel in place of two (and the strided read of the halves)."""
+    them; on CUDA one Triton kernel in place of two (and the strided read of the halves). With `expand`, the
+    dispatched rows' gate/up LoRA (y the shrink of their tokens `tokens`) is added to the rows first, as
+    `expert_in_lora_expand` adds it in place; on CUDA in the same kernel, over tiles of rows sorted by expert."""
     ops = _triton_moe() if gate_up.is_cuda else torch_ops
-    return ops.silu_mul(gate_up)
+    return ops.silu_mul(gate_up, expand, tokens)
 
 
 def silu_mul_shrink(

@@ -277,8 +277,14 @@ def expert_matmul(
     return expert_out_lora_expand(y, e.b, e.slots, e.experts, e.scalings, out, e.groups)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of rows [gate | up] [M, 2F] -> [M, F] in the input's dtype."""
+def silu_mul(
+    gate_up: torch.Tensor, expand: RowExpand | None = None, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up] [M, 2F] -> [M, F] in the input's dtype; with `expand`, the rows' gate/up
+    LoRA over their tokens `tokens` (`expert_in_lora_expand`) added to a copy of them first."""
+    if expand is not None:
+        e = expand
+        gate_up = expert_in_lora_expand(e.y, e.b, e.slots, e.experts, e.scalings, gate_up.clone(), tokens, e.groups)
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :half]) * gate_up[:, half:]
 

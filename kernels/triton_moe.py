@@ -20,7 +20,17 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_wait
 
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
-from inkwell.kernels.triton_lora.common import SENTINEL, dot_operands, local_split, pow2, require, scale_strides
+from inkwell.kernels.triton_lora.common import (
+    SENTINEL,
+    dot_operands,
+    local_split,
+    plus_delta,
+    pow2,
+    require,
+    row_keys,
+    row_slots,
+    scale_strides,
+)
 from inkwell.kernels.triton_lora.dense import lora_shrink
 
 
@@ -385,21 +395,21 @@ def _expert_matmul_kernel(
     tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
 
 
-def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int) -> tuple[list, dict]:
-    """The kernel's LoRA arguments for `expand` (checked against x [., K] and the output [rows, width]) and its
-    constexprs, with a column tile that does not straddle two parts (gate | up)."""
+def _expand_operands(expand: RowExpand, y_rows: int, rows: int, width: int) -> tuple[int, int, int, int, tuple, int]:
+    """`expand`'s B as (slots, parts, columns per part, rank, strides [S, P, E, N, R], y's stride between rank
+    blocks), checked against y's rows and the output [rows, width] it adds to."""
     y, b, groups = expand.y, expand.b, expand.groups
     if expand.per_expert:
         num_slots, parts, count, part_cols, rank = b.shape
         b_strides = b.stride()
         block_stride = rank
-        want_y = (x.shape[0], parts * groups.groups * rank)
+        want_y = (y_rows, parts * groups.groups * rank)
     else:  # one B per group: the group takes the expert's place in B's strides
         num_slots, _, part_cols, rank = b.shape
         parts, count = 1, groups.count
         b_strides = (b.stride(0), 0, b.stride(1), b.stride(2), b.stride(3))
         block_stride = 0
-        want_y = (x.shape[0], rank)
+        want_y = (y_rows, rank)
     require(
         tuple(y.shape) == want_y and y.stride(1) == 1,
         f"the expand's y must be {list(want_y)} with unit column stride, got {list(y.shape)} (strides {y.stride()})",
@@ -407,13 +417,21 @@ def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, wide
     require(parts * part_cols == width, f"the expand's B gives {parts} x {part_cols} columns, the output {width}")
     require(groups.count == count, f"groups cover {groups.count} experts, the expand's B has {count}")
     require(expand.slots.shape == (rows,), f"the expand's slots must be [M={rows}], got {list(expand.slots.shape)}")
+    return num_slots, parts, part_cols, rank, b_strides, block_stride
+
+
+def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int) -> tuple[list, dict]:
+    """The kernel's LoRA arguments for `expand` (checked against x [., K] and the output [rows, width]) and its
+    constexprs, with a column tile that does not straddle two parts (gate | up)."""
+    y, groups = expand.y, expand.groups
+    num_slots, parts, part_cols, rank, b_strides, block_stride = _expand_operands(expand, x.shape[0], rows, width)
     sizes = (widest >> halving for halving in range(widest.bit_length()))
     block_n = next((size for size in sizes if parts == 1 or part_cols % size == 0), 0)
     require(block_n >= 16, f"the expand's {part_cols} columns per part must be a multiple of 16")
     stride_ss, stride_sb = scale_strides(expand.scalings, num_slots, parts * groups.groups)
     args = [
-        y, b, expand.slots, expand.scalings, rank, part_cols, groups.first, groups.count, local_split(groups),
-        groups.groups, y.stride(0), block_stride, *b_strides, stride_ss, stride_sb,
+        y, expand.b, expand.slots, expand.scalings, rank, part_cols, groups.first, groups.count,
+        local_split(groups), groups.groups, y.stride(0), block_stride, *b_strides, stride_ss, stride_sb,
     ]  # fmt: skip
     return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=pow2(rank, 2), BLOCK_N=block_n)
 
@@ -500,13 +518,18 @@ def _silu_mul_kernel(
         tl.store(y_ptr + m * stride_ym + rr, y.to(dtype), mask=rr < R)
 
 
-def _silu_mul(gate_up: torch.Tensor, shrink: tuple | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """silu_mul's launch, with `shrink` (lora_a, slots, expert_ids, groups) or without; (act, y or None)."""
+def _act_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul's output [M, F] for rows [gate | up] [M, 2F], which it checks."""
     rows, width = gate_up.shape
     if width % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul needs rows [M, 2F] with unit column stride, got {list(gate_up.shape)}")
-    half = width // 2
-    out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
+    return torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+
+
+def _silu_mul(gate_up: torch.Tensor, shrink: tuple | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """silu_mul's launch, with `shrink` (lora_a, slots, expert_ids, groups) or without; (act, y or None)."""
+    out = _act_rows(gate_up)
+    rows, half = out.shape
     block = min(triton.next_power_of_2(half), 1024)
     if shrink is None:
         y, args, consts = None, [gate_up] * 4 + [0] * 7, dict(SHRINK=False, BLOCK_R=16)
@@ -529,9 +552,102 @@ def _silu_mul(gate_up: torch.Tensor, shrink: tuple | None) -> tuple[torch.Tensor
     return out, y
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`torch_ops.silu_mul` as one Triton kernel, torch's formula x / (1 + exp(-x)) with CUDA's exp (libdevice)."""
-    return _silu_mul(gate_up, None)[0]
+@triton.jit
+def _part_delta(y_ptr, y_rows, sel, y_col, stride_yt, b_ptrs, in_c, R, DOT_FP32: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """fp32 [T, F]: the `sel` rows' y rank block starting at column y_col (each row's token's) @ the B tile at b_ptrs
+    [BLOCK_R, F] (its ranks past R and its columns outside `in_c` masked)."""
+    rr = tl.arange(0, BLOCK_R)
+    yt = tl.load(y_ptr + y_rows[:, None] * stride_yt + (y_col + rr)[None, :], mask=sel[:, None] & (rr < R)[None, :],
+                 other=0.0)  # fmt: skip
+    bt = tl.load(b_ptrs, mask=(rr < R)[:, None] & in_c[None, :], other=0.0)
+    if DOT_FP32:
+        return tl.dot(yt.to(tl.float32), bt.to(tl.float32), input_precision=PRECISION)
+    return tl.dot(yt, bt.to(yt.dtype), input_precision=PRECISION)
+
+
+@triton.jit
+def _silu_mul_lora_kernel(
+    x_ptr, out_ptr, M, F, stride_xm, stride_om, y_ptr, b_ptr, slot_ptr, expert_ptr, token_ptr, scale_ptr, R, first,
+    E, split, G, stride_yt, stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sp,
+    PRECISE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """silu(gate) * up over a tile of rows sorted by expert and a column tile, each row's gate/up LoRA added to its
+    gate and up as they are read: per (slot, expert) group in the tile (one or two in a prefill tile), y of the
+    rows' tokens, block p*G + g, times B[slot, p, expert]^T, rounded as `expert_in_lora_expand` adds it in place."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = rt < M
+    c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    in_c = c < F
+    dtype = out_ptr.dtype.element_ty
+    tile = in_t[:, None] & in_c[None, :]
+    row_ptrs = x_ptr + rt.to(tl.int64)[:, None] * stride_xm + c[None, :]
+    gate = tl.load(row_ptrs, mask=tile, other=0.0)
+    up = tl.load(row_ptrs + F, mask=tile, other=0.0)
+    slots, local = row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, True)
+    keys = row_keys(in_t & (slots >= 0), slots, local, E)
+    y_rows = tl.load(token_ptr + rt, mask=in_t, other=0).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    b_tile = rr[:, None] * stride_br + c[None, :] * stride_bn
+    key = tl.min(keys, 0)
+    while key < SENTINEL:
+        sel = keys == key
+        slot = key // E
+        expert = key % E
+        group = (expert >= split).to(tl.int32)
+        b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + expert.to(tl.int64) * stride_be + b_tile
+        acc = _part_delta(y_ptr, y_rows, sel, group * R, stride_yt, b_ptrs, in_c, R, DOT_FP32, PRECISION, BLOCK_R)
+        scale = tl.load(scale_ptr + slot * stride_ss + group * stride_sp).to(tl.float32)
+        gate = tl.where(sel[:, None], plus_delta(gate, acc, scale, dtype), gate)
+        acc = _part_delta(
+            y_ptr, y_rows, sel, (G + group) * R, stride_yt, b_ptrs + stride_bp, in_c, R, DOT_FP32, PRECISION, BLOCK_R
+        )
+        scale = tl.load(scale_ptr + slot * stride_ss + (G + group) * stride_sp).to(tl.float32)
+        up = tl.where(sel[:, None], plus_delta(up, acc, scale, dtype), up)
+        keys = tl.where(sel, SENTINEL, keys)
+        key = tl.min(keys, 0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + (libdevice.exp(-g) if PRECISE else tl.exp(-g)))).to(dtype)
+    act = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_om + c[None, :], act, mask=tile)
+
+
+def _silu_mul_lora(gate_up: torch.Tensor, expand: RowExpand, tokens: torch.Tensor, out: torch.Tensor) -> None:
+    """`_silu_mul_lora_kernel`'s launch over tiles of 32 rows and 64 columns of each half (ptxas for sm_90: 128
+    registers, no spills; 64 x 128 spilled)."""
+    rows, half = out.shape
+    y, groups = expand.y, expand.groups
+    require(
+        isinstance(y, torch.Tensor) and expand.per_expert,
+        "silu_mul's LoRA is the experts' gate/up: its shrink y computed, one B per expert",
+    )
+    num_slots, parts, _, rank, b_strides, _ = _expand_operands(expand, y.shape[0], rows, 2 * half)
+    require(parts == 2, f"silu_mul's LoRA needs B of two parts (gate, up), got {parts}")
+    require(expand.experts.shape == tokens.shape == (rows,), f"silu_mul's LoRA needs experts and tokens [M={rows}]")
+    ss, sp = scale_strides(expand.scalings, num_slots, parts * groups.groups)
+    block_f = min(64, max(16, triton.next_power_of_2(half)))
+    grid = (triton.cdiv(rows, 32), triton.cdiv(half, block_f))
+    _silu_mul_lora_kernel[grid](
+        gate_up, out, rows, half, gate_up.stride(0), out.stride(0), y, expand.b, expand.slots, expand.experts, tokens,
+        expand.scalings, rank, groups.first, groups.count, local_split(groups), groups.groups, y.stride(0),
+        *b_strides, ss, sp, PRECISE=gate_up.is_cuda, **dot_operands(y.dtype, expand.b.dtype), BLOCK_T=32,
+        BLOCK_F=block_f, BLOCK_R=pow2(rank),
+    )  # fmt: skip
+
+
+def silu_mul(
+    gate_up: torch.Tensor, expand: RowExpand | None = None, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`torch_ops.silu_mul` as one Triton kernel, torch's formula x / (1 + exp(-x)) with CUDA's exp (libdevice);
+    with the gate/up LoRA `expand` of the rows (from tokens `tokens`), one kernel over tiles of rows that adds it as
+    it reads them, where an in-place expand first would read and write every row once more."""
+    if expand is None:
+        return _silu_mul(gate_up, None)[0]
+    out = _act_rows(gate_up)
+    if out.numel():
+        _silu_mul_lora(gate_up, expand, tokens, out)
+    return out
 
 
 def silu_mul_shrink(

@@ -416,15 +416,23 @@ class InklingModel:
         return None if experts is None else lora_shrink(x, experts.gate_up.a, slots)
 
     @staticmethod
-    def add_gate_up_lora(
-        shrunk: torch.Tensor | None, rows: Dispatch, experts: ExpertLora | None, gate_up: torch.Tensor
-    ) -> None:
-        """Add each dispatched row's gate/up LoRA (its expert's B over its token's `shrunk` row) to `gate_up`."""
-        if experts is not None:
-            buf = experts.gate_up
-            expert_in_lora_expand(
-                shrunk, buf.b, rows.slots, rows.experts, buf.scalings, gate_up, rows.tokens, experts.groups, rows.ends
-            )
+    def gate_up_act(
+        gate_up: torch.Tensor, shrunk: torch.Tensor | None, rows: Dispatch, experts: ExpertLora | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """silu(gate) * up of the rows dispatched from tokens `x`, each row's gate/up LoRA (its expert's B over its
+        token's `shrunk` row) added first. Past `few_tokens(x)` silu * up adds it as it reads the rows, where an
+        in-place expand would read and write every row once more (49,152 x 1,024 a MoE layer at 8 x 1,024 tokens);
+        at decode sizes the expand's programs per (expert, slot) or per row run first, in place."""
+        if experts is None:
+            return silu_mul(gate_up)
+        buf = experts.gate_up
+        if not few_tokens(x):
+            expand = RowExpand(shrunk, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
+            return silu_mul(gate_up, expand, rows.tokens)
+        expert_in_lora_expand(
+            shrunk, buf.b, rows.slots, rows.experts, buf.scalings, gate_up, rows.tokens, experts.groups, rows.ends
+        )
+        return silu_mul(gate_up)
 
     @staticmethod
     def down_lora(
@@ -713,15 +721,14 @@ class InklingModel:
         join: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, RowExpand | None]:
         """The dispatched rows' experts with each LoRA kernel after its GEMM: gemm(x, gate/up weight, True) (its
-        rows gathered from tokens x), then (after `join`, where `shrunk` came from a side stream) the gate/up LoRA
-        of the tokens' `shrunk`, silu * up, gemm(act, down weight, False) and the down LoRA (`down_lora`): the down
-        rows [M, H] and their down LoRA where the combine is to add it."""
+        rows gathered from tokens x), then (after `join`, where `shrunk` came from a side stream) silu * up with the
+        gate/up LoRA of the tokens' `shrunk` (`gate_up_act`), gemm(act, down weight, False) and the down LoRA
+        (`down_lora`): the down rows [M, H] and their down LoRA where the combine is to add it."""
         p = f"model.layers.{layer}.mlp.all_experts"
         gate_up = gemm(x, self.w[f"{p}.gate_up_proj"], True)
         if join is not None:
             join()
-        self.add_gate_up_lora(shrunk, rows, experts, gate_up)
-        act = silu_mul(gate_up)
+        act = self.gate_up_act(gate_up, shrunk, rows, experts, x)
         down = gemm(act, self.w[f"{p}.down_proj"], False)
         return down, self.down_lora(act, rows, experts, down, x)
 

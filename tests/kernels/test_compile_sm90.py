@@ -73,6 +73,7 @@ def run_compile_cases() -> None:
         triton_moe.expert_matmul(x, gate_up_w, ends, row_tokens, tokens, shrink_in)
         act, y_down = triton_moe.silu_mul_shrink(gate_up, a_down, row_slots, row_experts, groups)
         triton_moe.silu_mul(gate_up)
+        triton_moe.silu_mul(gate_up, expand_in, row_tokens)
         expand_down = RowExpand(y_down, b_down, row_slots, row_experts, s_down, groups)
         down = triton_moe.expert_matmul(act, down_w, ends, None, tokens, expand_down)
         triton_moe.moe_combine(down, row_w, places, tokens, torch.bfloat16)

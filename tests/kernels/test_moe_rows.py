@@ -127,6 +127,31 @@ def check_expert_lora_epilogues(device: str, dtype: torch.dtype, tokens: int, hi
         assert_close(down, want_down, dtype, f"down GEMM with its expand ({what})")
 
 
+def check_silu_mul_lora(device: str, dtype: torch.dtype, tokens: int, ffn: int, rank: int) -> None:
+    """silu * up with the gate/up LoRA added as the rows are read, against the torch twin (the in-place expand of a
+    copy, then silu * up) in float64: rows sorted by expert from tokens of 4 slots and slot -1 (tiles of several
+    (slot, expert) groups), both groups covered, then the routed experts only; the rows themselves left as they were."""
+    from inkwell.kernels import triton_moe
+
+    index, weights, slots, experts = routed(tokens, 4, 16, 2, 0, seed=tokens + ffn)
+    _, row_tokens, row_experts, _, row_slots, _, _ = torch_ops.moe_dispatch(index, weights, slots, experts)
+    gen = torch.Generator().manual_seed(ffn + rank)
+    gate_up = (3 * torch.randn(index.numel(), 2 * ffn, generator=gen)).to(dtype)
+    for groups in (torch_ops.ExpertGroups(0, 18, split=16), torch_ops.ExpertGroups(0, 16)):
+        g = groups.groups
+        y = torch.randn(tokens, 2 * g * rank, generator=gen).to(dtype)
+        b = (torch.randn(4, 2, groups.count, ffn, rank, generator=gen) / rank**0.5).to(dtype)
+        scalings = torch.rand(4, 2 * g, generator=gen) + 0.5
+        rows = (row_slots, row_experts)
+        ref = torch_ops.RowExpand(y.double(), b.double(), *rows, scalings.double(), groups)
+        want = torch_ops.silu_mul(gate_up.double(), ref, row_tokens)
+        on = [t.to(device) for t in (gate_up, y, b, *rows, scalings, row_tokens)]
+        got = triton_moe.silu_mul(on[0], torch_ops.RowExpand(*on[1:6], groups), on[6])
+        assert got.dtype == dtype and got.shape == (index.numel(), ffn)
+        assert_close(got, want, dtype, f"silu * up with the gate/up LoRA ({groups}, {dtype}, {tokens} tokens)")
+        assert torch.equal(on[0].cpu(), gate_up), "silu * up with the gate/up LoRA wrote to its input"
+
+
 def check_combine_down(device: str, dtype: torch.dtype, tokens: int, width: int, rank: int) -> None:
     """The combine with the experts' down LoRA (each token's rows' shrunk y weighted and summed, then expanded once
     per group) against the torch twin's per-row expand then combine, in float64: 4 slots and slot -1 (tokens of
@@ -173,6 +198,7 @@ def run_interpreted_cases() -> None:
         check_silu_mul("cpu", dtype, 5, 40)
         check_expert_lora_epilogues("cpu", dtype, 6, 40, 48, 8)  # 48 columns a part: 16-column tiles
         check_combine_down("cpu", dtype, 21, 72, 8)  # two token tiles, a partial one; partial column tiles, rank < 16
+        check_silu_mul_lora("cpu", dtype, 21, 40, 8)  # 4 row tiles, a partial one; a partial column tile, rank < 16
     print("interpreted cases passed")
 
 
@@ -216,6 +242,13 @@ def test_expert_matmul_on_gpu_at_inkling_small_widths(dtype, tokens):
 @pytest.mark.parametrize("tokens", [1, 64, 300, 2048])
 def test_combine_with_the_down_lora_on_gpu(dtype, tokens):
     check_combine_down("cuda", dtype, tokens, 2048, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 300, 2048])
+def test_silu_mul_with_the_gate_up_lora_on_gpu(dtype, tokens):
+    check_silu_mul_lora("cuda", dtype, tokens, 512, 16)
 
 
 @pytest.mark.gpu
