@@ -29,6 +29,9 @@ def run_interpreted_cases() -> None:
         check_linear(**dev, dtype=dtype, tokens=9, num_slots=4, used=3, rank=8, k=300, n=24)
         check_sliced(**dev, dtype=dtype, tokens=9, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
         check_sliced(**dev, dtype=dtype, tokens=66, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
+        # the slot walk (prefill) over column tiles that straddle slices
+        check_sliced(**dev, dtype=dtype, tokens=270, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
+        check_sliced(**dev, dtype=dtype, tokens=260, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
         check_projection(**dev, dtype=dtype, tokens=5, num_slots=3, rank=8, k=40, offsets=(0, 20, 36, 52, 60))
         check_projection(**dev, dtype=dtype, tokens=20, num_slots=4, rank=24, k=300, offsets=(0, 70))  # 2 K tiles
         # slices on tile edges (one rank block of y per tile), then a rank past the early-loaded block of B
