@@ -334,8 +334,11 @@ def launch_expand(
         )
         return out
     block_t = token_block(tokens)
-    block_n = 256 if tokens <= 16 else 128
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
+    # prefill (slot walk) over slices: 64-column tiles reading one slice's rank block a step, 102 registers (ptxas,
+    # sm_90a) where 128 columns reading every slice's ranks took 255 and spilled; q/k/v/r's LoRA at 4,096 tokens
+    # 39-42 -> 34-36 µs (bench_lora_kernels, H200). One slice keeps 128 columns.
+    block_n = 256 if tokens <= 16 else 64 if slot_loop and parts > 1 else 128
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots, triton.cdiv(n, block_n))
     _expand_kernel[grid](
         y,
@@ -366,6 +369,6 @@ def launch_expand(
         **dot,
         BLOCK_T=block_t,
         BLOCK_N=block_n,
-        BLOCK_R=pow2(rank * parts, 16, 64),
+        BLOCK_R=pow2(rank, 16, 64) if slot_loop else pow2(rank * parts, 16, 64),
     )
     return out
