@@ -234,11 +234,17 @@ def _combine_down_kernel(
     )
 
 
+def combine_down_tiles(tokens: int) -> tuple[int, int]:
+    """(tokens, columns) of a program of the combine with the down LoRA: 16 tokens, 64 to 256 columns as tokens grow
+    (programs enough to fill the GPU). At 8,192 tokens on the H200 16 x 256 took 87 µs where 32 x 128 took 125 (the
+    combine without the LoRA: 64); benchmarks/bench_moe_rows.py --sweep sets this to other shapes."""
+    return 16, 64 if tokens <= 256 else 128 if tokens <= 1024 else 256
+
+
 def _combine_down(
     out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, down: RowExpand, result: torch.Tensor
 ):
-    """`_combine_down_kernel`'s launch: tiles of 16 tokens up to 1,024 (programs enough to fill the GPU), 32 past
-    them."""
+    """`_combine_down_kernel`'s launch over `combine_down_tiles`."""
     tokens, width = result.shape
     rows = out.shape[0]
     num_slots, groups, n, rank = down.b.shape
@@ -250,8 +256,7 @@ def _combine_down(
     require(down.y.stride(1) == 1, "the combine's down LoRA needs y with unit column stride")
     require(groups == down.groups.groups, f"B has {groups} groups, the groups say {down.groups.groups}")
     ss, sg = scale_strides(down.scalings, num_slots, groups)
-    block_t = 16 if tokens <= 1024 else 32
-    block_h = 64 if tokens <= 256 else 128
+    block_t, block_h = combine_down_tiles(tokens)
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_h))
     _combine_down_kernel[grid](
         out, weights, places, result, down.y, down.b, down.slots, down.experts, down.scalings, tokens, width, rank,
