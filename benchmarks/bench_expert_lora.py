@@ -15,12 +15,10 @@ Run: python benchmarks/bench_expert_lora.py [--tokens 8 32] [--out expert_lora.j
 """
 
 import argparse
-import datetime
-import json
 from pathlib import Path
 
 import torch
-from bench_lora_kernels import SETS, time_graph
+from bench_lora_kernels import SETS, time_graph, write_rows
 
 from inkwell.kernels import dispatch
 from inkwell.kernels.torch_ops import ExpertGroups
@@ -100,8 +98,7 @@ def main() -> None:
     results = [bench(t, n, gen) for t in args.tokens for n in ADAPTERS]
     print(table(results))
     if args.out is not None:
-        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
-        args.out.write_text(json.dumps({**meta, "gpu": torch.cuda.get_device_name(), "rows": results}, indent=2))
+        write_rows(args.out, results)
 
 
 if __name__ == "__main__":

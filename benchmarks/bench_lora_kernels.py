@@ -58,6 +58,12 @@ FUSED_SWEEP = [
 ]
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """A kernel benchmark's rows as JSON, with the date, GPU and torch version."""
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
+    path.write_text(json.dumps({**meta, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+
+
 def time_graph(fn: Callable[[int], None], reps: int = REPS, replays: int = REPLAYS) -> float:
     """µs per call of fn(i) (i picks the weight set), from replays of a graph holding `reps` calls."""
     side = torch.cuda.Stream()

@@ -12,12 +12,10 @@ Run: python benchmarks/bench_moe_rows.py [--tokens 64 1024 8192] [--sweep] [--ou
 """
 
 import argparse
-import datetime
-import json
 from pathlib import Path
 
 import torch
-from bench_lora_kernels import SETS, time_graph
+from bench_lora_kernels import SETS, time_graph, write_rows
 
 from inkwell.kernels import triton_moe
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
@@ -108,8 +106,7 @@ def main() -> None:
     results = [bench(t, args.sweep, gen) for t in args.tokens]
     print(table(results))
     if args.out is not None:
-        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
-        args.out.write_text(json.dumps({**meta, "gpu": torch.cuda.get_device_name(), "rows": results}, indent=2))
+        write_rows(args.out, results)
 
 
 if __name__ == "__main__":
