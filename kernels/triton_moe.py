@@ -489,6 +489,14 @@ def expert_matmul(
 
 
 @triton.jit
+def _silu_times_up(gate, up, dtype: tl.constexpr, PRECISE: tl.constexpr):
+    """silu(gate) * up of fp32 gate and up as torch rounds it: silu = gate / (1 + exp(-gate)) rounded to `dtype`
+    (exp CUDA's, from libdevice, where PRECISE; the interpreter has none), then the product rounded."""
+    silu = (gate / (1.0 + (libdevice.exp(-gate) if PRECISE else tl.exp(-gate)))).to(dtype)
+    return (silu.to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(
     x_ptr, out_ptr, F, stride_xm, stride_om, a_ptr, slot_ptr, expert_ptr, y_ptr, R, first, count, stride_as,
     stride_ae, stride_ar, stride_ym,
@@ -512,8 +520,7 @@ def _silu_mul_kernel(
         in_c = c < F
         gate = tl.load(x_ptr + m * stride_xm + c, mask=in_c, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + m * stride_xm + F + c, mask=in_c, other=0.0).to(tl.float32)
-        silu = (gate / (1.0 + (libdevice.exp(-gate) if PRECISE else tl.exp(-gate)))).to(dtype)
-        act = (silu.to(tl.float32) * up).to(dtype)
+        act = _silu_times_up(gate, up, dtype, PRECISE)
         tl.store(out_ptr + m * stride_om + c, act, mask=in_c)
         if covered:  # False, a constant, without SHRINK
             a_ptrs = a_row + rr[:, None] * stride_ar + c[None, :]
@@ -612,9 +619,7 @@ def _silu_mul_lora_kernel(
         up = tl.where(sel[:, None], plus_delta(up, acc, scale, dtype), up)
         keys = tl.where(sel, SENTINEL, keys)
         key = tl.min(keys, 0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + (libdevice.exp(-g) if PRECISE else tl.exp(-g)))).to(dtype)
-    act = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    act = _silu_times_up(gate.to(tl.float32), up.to(tl.float32), dtype, PRECISE)
     tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_om + c[None, :], act, mask=tile)
 
 
