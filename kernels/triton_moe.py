@@ -24,6 +24,7 @@ from inkwell.kernels.triton_lora.common import (
     SENTINEL,
     dot_operands,
     local_split,
+    lora_dot,
     plus_delta,
     pow2,
     require,
@@ -573,9 +574,7 @@ def _part_delta(y_ptr, y_rows, sel, y_col, stride_yt, b_ptrs, in_c, R, DOT_FP32:
     yt = tl.load(y_ptr + y_rows[:, None] * stride_yt + (y_col + rr)[None, :], mask=sel[:, None] & (rr < R)[None, :],
                  other=0.0)  # fmt: skip
     bt = tl.load(b_ptrs, mask=(rr < R)[:, None] & in_c[None, :], other=0.0)
-    if DOT_FP32:
-        return tl.dot(yt.to(tl.float32), bt.to(tl.float32), input_precision=PRECISION)
-    return tl.dot(yt, bt.to(yt.dtype), input_precision=PRECISION)
+    return lora_dot(yt, bt, None, DOT_FP32, PRECISION)
 
 
 @triton.jit

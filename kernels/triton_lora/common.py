@@ -96,11 +96,17 @@ def expand_acc(
         bt = tl.load(
             b_base + b_cols[None, :] + local * stride_br, mask=(local >= 0) & (local < R) & in_n[None, :], other=0.0
         )
-        if DOT_FP32:
-            acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+        acc = lora_dot(yt, bt, acc, DOT_FP32, PRECISION)
     return acc
+
+
+@triton.jit
+def lora_dot(yt, bt, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + yt @ bt (acc None: a fresh fp32 product) with the operands `dot_operands` chose: both in fp32
+    (DOT_FP32), else B in y's dtype."""
+    if DOT_FP32:
+        return tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+    return tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ from inkwell.kernels.triton_lora.common import (
     add_delta,
     dot_operands,
     dot_precision,
+    lora_dot,
     parse_slices,
     pow2,
     require,
@@ -101,10 +102,7 @@ def _fused_kernel(
             mask=(local >= 0) & (local < R) & in_n[None, :],
             other=0.0,
         )
-        if DOT_FP32:
-            acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(yt, bt.to(yt.dtype), acc, input_precision=PRECISION)
+        acc = lora_dot(yt, bt, acc, DOT_FP32, PRECISION)
     add_delta(out_ptr, rt, rn, stride_ot, stride_on, rows, in_n, acc, scale[None, :])
 
 

@@ -16,6 +16,7 @@ from inkwell.kernels.triton_lora.common import (
     dot_operands,
     expert_segment,
     local_split,
+    lora_dot,
     plus_delta,
     pow2,
     require,
@@ -101,10 +102,7 @@ def _segment_down_kernel(
                 mask=in_r[:, None] & in_n[None, :],
                 other=0.0,
             )
-            if DOT_FP32:
-                acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), input_precision=PRECISION)
-            else:
-                acc = tl.dot(yt, bt.to(yt.dtype), input_precision=PRECISION)
+            acc = lora_dot(yt, bt, None, DOT_FP32, PRECISION)
             add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale)
 
 
