@@ -1,6 +1,6 @@
 """The shared-sink router on one GPU: the Triton kernel (`inkwell.kernels.triton_router`) against the torch ops it
 replaces, at inkling-small's sizes (hidden 2048, 16 routed experts, top 4, 2 shared), bf16, decode (8 tokens) and
-prefill (8192 tokens).
+prefill (8192 tokens), and 1, 32 and 128 tokens (decode batches).
 
 Every figure is µs per call from CUDA-graph replays (bench_lora_kernels.time_graph: each graph runs the op REPS
 times over SETS inputs), median of replays. Columns: gemm (the gate's F.linear alone, cuBLAS, the same in both
@@ -20,7 +20,7 @@ from inkwell.kernels import torch_ops
 from inkwell.kernels.triton_router import shared_sink_route
 from inkwell.models.presets import preset_config
 
-TOKENS = (8, 8192)
+TOKENS = (1, 8, 32, 128, 8192)
 
 
 def bench(tokens: int, gen: torch.Generator) -> dict:

@@ -1,4 +1,4 @@
-"""The MoE and LoRA Triton kernels compile for the H200 (sm_90a, ptxas included) on a machine without a GPU.
+"""The MoE, router and LoRA Triton kernels compile for the H200 (sm_90a, ptxas included) on a machine without a GPU.
 
 CI has no GPU, and Triton's interpreter runs a kernel's Python, not its compile: a kernel that does not compile
 (a dot below 16 rows, a type or layout error) would pass every CPU test and fail only on a device. Here, in a child
@@ -46,7 +46,7 @@ def run_compile_cases() -> None:
     torch.Tensor.is_cuda = property(lambda self: True)  # the launchers' branch for CUDA tensors
 
     import inkwell.kernels.triton_lora as triton_lora
-    from inkwell.kernels import triton_moe
+    from inkwell.kernels import triton_moe, triton_router
     from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
     from inkwell.kernels.triton_lora import dense, expert
 
@@ -87,9 +87,15 @@ def run_compile_cases() -> None:
         dense.lora_linear(x, torch.zeros(qkvr[-1], H, **bf), a, b, token_slots, torch.ones(S, 4), qkvr)
         dense.lora_shrink_expand(x, a, b, token_slots, torch.ones(S, 4), out, qkvr)
         dense.lora_expand_sliced(dense.lora_shrink(x, a, token_slots), b, token_slots, torch.ones(S, 4), out, qkvr)
+        logits, bias, scale = torch.zeros(tokens, ROUTED + SHARED, **bf), torch.zeros(ROUTED, **bf), torch.ones(1, **bf)
+        triton_router.shared_sink_route(logits, bias, scale, TOP_K, SHARED, 2.5)
     kernels = {
         name
-        for module in (triton_moe, *(getattr(triton_lora, m) for m in ("dense", "expand", "expert", "shrink")))
+        for module in (
+            triton_moe,
+            triton_router,
+            *(getattr(triton_lora, m) for m in ("dense", "expand", "expert", "shrink")),
+        )
         for name, value in vars(module).items()
         if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel")
     }
@@ -98,5 +104,5 @@ def run_compile_cases() -> None:
     print(f"compiled for sm_90: {len(kernels)} kernels")
 
 
-def test_moe_and_lora_kernels_compile_for_sm90():
+def test_moe_router_and_lora_kernels_compile_for_sm90():
     run_in_child("tests.kernels.test_compile_sm90", "run_compile_cases", "compiled for sm_90", timeout=600)
