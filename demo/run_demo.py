@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -55,11 +56,13 @@ def plot_rewards(reports: list[StepReport], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def run_grpo(client: sdk.Client, model_dir: Path, png: Path) -> bool:
-    """GRPO on the bundled `letter-case` task from a fresh adapter; whether it raised the reward by 0.3 or more:
-    the mean of the last 10 steps against the first 3 (the policy before its updates show; a run that learns within
-    its first 10 steps would hide its own rise in a first-10 mean)."""
+def run_grpo(client: sdk.Client, model_dir: Path, png: Path, steps: int | None) -> bool:
+    """GRPO on the bundled `letter-case` task from a fresh adapter, for `steps` steps (None: the task's); whether it
+    raised the reward by 0.3 or more: the mean of the last 10 steps against the first 3 (the policy before its
+    updates show; a run that learns within its first 10 steps would hide its own rise in a first-10 mean)."""
     task = RL_TASKS["letter-case"]
+    if steps is not None:
+        task = replace(task, config=replace(task.config, steps=steps))
     problems = task.problems()
     example = escape(f"{problems[0].prompt!r} -> {problems[0].answer!r}")
     console.print(
@@ -103,6 +106,7 @@ def main() -> int:
     parser.add_argument("--train-examples", type=int, default=600)
     parser.add_argument("--eval-examples", type=int, default=40, help="held-out prompts per task")
     parser.add_argument("--min-accuracy", type=float, default=0.8, help="an adapter must reach this on its task")
+    parser.add_argument("--grpo-steps", type=int, help="GRPO steps (default: the letter-case task's)")
     args = parser.parse_args()
 
     workdir = args.workdir.resolve()
@@ -173,7 +177,7 @@ def main() -> int:
         console.print("[green]each adapter does its own task[/]" if ok else "[red]an adapter did not learn its task[/]")
 
         console.rule("[bold]RL on a training session")
-        rl_ok = run_grpo(client, workdir / "service" / "models" / BASE, workdir / "grpo-reward.png")
+        rl_ok = run_grpo(client, workdir / "service" / "models" / BASE, workdir / "grpo-reward.png", args.grpo_steps)
         console.print("[green]GRPO raised the reward[/]" if rl_ok else "[red]GRPO did not raise the reward[/]")
         return 0 if ok and rl_ok else 1
     except KeyboardInterrupt:

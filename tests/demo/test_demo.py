@@ -1,4 +1,5 @@
-"""`make demo`'s script on a smaller SFT step budget: the whole product, end to end, on the CPU (GRPO included)."""
+"""`make demo`'s script on smaller SFT and GRPO step budgets: the whole product, end to end, on the CPU (GRPO
+included; 15 steps raise the letter-case reward from ~0.1 to ~0.65, where the demo's 30 reach ~0.6-0.9)."""
 
 import os
 import subprocess
@@ -24,6 +25,8 @@ def test_demo_trains_publishes_and_serves_two_adapters_then_runs_grpo(tmp_path):
         "24",
         "--min-accuracy",
         "0.75",
+        "--grpo-steps",
+        "15",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1300, env={**os.environ, "COLUMNS": "160"})
     out = run.stdout + run.stderr
