@@ -16,7 +16,6 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_wait
 
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
@@ -33,6 +32,7 @@ from inkwell.kernels.triton_lora.common import (
     scale_strides,
 )
 from inkwell.kernels.triton_lora.dense import lora_shrink
+from inkwell.kernels.triton_math import exp
 
 
 @triton.jit
@@ -492,8 +492,8 @@ def expert_matmul(
 @triton.jit
 def _silu_times_up(gate, up, dtype: tl.constexpr, PRECISE: tl.constexpr):
     """silu(gate) * up of fp32 gate and up as torch rounds it: silu = gate / (1 + exp(-gate)) rounded to `dtype`
-    (exp CUDA's, from libdevice, where PRECISE; the interpreter has none), then the product rounded."""
-    silu = (gate / (1.0 + (libdevice.exp(-gate) if PRECISE else tl.exp(-gate)))).to(dtype)
+    (`triton_math.exp`), then the product rounded."""
+    silu = (gate / (1.0 + exp(-gate, PRECISE))).to(dtype)
     return (silu.to(tl.float32) * up).to(dtype)
 
 

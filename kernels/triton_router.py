@@ -4,9 +4,9 @@ routed experts, and the weights renormalised jointly with the shared experts' (t
 In torch (`torch_ops.shared_sink_route`) that is about ten launches per MoE layer on a [T, E + n] tensor of a few
 KB at decode. Here one program takes a block of rows and does all of it, rounding where the torch composite rounds
 (the sigmoid, the biased score, the log-sigmoids, each step of logsumexp, the exp and both scalings) and with
-torch's formulas. On CUDA it calls libdevice's exp/log/log1p (CUDA's expf/logf/log1pf, which torch's kernels call)
-and IEEE division, so the scores top-k compares are the same numbers; the weights can differ where a sum taken in
-another order moves a value across a rounding boundary. (The interpreter has no libdevice: there numpy's.)
+torch's formulas. On CUDA it computes exp/log/log1p as torch's kernels do (`triton_math`) and divides in IEEE, so
+the scores top-k compares are the same numbers; the weights can differ where a sum taken in another order moves a
+value across a rounding boundary.
 
 Top-k returns what torch.topk(sorted=False) returns on CUDA for rows this narrow (its one-block radix select):
 the experts whose score is above the k-th largest, in index order, then those equal to it, lowest index first,
@@ -18,28 +18,17 @@ ranks them highest).
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from inkwell.kernels.triton_math import exp, log, log1p
 
 _NEG_INF = tl.constexpr(float("-inf"))
 SMALL_BLOCK_MAX_TOKENS = 128
 
 
 @triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    """exp as torch's CUDA kernels compute it (libdevice) on the GPU; the interpreter has no libdevice."""
-    return libdevice.exp(x) if PRECISE else tl.exp(x)
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    return libdevice.log(x) if PRECISE else tl.log(x)
-
-
-@triton.jit
 def _log_sigmoid(x, dtype: tl.constexpr, PRECISE: tl.constexpr):
     """torch's formula, min(x, 0) - log1p(exp(-|x|)), rounded to `dtype` (held in fp32)."""
-    z = _exp(-tl.abs(x), PRECISE)
-    soft = libdevice.log1p(z) if PRECISE else tl.log(1.0 + z)
+    soft = log1p(exp(-tl.abs(x), PRECISE), PRECISE)
     return (tl.minimum(x, 0.0) - soft).to(dtype).to(tl.float32)
 
 
@@ -63,7 +52,7 @@ def _route_kernel(
     x_shared = tl.load(row_logits + ROUTED + s, mask=shared, other=0.0).to(tl.float32)
 
     # the scores top-k compares: sigmoid and sigmoid + bias, each rounded to the model's dtype as torch does
-    sig = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + _exp(-x, PRECISE)).to(dtype).to(tl.float32)
+    sig = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + exp(-x, PRECISE)).to(dtype).to(tl.float32)
     bias = tl.load(bias_ptr + e, mask=e < ROUTED, other=0.0).to(tl.float32)
     score = tl.where(routed, (sig + bias).to(dtype).to(tl.float32), _NEG_INF)
     # the k-th largest score, counted with multiplicity: take the largest k times, one expert at a time
@@ -85,17 +74,17 @@ def _route_kernel(
     top = tl.maximum(
         tl.max(tl.where(picked, lp, _NEG_INF), axis=1), tl.max(tl.where(shared, lp_shared, _NEG_INF), axis=1)
     )[:, None]
-    exps = tl.where(picked, _exp((lp - top).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32), 0.0)
+    exps = tl.where(picked, exp((lp - top).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32), 0.0)
     exps_shared = tl.where(
-        shared, _exp((lp_shared - top).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32), 0.0
+        shared, exp((lp_shared - top).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32), 0.0
     )
     total = (tl.sum(exps, axis=1) + tl.sum(exps_shared, axis=1))[:, None].to(dtype).to(tl.float32)
     total = tl.where(in_rows, total, 1.0)  # rows past T: no log(0)
-    lse = (_log(total, PRECISE).to(dtype).to(tl.float32) + top).to(dtype).to(tl.float32)
+    lse = (log(total, PRECISE).to(dtype).to(tl.float32) + top).to(dtype).to(tl.float32)
     global_scale = tl.load(scale_ptr).to(tl.float32)
-    w = _exp((lp - lse).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32)
+    w = exp((lp - lse).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32)
     w = (w * route_scale).to(dtype).to(tl.float32) * global_scale
-    w_shared = _exp((lp_shared - lse).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32)
+    w_shared = exp((lp_shared - lse).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32)
     w_shared = (w_shared * route_scale).to(dtype).to(tl.float32) * global_scale
 
     out = rows[:, None].to(tl.int64)
