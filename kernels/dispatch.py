@@ -21,6 +21,11 @@ from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
 # cuBLAS and the LoRA after it (qkvr 11.8-14.6 µs against 18.3-18.7), where wider ones lost (lm_head 75-81 against
 # 50-62).
 FUSED_MAX_TOKENS, FUSED_NARROW_MAX_TOKENS, FUSED_MAX_N = 32, 64, 4096
+# At decode sizes an output of at most CHAINED_GEMM_MAX_N columns (the router's gate) is one Triton GEMM chained into
+# the step (`triton_pdl`), where cuBLAS runs a split-K GEMM and its reduction, two launches for a 74 KB weight. Wider
+# outputs stay with cuBLAS: chained Triton GEMMs for q/k/v/r and o, their weight prefetched into L2, were slower
+# through the engine (H200, inkling-small, batch 8: 5,527-5,531 tok/s against 5,635; docs/benchmarks.md).
+CHAINED_GEMM_MAX_N = 64
 # Up to EXPERT_MATMUL_MAX_TOKENS tokens (decode) the experts' GEMMs are `expert_matmul`'s Triton kernel: a few rows
 # per expert, where a grouped GEMM's 128-row tiles read the weights at half the memory's speed (H200: 499 µs a
 # batch-8 step against 837). Measured through decode batches of 128; prefill steps of more tokens (the engine's
@@ -208,6 +213,14 @@ def fused_linear(tokens: int, columns: int) -> bool:
 def one_launch_projection(x: torch.Tensor, columns: int) -> bool:
     """Whether `lora_linear` of x [T,K] to `columns` outputs is the one-GEMM path (decode sizes on CUDA)."""
     return x.is_cuda and fused_linear(x.shape[0], columns)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W^T as `F.linear`. At decode sizes on CUDA (`one_launch_projection`) of at most CHAINED_GEMM_MAX_N columns
+    one Triton GEMM chained into the step: its weight streams into L2 while the kernel before it runs (`triton_pdl`)."""
+    if one_launch_projection(x, weight.shape[0]) and weight.shape[0] <= CHAINED_GEMM_MAX_N and x.dtype == weight.dtype:
+        return _triton_dense().linear(x, weight)
+    return F.linear(x, weight)
 
 
 def lora_linear(

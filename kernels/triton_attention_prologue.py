@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
 from inkwell.kernels.triton_short_conv import conv_step, rms_norm_rows
 
 
@@ -24,10 +25,11 @@ def _decode_prologue_kernel(
     stride_ob, stride_oh,
     Q_COLS, KV_COLS, head_dim,
     GROUPS: tl.constexpr, KERNEL: tl.constexpr, SLIDING: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """Row b, kv head g: k and v of head g through their conv step (kv channels g*D.. and KV_COLS + g*D..), k
     normalized, both stored at the row's place; q heads g*GROUPS .. normalized into q_out."""
+    chain_start(CHAINED)
     b = tl.program_id(0)
     g = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -113,5 +115,6 @@ def decode_attention_prologue(
         heads * head_dim, kv_cols, head_dim,
         GROUPS=groups, KERNEL=kernel, SLIDING=ring is not None, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_G=triton.next_power_of_2(groups), BLOCK_W=triton.next_power_of_2(kernel), num_warps=4,
+        CHAINED=qkvr.is_cuda, **chain_launch(qkvr),
     )  # fmt: skip
     return q

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
+
 # a masked score (torch's composite fills finfo.min): exp() of it minus any real score is 0
 _MASKED = tl.constexpr(-3.0e38)
 
@@ -57,8 +59,9 @@ def _decode_attention_kernel(
     stride_ob, stride_oh,
     head_dim, d_rel,
     GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
+    chain_start(CHAINED)
     b = tl.program_id(0)
     h = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -154,6 +157,6 @@ def decode_attention(
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=block_p,
-        num_warps=num_warps,
+        num_warps=num_warps, CHAINED=q.is_cuda, **chain_launch(q),
     )  # fmt: skip
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from inkwell.kernels.triton_math import exp, log, log1p
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 _NEG_INF = tl.constexpr(float("-inf"))
 SMALL_BLOCK_MAX_TOKENS = 128
@@ -37,9 +38,10 @@ def _route_kernel(
     logits_ptr, bias_ptr, scale_ptr, index_ptr, weights_ptr,
     T, route_scale, stride_lt, stride_it, stride_wt,
     ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """Rows [BLOCK_T] of logits [T, ROUTED + SHARED] -> index [T, TOP_K + SHARED] and weights (like logits)."""
+    chain_start(CHAINED)
     dtype = weights_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_rows = (rows < T)[:, None]
@@ -139,5 +141,7 @@ def shared_sink_route(
         BLOCK_E=block_e,
         BLOCK_S=triton.next_power_of_2(n_shared),
         num_warps=warps,
+        CHAINED=logits.is_cuda,
+        **chain_launch(logits),
     )
     return index, weights

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
+
 
 @triton.jit
 def conv_step(
@@ -80,9 +82,11 @@ def _short_conv_step_kernel(
     NORM: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    CHAINED: tl.constexpr,
 ):
     """Row b: window = [state[seq_b], x_b] (KERNEL taps), conv + x_b -> out (or, with NORM, h_b + that -> h_out
     and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps."""
+    chain_start(CHAINED)
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     in_c = c < C
@@ -156,6 +160,8 @@ def short_conv_step(
         BLOCK_C=triton.next_power_of_2(channels),
         BLOCK_W=triton.next_power_of_2(kernel),
         num_warps=8 if channels >= 1024 else 4,
+        CHAINED=x.is_cuda,
+        **chain_launch(x),
     )
     return (h_out, out) if norm else out
 

@@ -1,13 +1,14 @@
-"""The dense projections' ops: shrink, (sliced) expand, the fused shrink+expand and `lora_linear`.
+"""The dense projections' ops: shrink, (sliced) expand, the fused shrink+expand, `lora_linear` and `linear`.
 
 Beyond the shrink and expand launchers they have two kernels of their own for decode: the fused shrink+expand,
-whose shrink result never leaves registers, and the base GEMM with the LoRA expand as its tiles' epilogue.
+whose shrink result never leaves registers, and the base GEMM, with the LoRA expand as its tiles' epilogue
+(`lora_linear`) or alone and chained into the decode step (`linear`, `triton_pdl`).
 """
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS, fused_linear
 from inkwell.kernels.torch_ops import check_token_slots
@@ -25,6 +26,7 @@ from inkwell.kernels.triton_lora.common import (
 )
 from inkwell.kernels.triton_lora.expand import launch_expand
 from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, launch_shrink
+from inkwell.kernels.triton_pdl import chain_launch, prefetch_l2
 
 
 @triton.jit
@@ -135,6 +137,9 @@ def _linear_kernel(
     stride_on,
     stride_ss,
     stride_sp,
+    HAS_LORA: tl.constexpr,
+    CHAINED: tl.constexpr,
+    PREFETCH_W: tl.constexpr,
     WAIT_FOR_SHRINK: tl.constexpr,
     ONE_SLICE_PER_TILE: tl.constexpr,
     PREFETCH_B: tl.constexpr,
@@ -144,35 +149,43 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """out[:, tile] = x @ W[tile]^T plus each token's (sliced) LoRA expand of y, as the tile's epilogue.
+    """out[:, tile] = x @ W[tile]^T, with HAS_LORA plus each token's (sliced) LoRA expand of y as the tile's epilogue.
 
-    Launched right after the shrink that writes y, with programmatic dependent launch (WAIT_FOR_SHRINK): the
-    GEMM's K loop runs while the shrink does, and only the epilogue waits for it. Each token gathers its own
-    slot's B, so one program serves every adapter in the batch. The slots and scalings, and up to rank BLOCK_R
-    the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind it. Where
-    every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per token, not
-    one per column.
+    CHAINED (`triton_pdl`): the program lets the next kernel launch, asks L2 for its rows of W (PREFETCH_W: W's rows
+    contiguous) while the kernel before it still runs, then waits for that kernel before reading x. The LoRA pair
+    instead launches right after the shrink that writes y (WAIT_FOR_SHRINK): the K loop runs while the shrink does,
+    and only the epilogue waits for it. Each token gathers its own slot's B, so one program serves every adapter in
+    the batch. The slots and scalings, and up to rank BLOCK_R the tile's B rows too (PREFETCH_B), are loaded before
+    the K loop, so their latency hides behind it. Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE)
+    the tile reads one rank block of y per token, not one per column.
     """
     rt = tl.arange(0, BLOCK_T)
     in_t = rt < T
     n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
-    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
-    adapted = (slots >= 0)[:, None] & in_n[None, :]
-    if ONE_SLICE_PER_TILE:
-        part = slice_of(n0, o1, o2, o3)
-        scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
-        y_rows = y_ptr + rt[:, None] * stride_yt + (part * R) * stride_yr  # [BLOCK_T, 1]
-    else:
-        part = slice_of(rn, o1, o2, o3)
-        scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
-        y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr  # [BLOCK_T, BLOCK_N, 1]
-    b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
-    if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
-        rr = tl.arange(0, BLOCK_R)
-        in_b = adapted[:, :, None] & (rr < R)[None, None, :]
-        b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+    if CHAINED:
+        gdc_launch_dependents()
+        if PREFETCH_W:
+            width = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            prefetch_l2(w_ptr + n0 * stride_wn, tl.minimum(N - n0, BLOCK_N) * K * width, 128)
+        gdc_wait()
+    if HAS_LORA:
+        slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+        adapted = (slots >= 0)[:, None] & in_n[None, :]
+        if ONE_SLICE_PER_TILE:
+            part = slice_of(n0, o1, o2, o3)
+            scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
+            y_rows = y_ptr + rt[:, None] * stride_yt + (part * R) * stride_yr  # [BLOCK_T, 1]
+        else:
+            part = slice_of(rn, o1, o2, o3)
+            scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
+            y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr  # [T, N, 1]
+        b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
+        if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
+            rr = tl.arange(0, BLOCK_R)
+            in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+            b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -186,20 +199,21 @@ def _linear_kernel(
         acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
     # as F.linear then the in-place expand: the base rounded, the delta rounded, their sum rounded
     out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-    if WAIT_FOR_SHRINK:
-        gdc_wait()
-    delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
-        rr = r0 + tl.arange(0, BLOCK_R)
-        in_b = adapted[:, :, None] & (rr < R)[None, None, :]
-        bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
-        if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
-            in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
-            yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
-        else:
-            yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
-        delta += tl.sum(yt * bt.to(tl.float32), axis=2)
-    out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_LORA:
+        if WAIT_FOR_SHRINK:
+            gdc_wait()
+        delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
+            rr = r0 + tl.arange(0, BLOCK_R)
+            in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+            bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+            if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
+                in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
+                yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
+            else:
+                yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
+            delta += tl.sum(yt * bt.to(tl.float32), axis=2)
+        out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_n[None, :])
 
@@ -367,25 +381,60 @@ def lora_linear(
     require(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
     require(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
     _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
-    (tokens, k), n = x.shape, weight.shape[0]
+    tokens, n = x.shape[0], weight.shape[0]
     require(lora_b.shape[1] == n, f"lora_b's N={lora_b.shape[1]} differs from weight's N={n}")
-    num_slots, rank = lora_a.shape[0], lora_b.shape[2]
+    rank = lora_b.shape[2]
     one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
     # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
     if not fused_linear(tokens, n) or not one_dtype or rank == 0:
         out = torch.nn.functional.linear(x, weight)
         return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
-    parts, o1, o2, o3 = parse_slices(slice_offsets, n)
-    ss, sp = scale_strides(scalings, num_slots, parts)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens == 0 or n == 0:
         return out
-    block_t = token_block(tokens)
-    require(tokens <= block_t, f"lora_linear's one GEMM holds every token in one tile of {block_t}, got {tokens}")
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it
     y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl, split_k=SHRINK_SPLIT_K)
+    lora = (y, lora_b, token_slots, scalings, slice_offsets)
+    return _launch_linear(x, weight, out, lora, chained=False, wait_for_shrink=pdl)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W^T as `F.linear`, one Triton GEMM for decode sizes (`fused_linear`), chained into the step on CUDA
+    (`triton_pdl`): the tile's rows of W stream into L2 while the kernel before it still runs."""
+    require(x.dim() == 2 and weight.dim() == 2, "linear needs x [T,K] and weight [N,K]")
+    require(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
+    require(x.dtype == weight.dtype, f"linear needs x and weight of one dtype, got {x.dtype} and {weight.dtype}")
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0 or weight.shape[0] == 0:
+        return out
+    return _launch_linear(x, weight, out, None, chained=x.is_cuda, wait_for_shrink=False)
+
+
+def _launch_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    lora: tuple | None,
+    chained: bool,
+    wait_for_shrink: bool,
+) -> torch.Tensor:
+    """`_linear_kernel` over every token in one tile; `lora` = (y, B, slots, scalings, slice offsets) or None."""
+    (tokens, k), n = x.shape, weight.shape[0]
+    block_t = token_block(tokens)
+    require(tokens <= block_t, f"the decode GEMM holds every token in one tile of {block_t}, got {tokens}")
     block_n = 32
+    if lora is None:
+        y, lora_b, token_slots, scalings = out, weight[:, :, None], out, out
+        rank, (o1, o2, o3), (ss, sp) = 0, (n, n, n), (0, 0)
+    else:
+        y, lora_b, token_slots, scalings, slice_offsets = lora
+        rank = lora_b.shape[2]
+        parts, o1, o2, o3 = parse_slices(slice_offsets, n)
+        ss, sp = scale_strides(scalings, lora_b.shape[0], parts)
+    # the bulk prefetch reads the tile's rows of W as one run of bytes, 16-byte aligned
+    rows_contiguous = weight.stride(1) == 1 and weight.stride(0) == k
+    aligned = weight.data_ptr() % 16 == 0 and (k * weight.element_size()) % 16 == 0
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -408,16 +457,19 @@ def lora_linear(
         *out.stride(),
         ss,
         sp,
-        WAIT_FOR_SHRINK=pdl,
+        HAS_LORA=lora is not None,
+        CHAINED=chained,
+        PREFETCH_W=chained and rows_contiguous and aligned,
+        WAIT_FOR_SHRINK=wait_for_shrink,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
-        PREFETCH_B=rank <= 16,  # a larger block of B would not fit in registers beside the K loop
+        PREFETCH_B=0 < rank <= 16,  # a larger block of B would not fit in registers beside the K loop
         BLOCK_R=16,
         num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
-        **({"launch_pdl": True} if pdl else {}),
+        **(chain_launch(x) if chained or wait_for_shrink else {}),
     )
     return out

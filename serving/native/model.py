@@ -29,6 +29,7 @@ from inkwell.kernels import (
     expert_in_lora_expand,
     expert_lora_shrink,
     expert_matmul,
+    linear,
     lora_linear,
     lora_shrink,
     lora_shrink_expand,
@@ -397,7 +398,7 @@ class InklingModel:
         either way, so the result is bitwise the in-place one.
         """
         if buf is None:
-            return F.linear(x, weight)
+            return linear(x, weight)
         offsets = buf.slice_offsets
         if self.lora_stream is None or one_launch_projection(x, weight.shape[0]):
             return lora_linear(x, weight, buf.a, buf.b, slots, buf.scalings, offsets)
@@ -672,10 +673,11 @@ class InklingModel:
 
     def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
-        sink) weighted by their gammas. After the gate GEMM, one Triton kernel on CUDA (`kernels.triton_router`)."""
+        sink) weighted by their gammas. On CUDA at decode sizes the gate GEMM and the routing are two Triton kernels
+        chained into the step (`kernels.triton_pdl`); past them the routing alone (`kernels.triton_router`)."""
         cfg = self.config
         p = f"model.layers.{layer}.mlp.gate"
-        logits = F.linear(x, self.w[f"{p}.weight"])
+        logits = linear(x, self.w[f"{p}.weight"])
         bias, scale = self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"]
         return shared_sink_route(logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale)
 

@@ -125,6 +125,18 @@ def check_projection(
     assert torch.equal(ops.lora_linear(*args), out), "lora_linear: a second call differs"
 
 
+def check_plain_linear(ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, k: int, n: int):
+    """`linear` (the decode GEMM with no LoRA) equals x @ W^T, and a second call gives the same output bit for bit."""
+    gen = torch.Generator().manual_seed(tokens * 5 + n)
+    x = torch.randn(tokens, k, generator=gen, dtype=torch.float64)
+    weight = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+    args = (x.to(device=device, dtype=dtype), weight.to(device=device, dtype=dtype))
+    out = ops.linear(*args)
+    assert out.shape == (tokens, n) and out.dtype == dtype
+    assert_close(out, x @ weight.t(), dtype, f"linear {tokens} tokens, {n} columns")
+    assert torch.equal(ops.linear(*args), out), "linear: a second call differs"
+
+
 def check_experts(
     ops: ModuleType,
     device: str,

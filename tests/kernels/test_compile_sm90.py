@@ -6,7 +6,8 @@ process, Triton's active driver is a stand-in that names sm_90 as the target, ev
 (JITFunction.run with warmup), and CPU tensors report themselves as CUDA, so the launchers choose what they choose on
 the GPU (libdevice, programmatic dependent launch); each op is called at inkling-small's sizes, bf16, rank 16, 8
 slots, at decode and prefill sizes, so each program shape its launcher picks is compiled. Every kernel of the
-modules must compile at least once: a new kernel needs a call here.
+modules must compile at least once: a new kernel needs a call here. The kernels chained into the decode step
+(programmatic dependent launch) are compiled too, and their PTX read for the order the chain needs.
 """
 
 import torch
@@ -16,8 +17,10 @@ from tests.kernels.helpers import run_in_child
 H, F, R, S, ROUTED, SHARED, TOP_K = 2048, 512, 16, 8, 16, 2, 4
 
 
-def run_compile_cases() -> None:
-    import triton
+def compile_only() -> list[tuple[str, dict, object]]:
+    """Make every Triton launch in this process compile for the H200 without running, and CPU tensors report
+    themselves as CUDA; returns the list that each launch appends (kernel name, its keyword arguments, the compiled
+    kernel) to."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -34,17 +37,24 @@ def run_compile_cases() -> None:
         def get_current_stream(self, device=None):
             return 0
 
-    compiled: set[str] = set()
+    compiled: list[tuple[str, dict, object]] = []
     run = JITFunction.run
 
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        compiled.add(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
+    def compile_launch(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kwargs, kernel))
+        return kernel
 
     driver.set_active(CompileOnly())
-    JITFunction.run = compile_only
+    JITFunction.run = compile_launch
     torch.Tensor.is_cuda = property(lambda self: True)  # the launchers' branch for CUDA tensors
+    return compiled
 
+
+def run_compile_cases() -> None:
+    import triton
+
+    compiled = compile_only()
     import inkwell.kernels.triton_lora as triton_lora
     from inkwell.kernels import triton_moe, triton_router
     from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
@@ -85,6 +95,9 @@ def run_compile_cases() -> None:
         a, b = torch.zeros(S, 4 * R, H, **bf), torch.zeros(S, qkvr[-1], R, **bf)
         out = torch.zeros(tokens, qkvr[-1], **bf)
         dense.lora_linear(x, torch.zeros(qkvr[-1], H, **bf), a, b, token_slots, torch.ones(S, 4), qkvr)
+        if tokens <= 64:  # decode: the GEMM chained into the step, the q/k/v/r projection and the router's gate
+            dense.linear(x, torch.zeros(qkvr[-1], H, **bf))
+            dense.linear(x, torch.zeros(ROUTED + SHARED, H, **bf))
         dense.lora_shrink_expand(x, a, b, token_slots, torch.ones(S, 4), out, qkvr)
         dense.lora_expand_sliced(dense.lora_shrink(x, a, token_slots), b, token_slots, torch.ones(S, 4), out, qkvr)
         logits, bias, scale = torch.zeros(tokens, ROUTED + SHARED, **bf), torch.zeros(ROUTED, **bf), torch.ones(1, **bf)
@@ -99,10 +112,52 @@ def run_compile_cases() -> None:
         for name, value in vars(module).items()
         if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel")
     }
-    missing = sorted(kernels - compiled)
+    missing = sorted(kernels - {name for name, _, _ in compiled})
     assert not missing, f"kernels no call here compiled: {missing}"
     print(f"compiled for sm_90: {len(kernels)} kernels")
 
 
 def test_moe_router_and_lora_kernels_compile_for_sm90():
     run_in_child("tests.kernels.test_compile_sm90", "run_compile_cases", "compiled for sm_90", timeout=600)
+
+
+# the PTX of a global memory access; the L2 prefetch (cp.async.bulk.prefetch) is a hint a chained kernel may issue
+ACCESSES = ("ld.global", "st.global", "atom.global", "red.global", "cp.async.cg", "cp.async.ca")
+
+
+def run_chain_cases() -> None:
+    """Each kernel chained into the decode step (`kernels.triton_pdl`), compiled at inkling-small's decode sizes:
+    its PTX lets the next kernel launch, then waits, before its first global load or store. A kernel that read its
+    input before the wait would read the previous kernel's output while it is being written."""
+    compiled = compile_only()
+    from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
+    from inkwell.kernels.triton_decode_attention import decode_attention
+    from inkwell.kernels.triton_lora import dense
+    from inkwell.kernels.triton_router import shared_sink_route
+    from inkwell.kernels.triton_short_conv import short_conv_step
+
+    bf, rows, seqs, places, heads, kv, d, d_rel = dict(dtype=torch.bfloat16), 8, 4, 512, 16, 4, 128, 16
+    x, seq, pos = torch.zeros(rows, H, **bf), torch.arange(rows) % seqs, torch.full((rows,), 7)
+    short_conv_step(x, torch.zeros(seqs, H, 3), seq, torch.zeros(H, 1, 4, **bf), x, torch.ones(H, **bf), 1e-6)
+    keys, values = torch.zeros(seqs, places, kv, d, **bf), torch.zeros(seqs, places, kv, d, **bf)
+    qkvr = torch.zeros(rows, (heads + 2 * kv) * d + heads * d_rel, **bf)
+    conv_state, conv_weight, norm = torch.zeros(seqs, 2 * kv * d, 3), torch.zeros(2 * kv * d, 1, 4, **bf), torch.ones(d)
+    q = decode_attention_prologue(qkvr, heads, conv_state, conv_weight, norm, norm, 1e-6, keys, values, seq, pos, 512)
+    r = torch.zeros(rows, heads, d_rel, **bf)
+    decode_attention(q, r, keys, values, torch.zeros(d_rel, 1024, **bf), seq, pos, places, True)
+    logits = dense.linear(x, torch.zeros(ROUTED + SHARED, H, **bf))
+    shared_sink_route(logits, torch.zeros(ROUTED, **bf), torch.ones(1, **bf), TOP_K, SHARED, 2.5)
+    chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
+    want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
+    want.add("_route_kernel")
+    assert want <= {name for name, _ in chained}, f"not compiled chained: {sorted(want - {n for n, _ in chained})}"
+    for name, kernel in chained:
+        ptx = kernel.asm["ptx"]
+        trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+        first = min(i for i in (ptx.find(access) for access in ACCESSES) if i > -1)
+        assert -1 < trigger < wait < first, f"{name}: trigger at {trigger}, wait at {wait}, first access at {first}"
+    print(f"chained for sm_90: {len(chained)} kernels")
+
+
+def test_decode_chain_kernels_wait_before_their_first_access():
+    run_in_child("tests.kernels.test_compile_sm90", "run_chain_cases", "chained for sm_90", timeout=600)

@@ -12,7 +12,7 @@ import torch
 
 from inkwell.kernels import dispatch
 from tests.kernels.helpers import run_in_interpreter
-from tests.kernels.lora_checks import check_experts, check_linear, check_projection, check_sliced
+from tests.kernels.lora_checks import check_experts, check_linear, check_plain_linear, check_projection, check_sliced
 
 
 def run_interpreted_cases() -> None:
@@ -37,6 +37,8 @@ def run_interpreted_cases() -> None:
         # slices on tile edges (one rank block of y per tile), then a rank past the early-loaded block of B
         check_projection(**dev, dtype=dtype, tokens=7, num_slots=3, rank=16, k=40, offsets=(0, 32, 64, 96, 150))
         check_projection(**dev, dtype=dtype, tokens=6, num_slots=2, rank=40, k=40, offsets=(0, 64, 96))
+        check_plain_linear(**dev, dtype=dtype, tokens=5, k=300, n=40)  # the decode GEMM alone: K and N tails
+        check_plain_linear(**dev, dtype=dtype, tokens=33, k=40, n=18)
         for covered in ("both", "routed", "shared"):
             check_experts(
                 **expert_dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered

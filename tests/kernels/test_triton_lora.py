@@ -17,6 +17,7 @@ from tests.kernels.helpers import assert_close
 from tests.kernels.lora_checks import (
     check_experts,
     check_linear,
+    check_plain_linear,
     check_projection,
     check_sliced,
     make_slots,
@@ -53,6 +54,21 @@ def _cuda():
 )
 def test_linear_ops_match_torch(dtype, tokens, num_slots, used, rank):
     check_linear(dispatch, "cuda", dtype, tokens, num_slots, used, rank, k=2048, n=2048)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,n", [(1, 18), (8, 18), (32, 18), (64, 64), (8, 3328), (64, 4096)])
+def test_decode_gemm_matches_torch(dtype, tokens, n):
+    """The decode GEMM chained into the step, at the router's gate and at projection widths."""
+    from inkwell.kernels.triton_lora import dense
+
+    check_plain_linear(dense, "cuda", dtype, tokens, k=2048, n=n)
+
+
+@pytest.mark.parametrize("tokens,n", [(8, 18), (65, 18), (8, 3328)])
+def test_linear_matches_torch(tokens, n):
+    """`linear` as the engine calls it: the chained GEMM for the gate at decode sizes, cuBLAS elsewhere."""
+    check_plain_linear(dispatch, "cuda", torch.bfloat16, tokens, k=2048, n=n)
 
 
 @pytest.mark.parametrize("offsets", [QKVR, GATE_UP])
@@ -193,3 +209,27 @@ def test_decode_shrink_lets_the_gemm_beside_it_start(tmp_path):
     assert shrinks and gemms, f"no PTX cached for the decode shrink or GEMM under {tmp_path}"
     assert all("griddepcontrol.launch_dependents" in text for text in shrinks)
     assert all("griddepcontrol.wait" in text for text in gemms)
+
+
+GEMM_IN_CHAIN = """
+import torch
+from inkwell.kernels import linear
+x = torch.randn(8, 2048, dtype=torch.bfloat16, device="cuda")
+linear(x, torch.randn(18, 2048, dtype=torch.bfloat16, device="cuda"))  # a router's gate
+torch.cuda.synchronize()
+"""
+
+
+def test_decode_gemm_streams_its_weight_before_it_waits(tmp_path):
+    """`linear` at a router gate's width runs the decode GEMM chained into the step, which lets the next kernel
+    launch, asks L2 for its weight rows, and only then waits for the kernel before it (whose output x it reads): read
+    from the PTX Triton compiled. Without the early trigger or with the prefetch after the wait, it overlaps nothing."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", GEMM_IN_CHAIN], env=env, check=True, timeout=300)
+    texts = [p.read_text() for p in tmp_path.rglob("_linear_kernel.ptx")]
+    assert texts, f"no PTX cached for the decode GEMM under {tmp_path}"
+    for text in texts:
+        trigger, prefetch = text.find("griddepcontrol.launch_dependents"), text.find("cp.async.bulk.prefetch.L2")
+        wait = text.find("griddepcontrol.wait")
+        load = min(i for i in (text.find("ld.global"), text.find("cp.async.cg"), text.find("cp.async.ca")) if i > -1)
+        assert -1 < trigger < prefetch < wait < load, (trigger, prefetch, wait, load)

@@ -1,0 +1,45 @@
+"""The decode step's chain of programmatic dependent launches: what a chained kernel may do before it waits.
+
+A kernel launched with `launch_pdl` starts as soon as every program of the kernel before it has called
+`gdc_launch_dependents`, which chained kernels do first thing. Until its `gdc_wait` it may only read what no kernel
+writes (weights) and write nothing; after the wait every kernel before it in the stream has finished and its
+writes are visible. Every chained kernel waits, so one wait covers the whole chain before it. A decode step is
+~230 launches of a few µs, most of it latency: chained, a GEMM streams its weight into L2 while the kernel before it
+still runs, and a launch's start overlaps its predecessor's tail.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+def chain_launch(t: torch.Tensor) -> dict:
+    """The launch options of a chained kernel over tensors on t's device: Triton's CPU interpreter has no
+    programmatic launch, so there the kernels run one after another with their waits compiled out."""
+    return {"launch_pdl": True} if t.is_cuda else {}
+
+
+@triton.jit
+def chain_start(CHAINED: tl.constexpr):
+    """A chained kernel's first step: let the next kernel launch, then wait for every kernel before this one."""
+    if CHAINED:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(base, nbytes, CHUNKS: tl.constexpr):
+    """Ask L2 for `nbytes` (a multiple of 16) from `base` (16-byte aligned) in CHUNKS bulk prefetches: hints on sm_90
+    with nothing to wait for, so the program goes on at once."""
+    chunk = tl.cdiv(tl.cdiv(nbytes, CHUNKS), 16) * 16
+    start = tl.arange(0, CHUNKS) * chunk
+    size = tl.maximum(tl.minimum(chunk, nbytes - start), 0)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [base.to(tl.pointer_type(tl.int8)) + start, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
