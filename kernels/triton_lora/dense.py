@@ -424,7 +424,7 @@ def _launch_linear(
     block_t = token_block(tokens)
     require(tokens <= block_t, f"the decode GEMM holds every token in one tile of {block_t}, got {tokens}")
     block_n = 32
-    if lora is None:
+    if lora is None:  # the LoRA operands are compiled out (HAS_LORA): any tensors of the right rank stand in
         y, lora_b, token_slots, scalings = out, weight[:, :, None], out, out
         rank, (o1, o2, o3), (ss, sp) = 0, (n, n, n), (0, 0)
     else:
