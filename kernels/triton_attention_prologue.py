@@ -115,6 +115,6 @@ def decode_attention_prologue(
         heads * head_dim, kv_cols, head_dim,
         GROUPS=groups, KERNEL=kernel, SLIDING=ring is not None, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_G=triton.next_power_of_2(groups), BLOCK_W=triton.next_power_of_2(kernel), num_warps=4,
-        CHAINED=qkvr.is_cuda, **chain_launch(qkvr),
+        **chain_launch(qkvr),
     )  # fmt: skip
     return q

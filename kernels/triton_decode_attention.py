@@ -157,6 +157,6 @@ def decode_attention(
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=block_p,
-        num_warps=num_warps, CHAINED=q.is_cuda, **chain_launch(q),
+        num_warps=num_warps, **chain_launch(q),
     )  # fmt: skip
     return out

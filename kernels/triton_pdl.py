@@ -15,9 +15,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def chain_launch(t: torch.Tensor) -> dict:
-    """The launch options of a chained kernel over tensors on t's device: Triton's CPU interpreter has no
-    programmatic launch, so there the kernels run one after another with their waits compiled out."""
-    return {"launch_pdl": True} if t.is_cuda else {}
+    """A chained kernel's CHAINED and launch options over tensors on t's device, from one rule, so no kernel launched
+    early lacks its wait: Triton's CPU interpreter has no programmatic launch, so there the kernels run one after
+    another with their waits compiled out."""
+    return {"CHAINED": True, "launch_pdl": True} if t.is_cuda else {"CHAINED": False}
 
 
 @triton.jit

@@ -141,7 +141,6 @@ def shared_sink_route(
         BLOCK_E=block_e,
         BLOCK_S=triton.next_power_of_2(n_shared),
         num_warps=warps,
-        CHAINED=logits.is_cuda,
         **chain_launch(logits),
     )
     return index, weights

@@ -160,7 +160,6 @@ def short_conv_step(
         BLOCK_C=triton.next_power_of_2(channels),
         BLOCK_W=triton.next_power_of_2(kernel),
         num_warps=8 if channels >= 1024 else 4,
-        CHAINED=x.is_cuda,
         **chain_launch(x),
     )
     return (h_out, out) if norm else out

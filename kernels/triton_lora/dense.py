@@ -395,8 +395,7 @@ def lora_linear(
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it
     y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl, split_k=SHRINK_SPLIT_K)
-    lora = (y, lora_b, token_slots, scalings, slice_offsets)
-    return _launch_linear(x, weight, out, lora, chained=False, wait_for_shrink=pdl)
+    return _launch_linear(x, weight, out, (y, lora_b, token_slots, scalings, slice_offsets))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -408,7 +407,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or weight.shape[0] == 0:
         return out
-    return _launch_linear(x, weight, out, None, chained=x.is_cuda, wait_for_shrink=False)
+    return _launch_linear(x, weight, out, None)
 
 
 def _launch_linear(
@@ -416,11 +415,11 @@ def _launch_linear(
     weight: torch.Tensor,
     out: torch.Tensor,
     lora: tuple | None,
-    chained: bool,
-    wait_for_shrink: bool,
 ) -> torch.Tensor:
-    """`_linear_kernel` over every token in one tile; `lora` = (y, B, slots, scalings, slice offsets) or None."""
+    """`_linear_kernel` over every token in one tile; `lora` = (y, B, slots, scalings, slice offsets) or None. On
+    CUDA the GEMM alone is chained into the step; with the LoRA it launches beside the shrink that writes y."""
     (tokens, k), n = x.shape, weight.shape[0]
+    pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     block_t = token_block(tokens)
     require(tokens <= block_t, f"the decode GEMM holds every token in one tile of {block_t}, got {tokens}")
     block_n = 32
@@ -458,9 +457,8 @@ def _launch_linear(
         ss,
         sp,
         HAS_LORA=lora is not None,
-        CHAINED=chained,
-        PREFETCH_W=chained and rows_contiguous and aligned,
-        WAIT_FOR_SHRINK=wait_for_shrink,
+        PREFETCH_W=pdl and lora is None and rows_contiguous and aligned,
+        WAIT_FOR_SHRINK=pdl and lora is not None,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
@@ -470,6 +468,6 @@ def _launch_linear(
         BLOCK_R=16,
         num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
-        **(chain_launch(x) if chained or wait_for_shrink else {}),
+        **(chain_launch(x) if lora is None else {"CHAINED": False, **({"launch_pdl": True} if pdl else {})}),
     )
     return out
