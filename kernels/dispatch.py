@@ -286,12 +286,13 @@ def expert_matmul(
     tokens: torch.Tensor | None,
     max_rows: int,
     expand: RowExpand | None = None,
+    every_token_from: int | None = None,
 ) -> torch.Tensor:
     """Dispatched rows sorted by expert times their expert's weight [E, N, K] (`torch_ops.expert_matmul` says
     which rows), plus `expand`'s LoRA; on CUDA one Triton kernel that also gathers the rows and adds the LoRA in its
-    epilogue."""
+    epilogue, and asks L2 early for the weights of the experts from `every_token_from` on (every token's)."""
     ops = _triton_moe() if x.is_cuda else torch_ops
-    return ops.expert_matmul(x, weight, ends, tokens, max_rows, expand)
+    return ops.expert_matmul(x, weight, ends, tokens, max_rows, expand, every_token_from)
 
 
 def silu_mul(

@@ -256,10 +256,12 @@ def expert_matmul(
     tokens: torch.Tensor | None,
     max_rows: int,
     expand: RowExpand | None = None,
+    every_token_from: int | None = None,
 ) -> torch.Tensor:
     """Dispatched rows sorted by expert (expert e's end at `ends` [E], cumulative), each times its expert's weight
     [E, N, K]: row r is x[tokens[r]], or with `tokens` None x[r]; plus `expand`'s LoRA. `max_rows` bounds any
-    expert's rows (the kernels size their grid by it; here unused). [rows, N]."""
+    expert's rows (the kernels size their grid by it) and `every_token_from` names the experts every token routes
+    to (the CUDA kernel prefetches their weights); both unused here. [rows, N]."""
     rows = x[tokens] if tokens is not None else x
     out = rows.new_empty(rows.shape[0], weight.shape[1])
     for expert, (start, end) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)):

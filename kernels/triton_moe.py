@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 from inkwell.kernels.triton_lora.common import (
@@ -33,6 +33,7 @@ from inkwell.kernels.triton_lora.common import (
 )
 from inkwell.kernels.triton_lora.dense import lora_shrink
 from inkwell.kernels.triton_math import exp
+from inkwell.kernels.triton_pdl import chain_launch, chain_start, prefetch_l2
 
 
 @triton.jit
@@ -66,9 +67,10 @@ def _place_rows(
 @triton.jit
 def _dispatch_kernel(
     index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, places_ptr,
-    ends_ptr, M, E, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    ends_ptr, M, E, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """The whole dispatch in one program: count each key's rows, then place the rows block after block."""
+    chain_start(CHAINED)
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for m0 in range(0, M, BLOCK_M):
@@ -142,8 +144,9 @@ def moe_dispatch(
     elif rows <= ONE_PROGRAM_MAX_ROWS:
         block_m = min(triton.next_power_of_2(rows), 256)
         _dispatch_kernel[(1,)](
-            index, weights, slots, *outputs, rows, num_experts, K=k, BLOCK_M=block_m, BLOCK_E=block_e, num_warps=4
-        )
+            index, weights, slots, *outputs, rows, num_experts, K=k, BLOCK_M=block_m, BLOCK_E=block_e, num_warps=4,
+            **chain_launch(index),
+        )  # fmt: skip
     else:
         block_m = max(256, triton.next_power_of_2(triton.cdiv(rows, MAX_SORT_BLOCKS)))
         blocks = triton.cdiv(rows, block_m)
@@ -158,8 +161,10 @@ def moe_dispatch(
 
 @triton.jit
 def _combine_kernel(
-    out_ptr, w_ptr, places_ptr, result_ptr, H, stride_om, stride_rt, K: tl.constexpr, BLOCK_H: tl.constexpr
+    out_ptr, w_ptr, places_ptr, result_ptr, H, stride_om, stride_rt, K: tl.constexpr, BLOCK_H: tl.constexpr,
+    CHAINED: tl.constexpr,
 ):  # fmt: skip
+    chain_start(CHAINED)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_c = c < H
@@ -186,11 +191,12 @@ def _combine_down_kernel(
     out_ptr, w_ptr, places_ptr, result_ptr, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr, T, H, R, first, count,
     split, stride_om, stride_rt, stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ss, stride_sg,
     K: tl.constexpr, GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """`_combine_kernel` over a tile of tokens, with the experts' down LoRA: B is shared by a group's experts, so
     sum_j w_j (down_j + s_g y_j @ B_g^T) = sum_j w_j down_j + s_g (sum_j w_j y_j) @ B_g^T: each token's rows' shrunk
     y, weighted and summed per group in fp32, then one dot per (slot in the tile, group) adds the expand."""
+    chain_start(CHAINED)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -264,6 +270,7 @@ def _combine_down(
         down.groups.first, down.groups.count, local_split(down.groups), out.stride(0), result.stride(0),
         down.y.stride(0), *down.b.stride(), ss, sg, K=rows // tokens, GROUPS=groups,
         **dot_operands(down.y.dtype, down.b.dtype), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_R=pow2(rank),
+        **chain_launch(out),
     )  # fmt: skip
 
 
@@ -292,8 +299,9 @@ def moe_combine(
         block = min(triton.next_power_of_2(width), 1024)
         grid = (tokens, triton.cdiv(width, block))
         _combine_kernel[grid](
-            out, weights, places, result, width, out.stride(0), result.stride(0), K=rows // tokens, BLOCK_H=block
-        )
+            out, weights, places, result, width, out.stride(0), result.stride(0), K=rows // tokens, BLOCK_H=block,
+            **chain_launch(out),
+        )  # fmt: skip
     return result
 
 
@@ -347,21 +355,35 @@ def _row_deltas(
 
 @triton.jit
 def _expert_matmul_kernel(
-    x_ptr, w_ptr, ends_ptr, tokens_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
+    x_ptr, w_ptr, ends_ptr, tokens_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om, every_from,
     y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first, count, split, groups, stride_ym, stride_yb, stride_bs,
     stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
-    WAIT_FOR_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+    WAIT_FOR_Y: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
     output rounded, itself rounded first, as `plus_delta` adds it after a GEMM; it is computed before the K loop,
     which needs none of it, so its loads are in flight with the loop's first ones, or with WAIT_FOR_Y (y is being
-    written by the kernel launched before this one) after the loop and the wait."""
+    written by the kernel launched before this one) after the loop and the wait.
+
+    CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
+    whose row counts it reads) first; the first program of each column block of an expert that every token routes
+    to (ids from `every_from`: the shared experts) asks L2 for its weight block before it waits (PREFETCH_W)."""
     n_block = tl.program_id(0)
     m_block = tl.program_id(1)
     e = tl.program_id(2)
+    if CHAINED:
+        gdc_launch_dependents()
+        if PREFETCH_W:
+            first_of_block = (m_block == 0) & (e >= every_from)  # the shared experts always have rows
+            if first_of_block:
+                n0 = n_block * BLOCK_N
+                width = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+                block = w_ptr + e.to(tl.int64) * stride_we + n0 * stride_wn
+                prefetch_l2(block, tl.minimum(N - n0, BLOCK_N) * K * width, 128)
+        gdc_wait()
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
     end = tl.load(ends_ptr + e).to(tl.int64)
     first_row = start + m_block * BLOCK_M
@@ -449,12 +471,15 @@ def expert_matmul(
     tokens: torch.Tensor | None,
     max_rows: int,
     expand: RowExpand | None = None,
+    every_token_from: int | None = None,
 ) -> torch.Tensor:
     """`torch_ops.expert_matmul` as one Triton kernel, a program per (column block, block of an expert's rows,
     expert), each streaming its expert's weight block once for up to 64 rows: at decode sizes (a few rows per
     expert) it reads the weights near the memory's speed, where a grouped GEMM's 128-row tiles do not. `expand`'s
     LoRA is added in the epilogue, so an adapter costs no launch and no second pass over the output; a `TokenShrink`
-    y is launched just before, beside the K loop."""
+    y is launched just before, beside the K loop. Otherwise, on CUDA, the kernel is chained into the step
+    (`triton_pdl`), and the experts from `every_token_from` on (those every token routes to) have their weight asked
+    into L2 before it waits."""
     experts, width, depth = weight.shape
     rows = tokens.shape[0] if tokens is not None else x.shape[0]
     if x.shape[-1] != depth or x.stride(-1) != 1 or weight.stride(-1) != 1 or ends.shape != (experts,):
@@ -476,15 +501,21 @@ def expert_matmul(
     else:
         lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
     consts["WAIT_FOR_Y"] = wait
+    # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
+    launch = {"CHAINED": False, "launch_pdl": True} if wait else chain_launch(x)
+    rows_contiguous = weight.stride(1) == depth and (depth * weight.element_size()) % 16 == 0
+    aligned = rows_contiguous and weight.data_ptr() % 16 == 0
+    consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and aligned
     block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     # B's rank blocks per load: an [M, N, R_CHUNK] tile of at most 16K elements
     consts["R_CHUNK"] = max(2, min(consts["BLOCK_R"], 16384 // (block_m * consts["BLOCK_N"])))
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
-        weight.stride(1), out.stride(0), *lora, GATHER=tokens is not None, IEEE=x.dtype == torch.float32,
+        weight.stride(1), out.stride(0), experts if every_token_from is None else every_token_from,
+        *lora, GATHER=tokens is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_K=tiles["BLOCK_K"], num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-        **consts, **({"launch_pdl": True} if wait else {}),
+        **consts, **launch,
     )  # fmt: skip
     return out
 
@@ -501,10 +532,11 @@ def _silu_times_up(gate, up, dtype: tl.constexpr, PRECISE: tl.constexpr):
 def _silu_mul_kernel(
     x_ptr, out_ptr, F, stride_xm, stride_om, a_ptr, slot_ptr, expert_ptr, y_ptr, R, first, count, stride_as,
     stride_ae, stride_ar, stride_ym,
-    PRECISE: tl.constexpr, SHRINK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISE: tl.constexpr, SHRINK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """Row m's silu(gate) * up over its column blocks (the grid's second axis strides them); with SHRINK (one
     program per row) also y[m] = act[m] @ A[slot, expert]^T, summed in fp32 over the rounded act, then rounded."""
+    chain_start(CHAINED)
     m = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     rr = tl.arange(0, BLOCK_R)
@@ -560,8 +592,9 @@ def _silu_mul(gate_up: torch.Tensor, shrink: tuple | None) -> tuple[torch.Tensor
         block = min(block, max(16, 8192 // block_r))  # the A tile [R, BLOCK] in registers
     if out.numel():
         _silu_mul_kernel[grid](
-            gate_up, out, half, gate_up.stride(0), out.stride(0), *args, PRECISE=gate_up.is_cuda, BLOCK=block, **consts
-        )
+            gate_up, out, half, gate_up.stride(0), out.stride(0), *args, PRECISE=gate_up.is_cuda, BLOCK=block, **consts,
+            **chain_launch(gate_up),
+        )  # fmt: skip
     return out, y
 
 

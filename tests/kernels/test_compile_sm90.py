@@ -130,26 +130,40 @@ def run_chain_cases() -> None:
     its PTX lets the next kernel launch, then waits, before its first global load or store. A kernel that read its
     input before the wait would read the previous kernel's output while it is being written."""
     compiled = compile_only()
+    from inkwell.kernels import triton_moe
+    from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
     from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
     from inkwell.kernels.triton_decode_attention import decode_attention
     from inkwell.kernels.triton_lora import dense
     from inkwell.kernels.triton_router import shared_sink_route
     from inkwell.kernels.triton_short_conv import short_conv_step
 
-    bf, rows, seqs, places, heads, kv, d, d_rel = dict(dtype=torch.bfloat16), 8, 4, 512, 16, 4, 128, 16
+    bf, rows, seqs, entries, heads, kv, d, d_rel = dict(dtype=torch.bfloat16), 8, 4, 512, 16, 4, 128, 16
+    groups = ExpertGroups(0, ROUTED + SHARED, split=ROUTED)
     x, seq, pos = torch.zeros(rows, H, **bf), torch.arange(rows) % seqs, torch.full((rows,), 7)
     short_conv_step(x, torch.zeros(seqs, H, 3), seq, torch.zeros(H, 1, 4, **bf), x, torch.ones(H, **bf), 1e-6)
-    keys, values = torch.zeros(seqs, places, kv, d, **bf), torch.zeros(seqs, places, kv, d, **bf)
+    keys, values = torch.zeros(seqs, entries, kv, d, **bf), torch.zeros(seqs, entries, kv, d, **bf)
     qkvr = torch.zeros(rows, (heads + 2 * kv) * d + heads * d_rel, **bf)
     conv_state, conv_weight, norm = torch.zeros(seqs, 2 * kv * d, 3), torch.zeros(2 * kv * d, 1, 4, **bf), torch.ones(d)
     q = decode_attention_prologue(qkvr, heads, conv_state, conv_weight, norm, norm, 1e-6, keys, values, seq, pos, 512)
     r = torch.zeros(rows, heads, d_rel, **bf)
-    decode_attention(q, r, keys, values, torch.zeros(d_rel, 1024, **bf), seq, pos, places, True)
+    decode_attention(q, r, keys, values, torch.zeros(d_rel, 1024, **bf), seq, pos, entries, True)
     logits = dense.linear(x, torch.zeros(ROUTED + SHARED, H, **bf))
-    shared_sink_route(logits, torch.zeros(ROUTED, **bf), torch.ones(1, **bf), TOP_K, SHARED, 2.5)
+    index, weights = shared_sink_route(logits, torch.zeros(ROUTED, **bf), torch.ones(1, **bf), TOP_K, SHARED, 2.5)
+    experts, slots = ROUTED + SHARED, torch.zeros(rows, dtype=torch.long)
+    _, row_tokens, row_experts, row_w, row_slots, ends, places = triton_moe.moe_dispatch(index, weights, slots, experts)
+    gate_up = triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, None, ROUTED)
+    act = triton_moe.silu_mul(gate_up)
+    act, y = triton_moe.silu_mul_shrink(gate_up, torch.zeros(S, experts, R, F, **bf), row_slots, row_experts, groups)
+    down_b = torch.zeros(S, 2, H, R, **bf)
+    down = RowExpand(y, down_b, row_slots, row_experts, torch.ones(S, 2), groups)
+    out = triton_moe.expert_matmul(act, torch.zeros(experts, H, F, **bf), ends, None, rows, down, ROUTED)
+    triton_moe.moe_combine(out, row_w, places, rows, torch.bfloat16)
+    triton_moe.moe_combine(out, row_w, places, rows, torch.bfloat16, down)
     chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
-    want.add("_route_kernel")
+    want |= {"_route_kernel", "_dispatch_kernel", "_expert_matmul_kernel", "_silu_mul_kernel", "_combine_kernel"}
+    want.add("_combine_down_kernel")
     assert want <= {name for name, _ in chained}, f"not compiled chained: {sorted(want - {n for n, _ in chained})}"
     for name, kernel in chained:
         ptx = kernel.asm["ptx"]
