@@ -366,7 +366,8 @@ def _expert_matmul_kernel(
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
     output rounded, itself rounded first, as `plus_delta` adds it after a GEMM; it is computed before the K loop,
     which needs none of it, so its loads are in flight with the loop's first ones, or with WAIT_FOR_Y (y is being
-    written by the kernel launched before this one) after the loop and the wait.
+    written by the chained shrink launched before this one, which waited for the kernels before it) after the loop
+    and the wait, which is when the next kernel may launch.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
     whose row counts it reads) first; the first program of each column block of an expert that every token routes
@@ -411,6 +412,7 @@ def _expert_matmul_kernel(
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
     if WAIT_FOR_Y:  # the shrink launched before this GEMM, which ran beside its K loop
         gdc_wait()
+        gdc_launch_dependents()  # earlier, before the K loop, the step was slower
         delta = _row_deltas(
             e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first,
             count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
@@ -493,7 +495,7 @@ def expert_matmul(
     wait = False
     if expand is not None and isinstance(expand.y, TokenShrink):
         wait = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
-        expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, launch_dependents=wait))
+        expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, chained=wait))
     tiles = expert_tiles(depth, max_rows)
     if expand is None:
         lora = [ends] * 4 + [0] * 15

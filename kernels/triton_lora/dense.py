@@ -153,11 +153,12 @@ def _linear_kernel(
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch, asks L2 for its rows of W (PREFETCH_W: W's rows
     contiguous) while the kernel before it still runs, then waits for that kernel before reading x. The LoRA pair
-    instead launches right after the shrink that writes y (WAIT_FOR_SHRINK): the K loop runs while the shrink does,
-    and only the epilogue waits for it. Each token gathers its own slot's B, so one program serves every adapter in
-    the batch. The slots and scalings, and up to rank BLOCK_R the tile's B rows too (PREFETCH_B), are loaded before
-    the K loop, so their latency hides behind it. Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE)
-    the tile reads one rank block of y per token, not one per column.
+    instead launches once the chained shrink that writes y has waited (WAIT_FOR_SHRINK): x is written by then, the K
+    loop runs while the shrink does, and the epilogue waits for y, after which the next kernel may launch. Each
+    token gathers its own slot's B, so one program serves every adapter in the batch. The slots and scalings, and up
+    to rank BLOCK_R the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind
+    it. Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per
+    token, not one per column.
     """
     rt = tl.arange(0, BLOCK_T)
     in_t = rt < T
@@ -202,6 +203,7 @@ def _linear_kernel(
     if HAS_LORA:
         if WAIT_FOR_SHRINK:
             gdc_wait()
+            gdc_launch_dependents()  # earlier, before the K loop, the step was slower
         delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
             rr = r0 + tl.arange(0, BLOCK_R)
@@ -301,18 +303,16 @@ def launch_fused(
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, launch_dependents: bool = False
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, chained: bool = False
 ) -> torch.Tensor:
     """x[T,K] @ A[slot]^T -> [T,R]; rows of slot -1 are zero. A stacked [S, P*R, K] gives P rank blocks.
 
     Where each slot has its own programs (up to SLOT_LOOP_MIN_TOKENS tokens) their K loop is split over up to
-    SHRINK_SPLIT_K programs. With `launch_dependents` the next kernel, launched with `launch_pdl`, may start at once
-    and must wait for y."""
+    SHRINK_SPLIT_K programs. `chained` (`launch_shrink`): the kernel after it, launched with `launch_pdl`, starts
+    once every kernel before the shrink has finished, and must wait for y."""
     require(x.dim() == 2 and lora_a.dim() == 3, "lora_shrink needs x [T,K] and lora_a [S,R,K]")
     _check_shrink(x, lora_a, token_slots)
-    return launch_shrink(
-        x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=launch_dependents, split_k=SHRINK_SPLIT_K
-    )
+    return launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, chained=chained, split_k=SHRINK_SPLIT_K)
 
 
 def lora_expand(
@@ -374,8 +374,8 @@ def lora_linear(
     """x @ W^T plus each token's (sliced) LoRA delta: `F.linear` then `lora_shrink_expand`.
 
     Where `fused_linear` holds (decode sizes) with one dtype throughout, the LoRA hides behind the base GEMM: the
-    shrink launches first and lets the GEMM kernel start at once (programmatic dependent launch), the GEMM's K
-    loop runs beside it, and the expand is the GEMM tiles' epilogue. Otherwise the base GEMM, then
+    shrink, chained into the step (`triton_pdl`), waits for the kernel before it and lets the GEMM kernel start, the
+    GEMM's K loop runs beside it, and the expand is the GEMM tiles' epilogue. Otherwise the base GEMM, then
     `lora_shrink_expand`.
     """
     require(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
@@ -394,7 +394,7 @@ def lora_linear(
         return out
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it
-    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, launch_dependents=pdl, split_k=SHRINK_SPLIT_K)
+    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, chained=pdl, split_k=SHRINK_SPLIT_K)
     return _launch_linear(x, weight, out, (y, lora_b, token_slots, scalings, slice_offsets))
 
 
@@ -417,7 +417,7 @@ def _launch_linear(
     lora: tuple | None,
 ) -> torch.Tensor:
     """`_linear_kernel` over every token in one tile; `lora` = (y, B, slots, scalings, slice offsets) or None. On
-    CUDA the GEMM alone is chained into the step; with the LoRA it launches beside the shrink that writes y."""
+    CUDA the GEMM alone is chained into the step; with the LoRA it launches beside the chained shrink that writes y."""
     (tokens, k), n = x.shape, weight.shape[0]
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     block_t = token_block(tokens)

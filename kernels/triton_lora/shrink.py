@@ -1,9 +1,9 @@
 """The shrink y = x @ A[slot, expert]^T over token tiles, for the dense projections and the experts' rows alike.
 
-Its launcher can let the next kernel start early (programmatic dependent launch): `lora_linear`'s base GEMM, and
-the experts' gate/up GEMM after a `TokenShrink`, run their K loops beside the shrink and wait for y only in their
-epilogues. Where each slot has its own programs (decode, and steps up to SLOT_LOOP_MIN_TOKENS tokens) the shrink
-splits its K loop over several programs (`split_k`): one program streaming a slot's whole A is latency, not
+Its launcher can put it in the decode step's chain (`triton_pdl`) ahead of the GEMM that reads y: `lora_linear`'s
+base GEMM, and the experts' gate/up GEMM after a `TokenShrink`, run their K loops beside the shrink and wait for y
+only in their epilogues. Where each slot has its own programs (decode, and steps up to SLOT_LOOP_MIN_TOKENS tokens)
+the shrink splits its K loop over several programs (`split_k`): one program streaming a slot's whole A is latency, not
 bandwidth, and the GEMM beside it waits for all of it.
 """
 
@@ -12,9 +12,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.triton_lora.common import SENTINEL, SLOT_LOOP_MIN_TOKENS, dot_precision, pow2, row_keys, row_slots
+from inkwell.kernels.triton_pdl import chain_launch
 
 
 @triton.jit
@@ -43,16 +44,18 @@ def _shrink_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
+    CHAINED: tl.constexpr = False,
 ):
     """y[t, r-block] = x[t] @ A[slot, expert - first]^T; slot -1 rows (and uncovered experts') get zeros.
 
     SLOT_LOOP: one program per token tile walks the tile's (slot, expert) groups (long segments);
     otherwise program_id(1) - 1 picks the slot (-1: the zeros), so slots run in parallel (decode).
-    LAUNCH_DEPENDENTS lets a kernel launched after this one with programmatic dependent launch start now
-    (`_linear_kernel`: it waits for y only in its epilogue).
+    CHAINED: launched early (`triton_pdl`), the program waits for the kernel before it, then lets the next kernel,
+    the GEMM that reads y, launch: that GEMM may read what this shrink reads (every kernel before it has finished),
+    and waits for y in its epilogue.
     """
-    if LAUNCH_DEPENDENTS:
+    if CHAINED:
+        gdc_wait()
         gdc_launch_dependents()
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -115,17 +118,18 @@ def _split_shrink_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
+    CHAINED: tl.constexpr = False,
 ):
     """y[t, r-block] = x[t] @ A[slot]^T with the K loop split over SPLIT_K programs per (token tile, slot, rank
-    block); slot -1 rows get zeros. LAUNCH_DEPENDENTS as in `_shrink_kernel` (a dependent waits for the whole grid,
-    the programs that sum the partials included).
+    block); slot -1 rows get zeros. CHAINED as in `_shrink_kernel` (a dependent's wait is for the whole grid, the
+    programs that sum the partials included).
 
     Each program adds its K range into an fp32 partial ([SPLIT_K, T, R]); the last of a group to finish (an
     atomic count, acquire-release) sums the partials in split order, writes y and resets the count, so the next
     launch and every CUDA graph replay find it zero. Programs of slots absent from their tile exit at once.
     """
-    if LAUNCH_DEPENDENTS:
+    if CHAINED:
+        gdc_wait()
         gdc_launch_dependents()
     slot = tl.program_id(1) - 1
     split = tl.program_id(2) % SPLIT_K
@@ -171,8 +175,8 @@ SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for `lora_shrink` (204
 # The split shrink's counts: one per (token tile, slot, rank block) of a launch, zero between launches (the last
 # program of each group resets its count). One buffer per device, made on first use outside any graph capture
 # (the decode graphs' warm-up runs first), serves every launch: the engine never runs two split shrinks at once
-# (on one stream launches run in turn, and a programmatic dependent launch pairs a shrink only with the GEMM that
-# reads it, `lora_linear`'s or `expert_matmul`'s after a `TokenShrink`, which the next launch waits for; the
+# (on one stream launches run in turn: a chained shrink touches nothing before its wait, its GEMM, `lora_linear`'s
+# or `expert_matmul`'s after a `TokenShrink`, waits for it before letting the next kernel launch; the
 # experts' shrink on the LoRA side stream, past decode sizes, runs while the main stream routes and runs the
 # experts' GEMMs, no shrink; a projection's shrink on the side stream runs beside its base GEMM alone); two streams
 # running split shrinks at the same time would share the counts, and must not.
@@ -192,12 +196,13 @@ def launch_shrink(
     slots: torch.Tensor,
     experts: torch.Tensor | None,
     first: int = 0,
-    launch_dependents: bool = False,
+    chained: bool = False,
     split_k: int = 1,
 ) -> torch.Tensor:
     """a is [S, E, R, K] (E=1 with expert stride 0 for the linear case); rows read A[slot, expert - first].
 
-    `split_k` > 1 splits the K loop over up to that many programs (linear case, one program per slot)."""
+    `chained` launches it early in the step's chain (`triton_pdl`), ahead of the GEMM that reads y. `split_k` > 1
+    splits the K loop over up to that many programs (linear case, one program per slot)."""
     tokens, k = x.shape
     num_slots, num_experts, rank, _ = a.shape
     y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
@@ -205,12 +210,13 @@ def launch_shrink(
         return y
     block_t, block_r = pow2(tokens, 16, 32), pow2(rank, 16, 64)
     block_k = pow2(k, 16, 256 if x.element_size() <= 2 else 128)
+    chain = chain_launch(x) if chained else {"CHAINED": False}
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
     split_k = min(split_k, triton.cdiv(k, block_k))
     splittable = experts is None and not slot_loop and math.prod(grid) <= SPLIT_COUNTS
     if split_k > 1 and splittable:
-        return _split_shrink(x, a, slots, y, grid, split_k, block_t, block_k, block_r, launch_dependents)
+        return _split_shrink(x, a, slots, y, grid, split_k, block_t, block_k, block_r, chain)
     _shrink_kernel[grid](
         x,
         a,
@@ -231,7 +237,7 @@ def launch_shrink(
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
-        LAUNCH_DEPENDENTS=launch_dependents,
+        **chain,
     )
     return y
 
@@ -246,7 +252,7 @@ def _split_shrink(
     block_t: int,
     block_k: int,
     block_r: int,
-    launch_dependents: bool,
+    chain: dict,
 ) -> torch.Tensor:
     tokens, k = x.shape
     rank = a.shape[2]
@@ -274,6 +280,6 @@ def _split_shrink(
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
-        LAUNCH_DEPENDENTS=launch_dependents,
+        **chain,
     )
     return y

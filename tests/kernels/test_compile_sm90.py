@@ -128,10 +128,14 @@ ACCESSES = ("ld.global", "st.global", "atom.global", "red.global", "cp.async.cg"
 def run_chain_cases() -> None:
     """Each kernel chained into the decode step (`kernels.triton_pdl`), compiled at inkling-small's decode sizes:
     its PTX lets the next kernel launch, then waits, before its first global load or store. A kernel that read its
-    input before the wait would read the previous kernel's output while it is being written."""
+    input before the wait would read the previous kernel's output while it is being written.
+
+    A LoRA pair's shrink waits before it lets its GEMM launch, so the GEMM may read x before its own wait (every
+    kernel before the shrink has finished); the GEMM waits for y after its K loop and lets the next kernel launch
+    only then."""
     compiled = compile_only()
     from inkwell.kernels import triton_moe
-    from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
+    from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
     from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
     from inkwell.kernels.triton_decode_attention import decode_attention
     from inkwell.kernels.triton_lora import dense
@@ -160,17 +164,37 @@ def run_chain_cases() -> None:
     out = triton_moe.expert_matmul(act, torch.zeros(experts, H, F, **bf), ends, None, rows, down, ROUTED)
     triton_moe.moe_combine(out, row_w, places, rows, torch.bfloat16)
     triton_moe.moe_combine(out, row_w, places, rows, torch.bfloat16, down)
+    qkvr_offsets, s_qkvr = (0, 2048, 2560, 3072, 3328), torch.ones(S, 4)
+    a_qkvr, b_qkvr = torch.zeros(S, 4 * R, H, **bf), torch.zeros(S, qkvr_offsets[-1], R, **bf)
+    dense.lora_linear(x, torch.zeros(qkvr_offsets[-1], H, **bf), a_qkvr, b_qkvr, slots, s_qkvr, qkvr_offsets)
+    gate_up_shrink = TokenShrink(torch.zeros(S, 2 * 2 * R, H, **bf), slots)
+    gate_up_b = torch.zeros(S, 2, experts, F, R, **bf)
+    shrink_in = RowExpand(gate_up_shrink, gate_up_b, row_slots, row_experts, torch.ones(S, 4), groups)
+    triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, shrink_in, ROUTED)
+
+    def order(kernel) -> tuple[int, int, int]:
+        ptx = kernel.asm["ptx"]
+        first = min(i for i in (ptx.find(access) for access in ACCESSES) if i > -1)
+        return ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"), first
+
+    shrinks = {"_split_shrink_kernel", "_shrink_kernel"}
     chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
     want |= {"_route_kernel", "_dispatch_kernel", "_expert_matmul_kernel", "_silu_mul_kernel", "_combine_kernel"}
-    want.add("_combine_down_kernel")
+    want |= {"_combine_down_kernel", "_split_shrink_kernel"}
     assert want <= {name for name, _ in chained}, f"not compiled chained: {sorted(want - {n for n, _ in chained})}"
     for name, kernel in chained:
-        ptx = kernel.asm["ptx"]
-        trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
-        first = min(i for i in (ptx.find(access) for access in ACCESSES) if i > -1)
-        assert -1 < trigger < wait < first, f"{name}: trigger at {trigger}, wait at {wait}, first access at {first}"
-    print(f"chained for sm_90: {len(chained)} kernels")
+        trigger, wait, first = order(kernel)
+        if name in shrinks:
+            assert -1 < wait < min(trigger, first), f"{name}: wait at {wait}, trigger at {trigger}, first at {first}"
+        else:
+            assert -1 < trigger < wait < first, f"{name}: trigger at {trigger}, wait at {wait}, first at {first}"
+    pairs = [(n, k) for n, kwargs, k in compiled if kwargs.get("WAIT_FOR_SHRINK") or kwargs.get("WAIT_FOR_Y")]
+    assert {n for n, _ in pairs} == {"_linear_kernel", "_expert_matmul_kernel"}, f"LoRA pair GEMMs: {pairs}"
+    for name, kernel in pairs:
+        trigger, wait, first = order(kernel)
+        assert -1 < first < wait < trigger, f"{name}: first access at {first}, wait at {wait}, trigger at {trigger}"
+    print(f"chained for sm_90: {len(chained)} kernels, {len(pairs)} LoRA pair GEMMs")
 
 
 def test_decode_chain_kernels_wait_before_their_first_access():

@@ -198,7 +198,8 @@ torch.cuda.synchronize()
 def test_decode_shrink_lets_the_gemm_beside_it_start(tmp_path):
     """`lora_linear` at decode sizes runs its GEMM beside the split shrink only if the shrink triggers its
     dependent launch (without the trigger the GEMM starts once every shrink program has exited: the two in
-    series, ~265 µs a step on inkling-small) and the GEMM waits for it: read from the PTX Triton compiled."""
+    series, ~265 µs a step on inkling-small), after its own wait (the GEMM reads x unwaited), and the GEMM waits for
+    it, then lets the next kernel launch: read from the PTX Triton compiled."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", LINEAR_AT_DECODE], env=env, check=True, timeout=300)
 
@@ -207,8 +208,9 @@ def test_decode_shrink_lets_the_gemm_beside_it_start(tmp_path):
 
     shrinks, gemms = ptx("_split_shrink_kernel"), ptx("_linear_kernel")
     assert shrinks and gemms, f"no PTX cached for the decode shrink or GEMM under {tmp_path}"
-    assert all("griddepcontrol.launch_dependents" in text for text in shrinks)
-    assert all("griddepcontrol.wait" in text for text in gemms)
+    for text in shrinks + gemms:
+        wait, trigger = text.find("griddepcontrol.wait"), text.find("griddepcontrol.launch_dependents")
+        assert -1 < wait < trigger, (wait, trigger)
 
 
 GEMM_IN_CHAIN = """
