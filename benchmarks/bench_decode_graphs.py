@@ -12,7 +12,8 @@ step after the first (which prefills every prompt); each case is timed `--repeat
   graphs+side   graphs, with LoRA work on a side stream (EngineConfig.lora_side_stream; off by default)
 Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% slower than 1.
 With --profile (CUDA), one more batch per adapter count runs under torch.profiler: the GPU kernel time and kernel
-count per decode step, steadier than tok/s for small differences, and the kernels that differ most from 1 adapter;
+count per decode step, steadier than tok/s for small differences, and the kernels whose own share of the step
+(`own_time`: chained kernels start early and wait, so their profiled durations overlap) moves most with adapters;
 then the batch's captured step graph is replayed alone and timed (GPU time per step, without the host's work).
 Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--out decode_graphs.json]
 CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny
@@ -70,18 +71,34 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
         torch.cuda.synchronize()
     engine.config = overlapped
     us, count = Counter(), Counter()
+    kernels = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
             us[event.name] += event.device_time_total / steps
             count[event.name] += 1 / steps
+            kernels.append((event.name, event.time_range.start, event.time_range.end))
+    own = own_time(kernels)
     return {
         "kernel_us": sum(us.values()),
         "kernels": round(sum(count.values())),
         **replay_us(engine, lora=any(k is not None for k in keys)),
         "by_name": dict(us),
+        "busy_us": sum(own.values()) / steps,
+        "own_by_name": {name: t / steps for name, t in own.items()},
         "count_by_name": {name: round(n, 2) for name, n in count.items()},
         "steps": steps,
     }
+
+
+def own_time(kernels: list[tuple[str, float, float]]) -> Counter:
+    """Each kernel's share of the GPU's busy time on one stream: from the later of its start and the end of every
+    kernel before it, to its end. A chained kernel (`kernels.triton_pdl`) starts early and waits, so its profiled
+    duration counts the kernel before it too; its own time does not, and the own times add up to the busy time."""
+    own, done = Counter(), float("-inf")
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        own[name] += max(0.0, end - max(start, done))
+        done = max(done, end)
+    return own
 
 
 def replay_us(engine, lora: bool, rounds: int = 10, burst: int = 5) -> dict:
@@ -120,7 +137,8 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
         if args.profile:
             out[n]["profile"] = profile_decode(engine, prompts, keys, args.new)
             prof = out[n]["profile"]
-            times = f"{prof['kernel_us']:.0f} µs, replay {prof['replay_us']:.0f} µs, launch {prof['launch_us']:.0f} µs"
+            times = f"{prof['kernel_us']:.0f} µs ({prof['busy_us']:.0f} busy), replay {prof['replay_us']:.0f} µs"
+            times += f", launch {prof['launch_us']:.0f} µs"
             print(f"  {prof['kernels']} kernels, {times}")
     if engine.graphs is not None:
         out["graphs_captured"] = len(engine.graphs.decode_graphs)
@@ -153,7 +171,8 @@ def table(results: dict) -> str:
 
 
 def profile_table(mode: str, result: dict, top: int = 8) -> str:
-    """Kernel time per decode step against 0 and 1 adapter, and the kernels whose time moves most from 1 to 8."""
+    """Kernel time per decode step against 0 and 1 adapter, and the kernels whose own time (`own_time`) moves most
+    from 0 to 1 adapter and from 1 to 8."""
     prof = {n: result[n]["profile"] for n in COUNTS}
     lines = [
         f"\n[{mode}] GPU kernels per decode step (torch.profiler)",
@@ -166,10 +185,11 @@ def profile_table(mode: str, result: dict, top: int = 8) -> str:
             us = prof[n][what]
             cells += [f"{us:.0f}", *(f"{us / prof[base][what]:.4f}" for base in (0, 1))]
         lines.append("| " + " | ".join(cells) + " |")
-    one, eight = prof[1]["by_name"], prof[8]["by_name"]
-    moved = sorted(set(one) | set(eight), key=lambda k: -abs(eight.get(k, 0) - one.get(k, 0)))[:top]
-    lines.append("\nlargest kernel-time changes from 1 to 8 adapters (µs per step):")
-    lines += [f"  {eight.get(k, 0) - one.get(k, 0):+7.1f}  {k[:100]}" for k in moved]
+    for a, b in ((0, 1), (1, 8)):
+        before, after = prof[a]["own_by_name"], prof[b]["own_by_name"]
+        moved = sorted(set(before) | set(after), key=lambda k: -abs(after.get(k, 0) - before.get(k, 0)))[:top]
+        lines.append(f"\nlargest changes of kernels' own time from {a} to {b} adapters (µs per step):")
+        lines += [f"  {after.get(k, 0) - before.get(k, 0):+7.1f}  {k[:100]}" for k in moved]
     return "\n".join(lines)
 
 
