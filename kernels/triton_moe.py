@@ -33,7 +33,7 @@ from inkwell.kernels.triton_lora.common import (
 )
 from inkwell.kernels.triton_lora.dense import lora_shrink
 from inkwell.kernels.triton_math import exp
-from inkwell.kernels.triton_pdl import chain_launch, chain_start, prefetch_l2
+from inkwell.kernels.triton_pdl import chain_launch, chain_start, pair_launch, prefetch_l2, wait_then_trigger
 
 
 @triton.jit
@@ -411,8 +411,7 @@ def _expert_matmul_kernel(
         w = tl.load(w_ptrs + k0, mask=in_n[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
     if WAIT_FOR_Y:  # the shrink launched before this GEMM, which ran beside its K loop
-        gdc_wait()
-        gdc_launch_dependents()  # earlier, before the K loop, the step was slower
+        wait_then_trigger()  # triggering before the K loop instead made the step slower
         delta = _row_deltas(
             e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first,
             count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
@@ -504,7 +503,7 @@ def expert_matmul(
         lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
-    launch = {"CHAINED": False, "launch_pdl": True} if wait else chain_launch(x)
+    launch = pair_launch(x) if wait else chain_launch(x)
     rows_contiguous = weight.stride(1) == depth and (depth * weight.element_size()) % 16 == 0
     aligned = rows_contiguous and weight.data_ptr() % 16 == 0
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and aligned

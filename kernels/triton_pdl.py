@@ -21,12 +21,26 @@ def chain_launch(t: torch.Tensor) -> dict:
     return {"CHAINED": True, "launch_pdl": True} if t.is_cuda else {"CHAINED": False}
 
 
+def pair_launch(t: torch.Tensor) -> dict:
+    """The launch of a LoRA pair's GEMM, the kernel after a chained shrink (`wait_then_trigger`): early on CUDA, but
+    not CHAINED, since it reads x before any wait of its own and waits for the shrink's y in its epilogue."""
+    return {"CHAINED": False, "launch_pdl": True} if t.is_cuda else {"CHAINED": False}
+
+
 @triton.jit
 def chain_start(CHAINED: tl.constexpr):
     """A chained kernel's first step: let the next kernel launch, then wait for every kernel before this one."""
     if CHAINED:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def wait_then_trigger():
+    """Wait for every kernel before this one, then let the next kernel launch: a LoRA pair's shrink, so its GEMM
+    (`pair_launch`) starts only once x is written, and that GEMM after its wait for y."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from inkwell.kernels.triton_lora.common import (
 )
 from inkwell.kernels.triton_lora.expand import launch_expand
 from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, launch_shrink
-from inkwell.kernels.triton_pdl import chain_launch, prefetch_l2
+from inkwell.kernels.triton_pdl import chain_launch, pair_launch, prefetch_l2, wait_then_trigger
 
 
 @triton.jit
@@ -202,8 +202,7 @@ def _linear_kernel(
     out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_LORA:
         if WAIT_FOR_SHRINK:
-            gdc_wait()
-            gdc_launch_dependents()  # earlier, before the K loop, the step was slower
+            wait_then_trigger()  # triggering before the K loop instead made the step slower
         delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
             rr = r0 + tl.arange(0, BLOCK_R)
@@ -392,9 +391,8 @@ def lora_linear(
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens == 0 or n == 0:
         return out
-    pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it
-    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, chained=pdl, split_k=SHRINK_SPLIT_K)
+    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, chained=True, split_k=SHRINK_SPLIT_K)
     return _launch_linear(x, weight, out, (y, lora_b, token_slots, scalings, slice_offsets))
 
 
@@ -468,6 +466,6 @@ def _launch_linear(
         BLOCK_R=16,
         num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
-        **(chain_launch(x) if lora is None else {"CHAINED": False, **({"launch_pdl": True} if pdl else {})}),
+        **(chain_launch(x) if lora is None else pair_launch(x)),
     )
     return out

@@ -12,10 +12,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.triton_lora.common import SENTINEL, SLOT_LOOP_MIN_TOKENS, dot_precision, pow2, row_keys, row_slots
-from inkwell.kernels.triton_pdl import chain_launch
+from inkwell.kernels.triton_pdl import chain_launch, wait_then_trigger
 
 
 @triton.jit
@@ -55,8 +54,7 @@ def _shrink_kernel(
     and waits for y in its epilogue.
     """
     if CHAINED:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_then_trigger()
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_t = rt < T
@@ -129,8 +127,7 @@ def _split_shrink_kernel(
     launch and every CUDA graph replay find it zero. Programs of slots absent from their tile exit at once.
     """
     if CHAINED:
-        gdc_wait()
-        gdc_launch_dependents()
+        wait_then_trigger()
     slot = tl.program_id(1) - 1
     split = tl.program_id(2) % SPLIT_K
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -157,7 +157,7 @@ def run_chain_cases() -> None:
     experts, slots = ROUTED + SHARED, torch.zeros(rows, dtype=torch.long)
     _, row_tokens, row_experts, row_w, row_slots, ends, places = triton_moe.moe_dispatch(index, weights, slots, experts)
     gate_up = triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, None, ROUTED)
-    act = triton_moe.silu_mul(gate_up)
+    triton_moe.silu_mul(gate_up)
     act, y = triton_moe.silu_mul_shrink(gate_up, torch.zeros(S, experts, R, F, **bf), row_slots, row_experts, groups)
     down_b = torch.zeros(S, 2, H, R, **bf)
     down = RowExpand(y, down_b, row_slots, row_experts, torch.ones(S, 2), groups)
