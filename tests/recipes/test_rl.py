@@ -39,10 +39,11 @@ def tokenizer(sqlite_service):
 
 
 class Traced:
-    """A session whose forward_backward calls note how many of their datums carried a routing trace."""
+    """A session whose forward_backward calls note how many of their datums carried a routing trace, and whose
+    samplers note, per sampler step, each request's prompt and seed and the tokens it drew."""
 
     def __init__(self, session) -> None:
-        self.session, self.calls = session, []
+        self.session, self.calls, self.draws = session, [], {}
 
     def __getattr__(self, name: str):
         return getattr(self.session, name)
@@ -50,6 +51,30 @@ class Traced:
     def forward_backward(self, data, *args):
         self.calls.append((len(data), sum(d.get("routing") is not None for d in data)))
         return self.session.forward_backward(data, *args)
+
+    def sampling_client(self, weights) -> "Drawn":
+        return Drawn(self.session.sampling_client(weights), self.draws.setdefault(weights.step, []))
+
+
+@dataclasses.dataclass
+class Drawn:
+    sampler: object
+    log: list[tuple[tuple[tuple[int, ...], int], list[tuple[int, ...]]]]  # ((prompt, seed), tokens per sample)
+
+    def sample(self, prompt, num_samples: int, **params) -> "Noted":
+        return Noted(self.sampler.sample(prompt, num_samples, **params), self.log, (tuple(prompt), params["seed"]))
+
+
+@dataclasses.dataclass
+class Noted:
+    future: object
+    log: list
+    request: tuple[tuple[int, ...], int]
+
+    def result(self, timeout: float | None = None) -> dict:
+        out = self.future.result(timeout)
+        self.log.append((self.request, [tuple(s["tokens"]) for s in out["sequences"]]))
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +104,25 @@ def test_grpo_steps_score_the_sampled_tokens_as_the_sampler_did(run, traced):
     assert [r.step for r in run if r.state] == [3, 7]
 
 
-def test_a_run_resumes_from_a_saved_state(run, client, tokenizer):
-    """From the state saved after 4 steps a new session takes steps 4 and 5 on the same prompts and seeds: the
-    same adapter samples what the first run sampled."""
+def test_a_run_resumes_from_a_saved_state(run, traced, client, tokenizer):
+    """From the state saved after 4 steps a new session takes steps 4 and 5 with the same prompts and seeds, and the
+    same adapter draws what the first run drew. Not every token: the CPU engine's GEMMs round a row differently as
+    the batch around it changes (how the requests happened to arrive), which can move a draw that sat at a
+    boundary (CI saw 2 of 128 at step 5). Another adapter agrees on almost none: 4 of 128 with the state saved
+    after 8 steps, 0 with a fresh adapter."""
     saved = run[3].state
     config = dataclasses.replace(CONFIG, steps=6, save_every=0)
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
-        resumed = grpo(session, tokenizer, PROBLEMS, REWARD, config, resume_from=saved, progress=False)
-    assert [r.step for r in resumed] == [4, 5]
-    assert [r.reward for r in resumed] == [r.reward for r in run[4:6]]
+        spy = Traced(session)
+        resumed = grpo(spy, tokenizer, PROBLEMS, REWARD, config, resume_from=saved, progress=False)
+    assert [r.step for r in resumed] == [4, 5] and sorted(spy.draws) == [4, 5]
+    for report, step in zip(resumed, (4, 5), strict=True):
+        first, again = traced.draws[step], spy.draws[step]
+        assert [request for request, _ in again] == [request for request, _ in first]  # same prompts and seeds
+        drawn = [a == b for (_, x), (_, y) in zip(first, again, strict=True) for a, b in zip(x, y, strict=True)]
+        assert sum(drawn) >= 0.9 * len(drawn), f"step {step}: {sum(drawn)} of {len(drawn)} draws agree"
+        # rewards are per sample, in [0, 1]: only the draws that moved can move the mean
+        assert abs(report.reward - run[step].reward) <= drawn.count(False) / len(drawn)
 
 
 def test_a_failing_reward_stops_the_step_before_training(client, tokenizer):
