@@ -461,7 +461,7 @@ class Engine:
         self, chunks: list[_Chunk], row_of: dict[int, int], logits: torch.Tensor, greedy: torch.Tensor
     ) -> torch.Tensor:
         """Each scored row's next token on the device: greedy, or for a sequence that samples, drawn at a uniform
-        from its own generator (one draw per token it yields, so the same alone or in any batch)."""
+        from its own generator (one uniform per token it yields, so the same uniforms alone or in any batch)."""
         draws = [c for c in chunks if c.yields and not c.seq.request.params.greedy]
         if not draws:
             return greedy

@@ -2,7 +2,9 @@
 
 Each sequence owns a CPU torch.Generator (seeded from the request's seed and its choice index) that gives
 one uniform per token it draws; the draw itself runs on the logits' device, row by row, so a seeded
-request draws the same tokens alone or in any batch, and its logits never need to reach the host.
+request draws at the same uniforms alone or in any batch, and its logits never need to reach the host. Its
+tokens are the same where its logits are: the model's GEMMs may round a row differently as the batch around it
+changes size, which can move a draw that sits near the boundary between two tokens.
 """
 
 import torch
