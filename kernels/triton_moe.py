@@ -33,7 +33,14 @@ from inkwell.kernels.triton_lora.common import (
 )
 from inkwell.kernels.triton_lora.dense import lora_shrink
 from inkwell.kernels.triton_math import exp
-from inkwell.kernels.triton_pdl import chain_launch, chain_start, pair_launch, prefetch_l2, wait_then_trigger
+from inkwell.kernels.triton_pdl import (
+    chain_launch,
+    chain_start,
+    pair_launch,
+    prefetch_rows_l2,
+    rows_prefetchable,
+    wait_then_trigger,
+)
 
 
 @triton.jit
@@ -380,10 +387,7 @@ def _expert_matmul_kernel(
         if PREFETCH_W:
             first_of_block = (m_block == 0) & (e >= every_from)  # the shared experts always have rows
             if first_of_block:
-                n0 = n_block * BLOCK_N
-                width = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-                block = w_ptr + e.to(tl.int64) * stride_we + n0 * stride_wn
-                prefetch_l2(block, tl.minimum(N - n0, BLOCK_N) * K * width, 128)
+                prefetch_rows_l2(w_ptr + e.to(tl.int64) * stride_we, n_block * BLOCK_N, N, K, stride_wn, BLOCK_N)
         gdc_wait()
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
     end = tl.load(ends_ptr + e).to(tl.int64)
@@ -494,7 +498,7 @@ def expert_matmul(
     wait = False
     if expand is not None and isinstance(expand.y, TokenShrink):
         wait = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
-        expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, chained=wait))
+        expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, chained=True))
     tiles = expert_tiles(depth, max_rows)
     if expand is None:
         lora = [ends] * 4 + [0] * 15
@@ -504,9 +508,7 @@ def expert_matmul(
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
-    rows_contiguous = weight.stride(1) == depth and (depth * weight.element_size()) % 16 == 0
-    aligned = rows_contiguous and weight.data_ptr() % 16 == 0
-    consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and aligned
+    consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
     block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     # B's rank blocks per load: an [M, N, R_CHUNK] tile of at most 16K elements
     consts["R_CHUNK"] = max(2, min(consts["BLOCK_R"], 16384 // (block_m * consts["BLOCK_N"])))

@@ -43,6 +43,21 @@ def wait_then_trigger():
     gdc_launch_dependents()
 
 
+def rows_prefetchable(weight: torch.Tensor) -> bool:
+    """Whether each [N, K] matrix of `weight` (its last two dims) holds its rows as one 16-byte-aligned run of bytes,
+    so `prefetch_rows_l2` may ask L2 for a block of rows in bulk."""
+    k = weight.shape[-1]
+    contiguous = weight.stride(-1) == 1 and weight.stride(-2) == k
+    return contiguous and weight.data_ptr() % 16 == 0 and (k * weight.element_size()) % 16 == 0
+
+
+@triton.jit
+def prefetch_rows_l2(w_ptr, n0, N, K, stride_wn, BLOCK_N: tl.constexpr):
+    """Ask L2 for rows n0 .. n0 + BLOCK_N (those below N) of the [N, K] weight at `w_ptr` (`rows_prefetchable`)."""
+    width = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    prefetch_l2(w_ptr + n0 * stride_wn, tl.minimum(N - n0, BLOCK_N) * K * width, 128)
+
+
 @triton.jit
 def prefetch_l2(base, nbytes, CHUNKS: tl.constexpr):
     """Ask L2 for `nbytes` (a multiple of 16) from `base` (16-byte aligned) in CHUNKS bulk prefetches: hints on sm_90

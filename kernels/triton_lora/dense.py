@@ -26,7 +26,7 @@ from inkwell.kernels.triton_lora.common import (
 )
 from inkwell.kernels.triton_lora.expand import launch_expand
 from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, launch_shrink
-from inkwell.kernels.triton_pdl import chain_launch, pair_launch, prefetch_l2, wait_then_trigger
+from inkwell.kernels.triton_pdl import chain_launch, pair_launch, prefetch_rows_l2, rows_prefetchable, wait_then_trigger
 
 
 @triton.jit
@@ -168,8 +168,7 @@ def _linear_kernel(
     if CHAINED:
         gdc_launch_dependents()
         if PREFETCH_W:
-            width = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            prefetch_l2(w_ptr + n0 * stride_wn, tl.minimum(N - n0, BLOCK_N) * K * width, 128)
+            prefetch_rows_l2(w_ptr, n0, N, K, stride_wn, BLOCK_N)
         gdc_wait()
     if HAS_LORA:
         slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
@@ -429,9 +428,6 @@ def _launch_linear(
         rank = lora_b.shape[2]
         parts, o1, o2, o3 = parse_slices(slice_offsets, n)
         ss, sp = scale_strides(scalings, lora_b.shape[0], parts)
-    # the bulk prefetch reads the tile's rows of W as one run of bytes, 16-byte aligned
-    rows_contiguous = weight.stride(1) == 1 and weight.stride(0) == k
-    aligned = weight.data_ptr() % 16 == 0 and (k * weight.element_size()) % 16 == 0
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -455,7 +451,7 @@ def _launch_linear(
         ss,
         sp,
         HAS_LORA=lora is not None,
-        PREFETCH_W=pdl and lora is None and rows_contiguous and aligned,
+        PREFETCH_W=pdl and lora is None and rows_prefetchable(weight),
         WAIT_FOR_SHRINK=pdl and lora is not None,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=dot_precision(x.dtype),

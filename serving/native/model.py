@@ -741,11 +741,13 @@ class InklingModel:
         adapters, the experts' GEMMs and silu * up, and one more with them, the gate/up shrink, which runs beside
         the gate/up GEMM; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
         holds each row's activations). Past EXPERT_LORA_EPILOGUE_MAX_TOKENS the LoRA kernels follow each GEMM."""
-        tokens, shared = x.shape[0], self.config.n_routed_experts  # the shared experts' ids follow the routed ones
+        tokens, every_token_from = x.shape[0], self.config.n_routed_experts  # the shared experts' ids follow the routed
         if experts is not None and tokens > EXPERT_LORA_EPILOGUE_MAX_TOKENS:
 
             def gemm(inputs: torch.Tensor, weight: torch.Tensor, gather: bool) -> torch.Tensor:
-                return expert_matmul(inputs, weight, rows.ends, rows.tokens if gather else None, tokens, None, shared)
+                return expert_matmul(
+                    inputs, weight, rows.ends, rows.tokens if gather else None, tokens, None, every_token_from
+                )
 
             return self.experts_then_lora(x, layer, rows, self.expert_shrink(x, slots, experts), experts, gemm)
         p = f"model.layers.{layer}.mlp.all_experts"
@@ -755,14 +757,14 @@ class InklingModel:
             buf = experts.gate_up
             shrink = TokenShrink(buf.a, slots)
             gate_up_expand = RowExpand(shrink, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
-        gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens, gate_up_expand, shared)
+        gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens, gate_up_expand, every_token_from)
         if experts is None:
             act = silu_mul(gate_up)
         else:
             buf = experts.down
             act, y = silu_mul_shrink(gate_up, buf.a, rows.slots, rows.experts, experts.groups)
             down_expand = RowExpand(y, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
-        return expert_matmul(act, down_w, rows.ends, None, tokens, down_expand, shared), None
+        return expert_matmul(act, down_w, rows.ends, None, tokens, down_expand, every_token_from), None
 
     # ---- the whole model ----------------------------------------------------------------------
 
