@@ -108,8 +108,8 @@ def test_a_run_resumes_from_a_saved_state(run, traced, client, tokenizer):
     """From the state saved after 4 steps a new session takes steps 4 and 5 with the same prompts and seeds, and the
     same adapter draws what the first run drew. Not every token: the CPU engine's GEMMs round a row differently as
     the batch around it changes (how the requests happened to arrive), which can move a draw that sat at a
-    boundary (CI saw 2 of 128 at step 5). Another adapter agrees on almost none: 4 of 128 with the state saved
-    after 8 steps, 0 with a fresh adapter."""
+    boundary (CI saw step 5's mean reward move by 2 / 128). Another adapter agrees on almost none: 4 of 128 with
+    the state saved after 8 steps, 0 with a fresh adapter."""
     saved = run[3].state
     config = dataclasses.replace(CONFIG, steps=6, save_every=0)
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
