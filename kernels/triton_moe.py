@@ -371,10 +371,11 @@ def _expert_matmul_kernel(
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
-    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM; it is computed before the K loop,
-    which needs none of it, so its loads are in flight with the loop's first ones, or with WAIT_FOR_Y (y is being
-    written by the chained shrink launched before this one, which waited for the kernels before it) after the loop
-    and the wait, which is when the next kernel may launch.
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM; it is computed before the K loop
+    (compiled for sm_90a, its sums wait for its loads and the loop's first load follows them: docs/benchmarks.md,
+    "Where a decode step's LoRA time goes"), or with WAIT_FOR_Y (y is being written by the chained shrink launched
+    before this one, which waited for the kernels before it) after the loop and the wait, which is when the next
+    kernel may launch.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
     whose row counts it reads) first; the first program of each column block of an expert that every token routes
