@@ -319,6 +319,8 @@ def moe_combine(
 WIDE_TILES = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 DEEP_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 tile_override: dict | None = None
+# the most elements of B an expand's program loads at once: an [M, N, R_CHUNK] tile
+B_TILE = 16384
 
 
 def expert_tiles(depth: int, max_rows: int) -> dict:
@@ -329,14 +331,12 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
 
 
 @triton.jit
-def _row_deltas(
-    e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first, count, split, groups,
-    stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
-    PER_EXPERT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    R_CHUNK: tl.constexpr,
+def _row_delta_operands(
+    e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, part_cols, first, count, split, groups,
+    stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_ss, stride_sb, PER_EXPERT: tl.constexpr,
 ):  # fmt: skip
-    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (in one part, starting at n0): every row
-    reads its own slot's B as contiguous [BLOCK_N, R_CHUNK] blocks, so mixed slots need no loop over the slots."""
+    """Where each row's LoRA delta reads (for columns n, in one part, starting at n0): its y row, its own slot's B
+    columns [BLOCK_M, BLOCK_N] (so mixed slots need no loop over the slots), the mask of both, and its scaling."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     has = slots >= 0
@@ -346,17 +346,38 @@ def _row_deltas(
     y_rows = y_ptr + src * stride_ym + block * stride_yb
     b_row = b_ptr + slots.to(tl.int64) * stride_bs + part * stride_bp + which.to(tl.int64) * stride_be
     b_cols = b_row[:, None] + (n - part * part_cols)[None, :] * stride_bn
-    b_mask = has[:, None] & in_n[None, :]
-    rc = tl.arange(0, R_CHUNK)
+    scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=has, other=0.0).to(tl.float32)
+    return y_rows, b_cols, has, has[:, None] & in_n[None, :], scale
+
+
+@triton.jit
+def _row_delta_chunk(y_rows, b_cols, has, b_mask, j0, R, stride_br, R_CHUNK: tl.constexpr):
+    """The rank block j0 .. j0+R_CHUNK of each row's y [BLOCK_M, R_CHUNK] and B [BLOCK_M, BLOCK_N, R_CHUNK]."""
+    j = j0 + tl.arange(0, R_CHUNK)
+    in_j = j < R
+    y = tl.load(y_rows[:, None] + j[None, :], mask=has[:, None] & in_j[None, :], other=0.0)
+    bt = tl.load(
+        b_cols[:, :, None] + j[None, None, :] * stride_br, mask=b_mask[:, :, None] & in_j[None, None, :], other=0.0
+    )
+    return y, bt
+
+
+@triton.jit
+def _chunk_delta(y, bt):
+    """One rank block's unscaled delta [BLOCK_M, BLOCK_N] (fp32) from `_row_delta_chunk`'s loads."""
+    return tl.sum(bt.to(tl.float32) * y.to(tl.float32)[:, None, :], axis=2)
+
+
+@triton.jit
+def _row_deltas(
+    y_rows, b_cols, has, b_mask, scale, R, stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32), loaded and summed a rank block at a time."""
     delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for j0 in tl.static_range(0, BLOCK_R, R_CHUNK):
-        j = j0 + rc
-        in_j = j < R
-        y = tl.load(y_rows[:, None] + j[None, :], mask=has[:, None] & in_j[None, :], other=0.0).to(tl.float32)
-        b_ptrs = b_cols[:, :, None] + j[None, None, :] * stride_br
-        bt = tl.load(b_ptrs, mask=b_mask[:, :, None] & in_j[None, None, :], other=0.0).to(tl.float32)
-        delta += tl.sum(bt * y[:, None, :], axis=2)
-    scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=has, other=0.0).to(tl.float32)
+        y, bt = _row_delta_chunk(y_rows, b_cols, has, b_mask, j0, R, stride_br, R_CHUNK)
+        delta += _chunk_delta(y, bt)
     return delta * scale[:, None]
 
 
@@ -371,11 +392,13 @@ def _expert_matmul_kernel(
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
-    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM; it is computed before the K loop
-    (compiled for sm_90a, its sums wait for its loads and the loop's first load follows them: docs/benchmarks.md,
-    "Where a decode step's LoRA time goes"), or with WAIT_FOR_Y (y is being written by the chained shrink launched
-    before this one, which waited for the kernels before it) after the loop and the wait, which is when the next
-    kernel may launch.
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM. Where y is written already and B's
+    tile is one rank block (R_CHUNK == BLOCK_R: `expert_matmul` narrows the columns for it at decode), its loads
+    are issued before the K loop and its sums follow the loop; with more rank blocks the whole delta is computed
+    before the loop (compiled for sm_90a, its sums wait for its loads and the loop's first load follows them:
+    docs/benchmarks.md, "Where a decode step's LoRA time goes"). With WAIT_FOR_Y (y is being written by the chained
+    shrink launched before this one, which waited for the kernels before it) it follows the loop and the wait,
+    which is when the next kernel may launch.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
     whose row counts it reads) first; the first program of each column block of an expert that every token routes
@@ -401,11 +424,15 @@ def _expert_matmul_kernel(
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < N
     if EXPAND and not WAIT_FOR_Y:
-        delta = _row_deltas(
-            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first,
-            count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
-            stride_ss, stride_sb, PER_EXPERT, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK,
+        y_rows, b_cols, has, b_mask, scale = _row_delta_operands(
+            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, part_cols, first, count,
+            split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_ss, stride_sb,
+            PER_EXPERT,
         )  # fmt: skip
+        if R_CHUNK == BLOCK_R:  # one rank block: its loads fly beside the K loop's, its sums follow the loop
+            y, bt = _row_delta_chunk(y_rows, b_cols, has, b_mask, 0, R, stride_br, R_CHUNK)
+        else:
+            delta = _row_deltas(y_rows, b_cols, has, b_mask, scale, R, stride_br, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK)
     k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]
@@ -417,11 +444,14 @@ def _expert_matmul_kernel(
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
     if WAIT_FOR_Y:  # the shrink launched before this GEMM, which ran beside its K loop
         wait_then_trigger()  # triggering before the K loop instead made the step slower
-        delta = _row_deltas(
-            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first,
-            count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
-            stride_ss, stride_sb, PER_EXPERT, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK,
+        y_rows, b_cols, has, b_mask, scale = _row_delta_operands(
+            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, part_cols, first, count,
+            split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_ss, stride_sb,
+            PER_EXPERT,
         )  # fmt: skip
+        delta = _row_deltas(y_rows, b_cols, has, b_mask, scale, R, stride_br, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK)
+    elif EXPAND and R_CHUNK == BLOCK_R:
+        delta = _chunk_delta(y, bt) * scale[:, None]
     dtype = out_ptr.dtype.element_ty
     out = acc.to(dtype)
     if EXPAND:  # a row without LoRA adds an exact 0
@@ -501,18 +531,23 @@ def expert_matmul(
         wait = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
         expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, chained=True))
     tiles = expert_tiles(depth, max_rows)
+    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     if expand is None:
         lora = [ends] * 4 + [0] * 15
         consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=2, BLOCK_N=tiles["BLOCK_N"])
     else:
-        lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
+        # y written already: columns narrowed (to no fewer than 32) until B's [M, N, R] tile is one load of
+        # B_TILE, which the kernel issues before its K loop (at batch 8 and 32, 1-4% more tokens/s with adapters)
+        widest = tiles["BLOCK_N"]
+        one_block = B_TILE // (block_m * pow2(expand.b.shape[-1], 2))
+        if not wait and one_block >= 32:
+            widest = min(widest, one_block)
+        lora, consts = _expand_args(expand, x, rows, width, widest)
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
-    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
-    # B's rank blocks per load: an [M, N, R_CHUNK] tile of at most 16K elements
-    consts["R_CHUNK"] = max(2, min(consts["BLOCK_R"], 16384 // (block_m * consts["BLOCK_N"])))
+    consts["R_CHUNK"] = max(2, min(consts["BLOCK_R"], B_TILE // (block_m * consts["BLOCK_N"])))
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
