@@ -1,8 +1,8 @@
 """Decode throughput of the native engine: eager steps vs CUDA-graph replays, synchronous or overlapped steps.
 
 A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each (or sampled, with
-`--temperature` > 0 and `--top-p`, seeded per request), with no adapter and with
-1, 4 and 8 distinct rank-16 adapters over every target group (request i uses adapter i mod n). Decode = every
+`--temperature` > 0 and `--top-p`, seeded per request), with no adapter and with 1, 4 and 8 distinct adapters
+(rank `--rank`, 16) over every target group (request i uses adapter i mod n). Decode = every
 step after the first (which prefills every prompt); each case is timed `--repeats` times after a warm-up run
 (Triton compiles, graphs are captured) and the median is kept.
   eager         cuda_graphs=False: every step runs InklingModel.forward (one stream)
@@ -217,7 +217,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="bench-decode-graphs-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
-        adapters = random_adapters(model_dir)
+        adapters = random_adapters(model_dir, args.rank)
         prompts = make_prompts(args.batch, args.prompt)
         for mode in modes:
             t0 = time.perf_counter()

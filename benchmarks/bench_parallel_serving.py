@@ -1,12 +1,12 @@
 """The native engine across processes against one process: the same greedy tokens, and prefill/decode throughput.
 
 For each layout of `--layouts` (`tp1`, `tp2`, `ep2`, `tp2ep2`, ...) the same mixed batch runs: `--batch` prompts of
-`--prompt` random tokens, `--new` greedy tokens each, request i on adapter i mod `--adapters` (rank 16, every target
-group). Every layout runs without CUDA graphs and the prefix cache (a group refuses both), so tp1 is the one-process
-engine on the same eager path; `tp1-graphs` adds the one-process production decode for reference. Equality: each
-layout's tokens against tp1's (the count of requests whose tokens differ, and the largest logprob difference of the
-tokens both chose, up to the first difference). Throughput: prefill = the first step, decode = the rest (after a
-warm-up batch).
+`--prompt` random tokens, `--new` greedy tokens each, request i on adapter i mod `--adapters` (rank `--rank`, 16, every
+target group). Every layout runs without CUDA graphs and the prefix cache (a group refuses both), so tp1 is the
+one-process engine on the same eager path; `tp1-graphs` adds the one-process production decode for reference. Equality:
+each layout's tokens against tp1's (the count of requests whose tokens differ, and the largest logprob difference of the
+tokens both chose, up to the first difference). Throughput: prefill = the first step, decode = the rest (after a warm-up
+batch).
 Run (two GPUs): python benchmarks/bench_parallel_serving.py --layouts tp1,tp2,ep2,tp1-graphs [--out parallel.json]
 CPU smoke run: python benchmarks/bench_parallel_serving.py --preset inkling-tiny --device cpu --prompt 16 --new 4
 """
@@ -37,7 +37,7 @@ def layout_config(name: str, args) -> EngineConfig:
     tp, ep = re.search(r"tp(\d+)", name), re.search(r"ep(\d+)", name)
     return EngineConfig(
         max_loras_per_batch=max(args.adapters, 1),
-        max_lora_rank=16,
+        max_lora_rank=args.rank,
         max_seqs=args.batch,
         max_batch_tokens=args.batch * args.prompt,
         dtype=args.dtype,
@@ -88,7 +88,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
-        adapters = random_adapters(model_dir)
+        adapters = random_adapters(model_dir, args.rank)
         prompts = make_prompts(args.batch, args.prompt)
         outputs = {}
         for name in args.layouts.split(","):

@@ -1,7 +1,7 @@
 """Prefill throughput of the native engine: one step that prefills a batch of prompts, with 0/1/4/8 adapters.
 
 A batch of `--batch` prompts of `--prompt` random tokens, each asking for one new token, so the step is all
-prefill; request i uses adapter i mod n (rank 16 over every target group). Each case is timed `--repeats`
+prefill; request i uses adapter i mod n (rank `--rank`, 16, over every target group). Each case is timed `--repeats`
 times after a warm-up run and the median is kept. Set two engines side by side by running this script under
 each (for example the previous commit's package first on PYTHONPATH).
 Each row also gives the step's matrix throughput: 2 FLOPs per active weight per prompt token (every linear weight
@@ -95,7 +95,7 @@ def main() -> None:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
         prompts = make_prompts(args.batch, args.prompt)
         engine = make_engine(
-            model_dir, random_adapters(model_dir), args, graph_prefill_tokens=args.graph_prefill_tokens
+            model_dir, random_adapters(model_dir, args.rank), args, graph_prefill_tokens=args.graph_prefill_tokens
         )
         flops_per_token = 2 * active_weights(engine)
         print(

@@ -2,13 +2,13 @@
 peft, and adapter hot-swap through CUDA IPC vs loading from disk vs a plain device copy.
 
 Throughput: a batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each, with
-no adapter and with 1, 4 and 8 distinct rank-16 adapters (request i uses adapter i mod n). Prefill =
+no adapter and with 1, 4 and 8 distinct adapters of rank `--rank` (16; request i uses adapter i mod n). Prefill =
 the first step (every prompt in one forward, which also yields the first token); decode = the rest.
   engine   one mixed batch through the native engine (per-token LoRA slots, inkwell.kernels)
   loop     the same requests, one engine batch per adapter, run one after the other
   peft     transformers' InklingForCausalLM (eager) + peft, one mixed batch via `adapter_names`
            (no adapter: the plain transformers model); prefill = generate(1 token), decode = the rest
-Swap (one rank-16 adapter over every target group, engine max_lora_rank 16), each with its ratio
+Swap (one adapter of rank `--rank` over every target group, engine max_lora_rank the same), each with its ratio
 to d2d (host clock with sync against host clock, CUDA events against CUDA events):
   d2d      a device-to-device copy of the adapter's slot image bytes (CUDA events, and host clock with sync);
            `d2d_idle` the same copy timed alone after the host and GPU sat idle for IDLE_S, as a lone swap does
@@ -55,7 +55,7 @@ from inkwell.serving.sources import DirectorySource
 from inkwell.serving.transfer import ImageReceiver
 
 COUNTS = (0, 1, 4, 8)
-RANK = 16
+RANK = 16  # the adapters' rank unless --rank says otherwise
 SWAPS = 5
 IDLE_S = 0.005  # about how long a lone swap's worker waits for the loader's message
 # peft 0.21 mixes adapters in one batch only on linear modules (its expert ParamWrapper refuses)
@@ -82,6 +82,7 @@ def engine_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=RANK, help="the adapters' LoRA rank, and the engine's max_lora_rank")
     return ap
 
 
@@ -91,10 +92,10 @@ def parse_engine_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
-def random_adapters(model_dir: Path, targets: tuple[str, ...] | None = None) -> list[Adapter]:
-    """Adapters a0..a7 for the model in `model_dir`: rank 16, alpha 32, random B (std 0.01), seeds 1..8."""
+def random_adapters(model_dir: Path, rank: int, targets: tuple[str, ...] | None = None) -> list[Adapter]:
+    """Adapters a0..a7 for the model in `model_dir`: rank `rank`, alpha 2 x rank, random B (std 0.01), seeds 1..8."""
     config, identity = load_base_config(model_dir), base_model_identity(model_dir)
-    spec = LoraSpec(rank=RANK, alpha=2 * RANK, **({} if targets is None else {"targets": targets}))
+    spec = LoraSpec(rank=rank, alpha=2 * rank, **({} if targets is None else {"targets": targets}))
     return [init_adapter(config, spec, identity, seed=i + 1, b_std=0.01) for i in range(max(COUNTS))]
 
 
@@ -454,7 +455,7 @@ def make_engine(model_dir: Path, adapters: list[Adapter], args, **options) -> En
     options = {"prefix_cache": False, **options}
     config = EngineConfig(
         max_loras_per_batch=max(COUNTS),
-        max_lora_rank=RANK,
+        max_lora_rank=args.rank,
         max_loaded_adapters=64,
         max_seqs=args.batch,
         max_batch_tokens=args.batch * args.prompt,
@@ -488,7 +489,10 @@ def main() -> None:
         tmp = Path(tmp_name)
         t0 = time.perf_counter()
         model_dir = init_base_model(args.preset, tmp / args.preset, seed=0)
-        adapters, linear_adapters = random_adapters(model_dir), random_adapters(model_dir, PEFT_MIXABLE)
+        adapters, linear_adapters = (
+            random_adapters(model_dir, args.rank),
+            random_adapters(model_dir, args.rank, PEFT_MIXABLE),
+        )
         engine = make_engine(model_dir, adapters, args)
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
         prompts = make_prompts(args.batch, args.prompt)

@@ -1,7 +1,7 @@
 """Batch sweep of the native engine's decode (issue 25): aggregate against per-sequence throughput, with and without
 adapters, through the engine's public API (add_request / step).
 
-For each number of concurrent sequences (`--batches`, 1 8 32 64 128) and adapters (none, 1, and 8 distinct rank-16
+For each number of concurrent sequences (`--batches`, 1 8 32 64 128) and adapters (none, 1, and 8 distinct
 ones; request i on adapter i mod n): prompts of `--prompt` random tokens (512), `--new` greedy tokens each (128),
 all submitted at once. The first step prefills every prompt (one forward); a decode step is the time between two
 step() returns after it (the engine overlaps steps, so this is the steady state's cost per token of each
@@ -127,7 +127,8 @@ def main() -> None:
         vars(args).update(TINY)
     args.batch = max(args.batches)  # make_engine sizes the engine (sequences, prefill tokens) from it
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    title = f"{args.preset} {args.dtype} on {gpu}: prompt {args.prompt}, {args.new} greedy tokens, rank-16 adapters"
+    title = f"{args.preset} {args.dtype} on {gpu}: prompt {args.prompt}, {args.new} greedy tokens"
+    title += f", rank-{args.rank} adapters"
     results = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -139,7 +140,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-serving-sweep-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
-        adapters = random_adapters(model_dir)[: max(ADAPTERS)]
+        adapters = random_adapters(model_dir, args.rank)[: max(ADAPTERS)]
         engine = make_engine(model_dir, adapters, args)  # the prefix cache off: every run prefills its prompts
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
         for batch in args.batches:
