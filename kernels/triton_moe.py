@@ -484,11 +484,20 @@ def _expand_operands(expand: RowExpand, y_rows: int, rows: int, width: int) -> t
     return num_slots, parts, part_cols, rank, b_strides, block_stride
 
 
-def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int) -> tuple[list, dict]:
+def _expand_args(
+    expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int, block_m: int, y_ready: bool
+) -> tuple[list, dict]:
     """The kernel's LoRA arguments for `expand` (checked against x [., K] and the output [rows, width]) and its
-    constexprs, with a column tile that does not straddle two parts (gate | up)."""
+    constexprs, with a column tile that does not straddle two parts (gate | up). Where y is written before the kernel
+    (`y_ready`), the tile is narrowed (to no fewer than 32 columns) until B's [block_m, N, R] tile is one load of
+    B_TILE, which the kernel issues before its K loop (docs/benchmarks.md, "The experts' expand: one rank block
+    loaded before the K loop")."""
     y, groups = expand.y, expand.groups
     num_slots, parts, part_cols, rank, b_strides, block_stride = _expand_operands(expand, x.shape[0], rows, width)
+    block_r = pow2(rank, 2)
+    one_block = B_TILE // (block_m * block_r)
+    if y_ready and one_block >= 32:
+        widest = min(widest, one_block)
     sizes = (widest >> halving for halving in range(widest.bit_length()))
     block_n = next((size for size in sizes if parts == 1 or part_cols % size == 0), 0)
     require(block_n >= 16, f"the expand's {part_cols} columns per part must be a multiple of 16")
@@ -497,7 +506,7 @@ def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, wide
         y, expand.b, expand.slots, expand.scalings, rank, part_cols, groups.first, groups.count,
         local_split(groups), groups.groups, y.stride(0), block_stride, *b_strides, stride_ss, stride_sb,
     ]  # fmt: skip
-    return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=pow2(rank, 2), BLOCK_N=block_n)
+    return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=block_r, BLOCK_N=block_n)
 
 
 def expert_matmul(
@@ -536,13 +545,7 @@ def expert_matmul(
         lora = [ends] * 4 + [0] * 15
         consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=2, BLOCK_N=tiles["BLOCK_N"])
     else:
-        # y written already: columns narrowed (to no fewer than 32) until B's [M, N, R] tile is one load of
-        # B_TILE, which the kernel issues before its K loop (at batch 8 and 32, 1-4% more tokens/s with adapters)
-        widest = tiles["BLOCK_N"]
-        one_block = B_TILE // (block_m * pow2(expand.b.shape[-1], 2))
-        if not wait and one_block >= 32:
-            widest = min(widest, one_block)
-        lora, consts = _expand_args(expand, x, rows, width, widest)
+        lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"], block_m, y_ready=not wait)
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
