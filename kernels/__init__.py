@@ -6,7 +6,6 @@ CUDA only and are imported where used, so CPU processes never load Triton.
 """
 
 from inkwell.kernels.dispatch import (
-    EXPERT_LORA_EPILOGUE_MAX_TOKENS,
     EXPERT_MATMUL_MAX_TOKENS,
     FUSED_MAX_N,
     FUSED_MAX_TOKENS,
@@ -31,7 +30,6 @@ from inkwell.kernels.dispatch import (
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 
 __all__ = [
-    "EXPERT_LORA_EPILOGUE_MAX_TOKENS",
     "EXPERT_MATMUL_MAX_TOKENS",
     "FUSED_MAX_N",
     "FUSED_MAX_TOKENS",

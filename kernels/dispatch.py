@@ -29,13 +29,10 @@ CHAINED_GEMM_MAX_N = 64
 # Up to EXPERT_MATMUL_MAX_TOKENS tokens (decode) the experts' GEMMs are `expert_matmul`'s Triton kernel: a few rows
 # per expert, where a grouped GEMM's 128-row tiles read the weights at half the memory's speed (H200: 499 µs a
 # batch-8 step against 837). Measured through decode batches of 128; prefill steps of more tokens (the engine's
-# default is 256) keep the grouped GEMM until a measurement says otherwise.
+# default is 256) keep the grouped GEMM until a measurement says otherwise. There the experts' LoRA rides in those
+# GEMMs (a `RowExpand`), one dot per adapter slot in a tile (docs/benchmarks.md, "The experts' expand as one dot
+# per slot").
 EXPERT_MATMUL_MAX_TOKENS = 128
-# Up to EXPERT_LORA_EPILOGUE_MAX_TOKENS tokens the experts' LoRA rides in those GEMMs (a `RowExpand`): each row
-# gathers its own slot's B, which costs little for a few rows per expert and much for many (H200, inkling-small,
-# 2026-12-03: LoRA decode 0.80-0.82 of no adapter at 8 and 32 sequences, 0.57-0.69 at 64 and 128, where the separate
-# LoRA kernels gave about 0.8); past it the LoRA kernels run after each GEMM.
-EXPERT_LORA_EPILOGUE_MAX_TOKENS = 32
 
 
 def _triton_dense() -> ModuleType:

@@ -319,8 +319,6 @@ def moe_combine(
 WIDE_TILES = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 DEEP_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 tile_override: dict | None = None
-# the most elements of B an expand's program loads at once: an [M, N, R_CHUNK] tile
-B_TILE = 16384
 
 
 def expert_tiles(depth: int, max_rows: int) -> dict:
@@ -331,74 +329,60 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
 
 
 @triton.jit
-def _row_delta_operands(
-    e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, part_cols, first, count, split, groups,
-    stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_ss, stride_sb, PER_EXPERT: tl.constexpr,
+def _slot_deltas(
+    e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols, first, count, split,
+    groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
+    PER_EXPERT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """Where each row's LoRA delta reads (for columns n, in one part, starting at n0): its y row, its own slot's B
-    columns [BLOCK_M, BLOCK_N] (so mixed slots need no loop over the slots), the mask of both, and its scaling."""
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e:
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot that any of the tile's rows holds, over the rows of that slot (the
+    tile is one expert's, so a slot's B is one [R, BLOCK_N] block). Each row gets its own slot's product only, so
+    the rows' scalings apply once, after the loop."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
-    has = slots >= 0
     part = n0 // part_cols
     block = part * groups + (local >= split).to(tl.int32)
     which = local if PER_EXPERT else (local >= split).to(tl.int32)
-    y_rows = y_ptr + src * stride_ym + block * stride_yb
-    b_row = b_ptr + slots.to(tl.int64) * stride_bs + part * stride_bp + which.to(tl.int64) * stride_be
-    b_cols = b_row[:, None] + (n - part * part_cols)[None, :] * stride_bn
-    scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=has, other=0.0).to(tl.float32)
-    return y_rows, b_cols, has, has[:, None] & in_n[None, :], scale
-
-
-@triton.jit
-def _row_delta_chunk(y_rows, b_cols, has, b_mask, j0, R, stride_br, R_CHUNK: tl.constexpr):
-    """The rank block j0 .. j0+R_CHUNK of each row's y [BLOCK_M, R_CHUNK] and B [BLOCK_M, BLOCK_N, R_CHUNK]."""
-    j = j0 + tl.arange(0, R_CHUNK)
+    j = tl.arange(0, BLOCK_R)
     in_j = j < R
-    y = tl.load(y_rows[:, None] + j[None, :], mask=has[:, None] & in_j[None, :], other=0.0)
-    bt = tl.load(
-        b_cols[:, :, None] + j[None, None, :] * stride_br, mask=b_mask[:, :, None] & in_j[None, None, :], other=0.0
+    y = tl.load(
+        y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :],
+        mask=(slots >= 0)[:, None] & in_j[None, :],
+        other=0.0,
     )
-    return y, bt
-
-
-@triton.jit
-def _chunk_delta(y, bt):
-    """One rank block's unscaled delta [BLOCK_M, BLOCK_N] (fp32) from `_row_delta_chunk`'s loads."""
-    return tl.sum(bt.to(tl.float32) * y.to(tl.float32)[:, None, :], axis=2)
-
-
-@triton.jit
-def _row_deltas(
-    y_rows, b_cols, has, b_mask, scale, R, stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
-):  # fmt: skip
-    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32), loaded and summed a rank block at a time."""
+    b_block = (
+        b_ptr + part * stride_bp + which.to(tl.int64) * stride_be
+        + (n - part * part_cols)[None, :] * stride_bn + j[:, None] * stride_br
+    )  # fmt: skip
+    b_mask = in_j[:, None] & in_n[None, :]
     delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for j0 in tl.static_range(0, BLOCK_R, R_CHUNK):
-        y, bt = _row_delta_chunk(y_rows, b_cols, has, b_mask, j0, R, stride_br, R_CHUNK)
-        delta += _chunk_delta(y, bt)
+    for slot in range(0, num_slots):
+        rows_of_slot = slots == slot
+        held = tl.max(rows_of_slot.to(tl.int32), 0) > 0
+        b = tl.load(b_block, mask=b_mask & held, other=0.0)
+        y_slot = tl.where(rows_of_slot[:, None], y, tl.zeros_like(y))
+        delta = tl.dot(y_slot, b, delta, input_precision="ieee" if IEEE else None)
+        b_block += stride_bs
+    scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=slots >= 0, other=0.0).to(tl.float32)
     return delta * scale[:, None]
 
 
 @triton.jit
 def _expert_matmul_kernel(
     x_ptr, w_ptr, ends_ptr, tokens_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om, every_from,
-    y_ptr, b_ptr, slot_ptr, scale_ptr, R, part_cols, first, count, split, groups, stride_ym, stride_yb, stride_bs,
-    stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
+    y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols, first, count, split, groups, stride_ym, stride_yb,
+    stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
     WAIT_FOR_Y: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
-    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM. Where y is written already and B's
-    tile is one rank block (R_CHUNK == BLOCK_R: `expert_matmul` narrows the columns for it at decode), its loads
-    are issued before the K loop and its sums follow the loop; with more rank blocks the whole delta is computed
-    before the loop (compiled for sm_90a, its sums wait for its loads and the loop's first load follows them:
-    docs/benchmarks.md, "Where a decode step's LoRA time goes"). With WAIT_FOR_Y (y is being written by the chained
-    shrink launched before this one, which waited for the kernels before it) it follows the loop and the wait,
-    which is when the next kernel may launch.
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per slot
+    that the tile's rows hold (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
+    before this one, which waited for the kernels before it) the delta follows the loop and the wait, which is when
+    the next kernel may launch.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
     whose row counts it reads) first; the first program of each column block of an expert that every token routes
@@ -423,16 +407,6 @@ def _expert_matmul_kernel(
     src = tl.load(tokens_ptr + r, mask=in_r, other=0).to(tl.int64) if GATHER else r
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < N
-    if EXPAND and not WAIT_FOR_Y:
-        y_rows, b_cols, has, b_mask, scale = _row_delta_operands(
-            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, part_cols, first, count,
-            split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_ss, stride_sb,
-            PER_EXPERT,
-        )  # fmt: skip
-        if R_CHUNK == BLOCK_R:  # one rank block: its loads fly beside the K loop's, its sums follow the loop
-            y, bt = _row_delta_chunk(y_rows, b_cols, has, b_mask, 0, R, stride_br, R_CHUNK)
-        else:
-            delta = _row_deltas(y_rows, b_cols, has, b_mask, scale, R, stride_br, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK)
     k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]
@@ -442,19 +416,16 @@ def _expert_matmul_kernel(
         a = tl.load(a_ptrs + k0, mask=in_r[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=in_n[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
-    if WAIT_FOR_Y:  # the shrink launched before this GEMM, which ran beside its K loop
-        wait_then_trigger()  # triggering before the K loop instead made the step slower
-        y_rows, b_cols, has, b_mask, scale = _row_delta_operands(
-            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, part_cols, first, count,
-            split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_ss, stride_sb,
-            PER_EXPERT,
-        )  # fmt: skip
-        delta = _row_deltas(y_rows, b_cols, has, b_mask, scale, R, stride_br, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK)
-    elif EXPAND and R_CHUNK == BLOCK_R:
-        delta = _chunk_delta(y, bt) * scale[:, None]
     dtype = out_ptr.dtype.element_ty
     out = acc.to(dtype)
+    if WAIT_FOR_Y:  # the shrink launched before this GEMM, which ran beside its K loop
+        wait_then_trigger()  # triggering before the K loop instead made the step slower
     if EXPAND:  # a row without LoRA adds an exact 0
+        delta = _slot_deltas(
+            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols,
+            first, count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
+            stride_ss, stride_sb, PER_EXPERT, IEEE, BLOCK_M, BLOCK_N, BLOCK_R,
+        )  # fmt: skip
         out = (out.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
     tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
 
@@ -484,29 +455,20 @@ def _expand_operands(expand: RowExpand, y_rows: int, rows: int, width: int) -> t
     return num_slots, parts, part_cols, rank, b_strides, block_stride
 
 
-def _expand_args(
-    expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int, block_m: int, y_ready: bool
-) -> tuple[list, dict]:
+def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int) -> tuple[list, dict]:
     """The kernel's LoRA arguments for `expand` (checked against x [., K] and the output [rows, width]) and its
-    constexprs, with a column tile that does not straddle two parts (gate | up). Where y is written before the kernel
-    (`y_ready`), the tile is narrowed (to no fewer than 32 columns) until B's [block_m, N, R] tile is one load of
-    B_TILE, which the kernel issues before its K loop (docs/benchmarks.md, "The experts' expand: one rank block
-    loaded before the K loop")."""
+    constexprs, with a column tile that does not straddle two parts (gate | up)."""
     y, groups = expand.y, expand.groups
     num_slots, parts, part_cols, rank, b_strides, block_stride = _expand_operands(expand, x.shape[0], rows, width)
-    block_r = pow2(rank, 2)
-    one_block = B_TILE // (block_m * block_r)
-    if y_ready and one_block >= 32:
-        widest = min(widest, one_block)
     sizes = (widest >> halving for halving in range(widest.bit_length()))
     block_n = next((size for size in sizes if parts == 1 or part_cols % size == 0), 0)
     require(block_n >= 16, f"the expand's {part_cols} columns per part must be a multiple of 16")
     stride_ss, stride_sb = scale_strides(expand.scalings, num_slots, parts * groups.groups)
     args = [
-        y, expand.b, expand.slots, expand.scalings, rank, part_cols, groups.first, groups.count,
+        y, expand.b, expand.slots, expand.scalings, rank, num_slots, part_cols, groups.first, groups.count,
         local_split(groups), groups.groups, y.stride(0), block_stride, *b_strides, stride_ss, stride_sb,
     ]  # fmt: skip
-    return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=block_r, BLOCK_N=block_n)
+    return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=pow2(rank, 16), BLOCK_N=block_n)
 
 
 def expert_matmul(
@@ -542,15 +504,14 @@ def expert_matmul(
     tiles = expert_tiles(depth, max_rows)
     block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     if expand is None:
-        lora = [ends] * 4 + [0] * 15
-        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=2, BLOCK_N=tiles["BLOCK_N"])
+        lora = [ends] * 4 + [0] * 16
+        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
     else:
-        lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"], block_m, y_ready=not wait)
+        lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
-    consts["R_CHUNK"] = max(2, min(consts["BLOCK_R"], B_TILE // (block_m * consts["BLOCK_N"])))
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),

@@ -21,12 +21,9 @@ import torch.nn.functional as F
 from transformers import InklingTextConfig
 
 from inkwell.kernels import (
-    EXPERT_LORA_EPILOGUE_MAX_TOKENS,
     EXPERT_MATMUL_MAX_TOKENS,
     RowExpand,
     TokenShrink,
-    expert_down_lora,
-    expert_in_lora_expand,
     expert_lora_shrink,
     expert_matmul,
     linear,
@@ -418,38 +415,26 @@ class InklingModel:
 
     @staticmethod
     def gate_up_act(
-        gate_up: torch.Tensor, shrunk: torch.Tensor | None, rows: Dispatch, experts: ExpertLora | None, x: torch.Tensor
+        gate_up: torch.Tensor, shrunk: torch.Tensor | None, rows: Dispatch, experts: ExpertLora | None
     ) -> torch.Tensor:
-        """silu(gate) * up of the rows dispatched from tokens `x`, each row's gate/up LoRA (its expert's B over its
-        token's `shrunk` row) added first. Past `few_tokens(x)` silu * up adds it as it reads the rows, where an
-        in-place expand would read and write every row once more (49,152 x 1,024 a MoE layer at 8 x 1,024 tokens);
-        at decode sizes the expand's programs per (expert, slot) or per row run first, in place."""
+        """silu(gate) * up of the dispatched rows, each row's gate/up LoRA (its expert's B over its token's `shrunk`
+        row) added as silu * up reads the rows, where an in-place expand would read and write every row once more
+        (49,152 x 1,024 a MoE layer at 8 x 1,024 tokens)."""
         if experts is None:
             return silu_mul(gate_up)
         buf = experts.gate_up
-        if not few_tokens(x):
-            expand = RowExpand(shrunk, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
-            return silu_mul(gate_up, expand, rows.tokens)
-        expert_in_lora_expand(
-            shrunk, buf.b, rows.slots, rows.experts, buf.scalings, gate_up, rows.tokens, experts.groups, rows.ends
-        )
-        return silu_mul(gate_up)
+        expand = RowExpand(shrunk, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
+        return silu_mul(gate_up, expand, rows.tokens)
 
     @staticmethod
-    def down_lora(
-        act: torch.Tensor, rows: Dispatch, experts: ExpertLora | None, down: torch.Tensor, x: torch.Tensor
-    ) -> RowExpand | None:
-        """The down LoRA of the rows dispatched from tokens `x`, over their `act`. Past `few_tokens(x)` it is left
-        for the combine (`Dispatch.combine`): each row's act shrunk by its expert's A here; its group's B, shared by
-        the group's experts, then expands each token's weighted sum of its rows' y once instead of every row's (a
-        sixth of the rows at prefill, and no in-place pass over them). At decode sizes, where the combine's tiles of
-        tokens would walk many slots, one launch adds every row's delta to `down` here (None returned)."""
+    def down_lora(act: torch.Tensor, rows: Dispatch, experts: ExpertLora | None) -> RowExpand | None:
+        """The down LoRA of the dispatched rows over their `act`, left for the combine (`Dispatch.combine`): each
+        row's act shrunk by its expert's A here; its group's B, shared by the group's experts, then expands each
+        token's weighted sum of its rows' y once instead of every row's (a sixth of the rows at prefill, and no
+        in-place pass over them)."""
         if experts is None:
             return None
         buf = experts.down
-        if few_tokens(x):
-            expert_down_lora(act, buf.a, buf.b, rows.slots, rows.experts, buf.scalings, down, experts.groups, rows.ends)
-            return None
         y = expert_lora_shrink(act, buf.a, rows.slots, rows.experts, experts.groups)
         return RowExpand(y, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
 
@@ -730,9 +715,9 @@ class InklingModel:
         gate_up = gemm(x, self.w[f"{p}.gate_up_proj"], True)
         if join is not None:
             join()
-        act = self.gate_up_act(gate_up, shrunk, rows, experts, x)
+        act = self.gate_up_act(gate_up, shrunk, rows, experts)
         down = gemm(act, self.w[f"{p}.down_proj"], False)
-        return down, self.down_lora(act, rows, experts, down, x)
+        return down, self.down_lora(act, rows, experts)
 
     def few_experts(
         self, x: torch.Tensor, layer: int, rows: Dispatch, slots: torch.Tensor, experts: ExpertLora | None
@@ -740,16 +725,8 @@ class InklingModel:
         """`run_experts` at decode sizes (`few_tokens`) of tokens x with LoRA `slots`: three kernels without
         adapters, the experts' GEMMs and silu * up, and one more with them, the gate/up shrink, which runs beside
         the gate/up GEMM; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
-        holds each row's activations). Past EXPERT_LORA_EPILOGUE_MAX_TOKENS the LoRA kernels follow each GEMM."""
+        holds each row's activations)."""
         tokens, every_token_from = x.shape[0], self.config.n_routed_experts  # the shared experts' ids follow the routed
-        if experts is not None and tokens > EXPERT_LORA_EPILOGUE_MAX_TOKENS:
-
-            def gemm(inputs: torch.Tensor, weight: torch.Tensor, gather: bool) -> torch.Tensor:
-                return expert_matmul(
-                    inputs, weight, rows.ends, rows.tokens if gather else None, tokens, None, every_token_from
-                )
-
-            return self.experts_then_lora(x, layer, rows, self.expert_shrink(x, slots, experts), experts, gemm)
         p = f"model.layers.{layer}.mlp.all_experts"
         gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
         gate_up_expand = down_expand = None

@@ -63,7 +63,7 @@ def run_compile_cases() -> None:
     bf = dict(dtype=torch.bfloat16)
     experts, groups = ROUTED + SHARED, ExpertGroups(0, ROUTED + SHARED, split=ROUTED)
     qkvr = (0, 2048, 2560, 3072, 3328)
-    for tokens in (8, 32, 64, 2048):  # decode (two widths of the down expand's tile), past the LoRA epilogues, prefill
+    for tokens in (8, 32, 64, 2048):  # decode (16-, 32- and 64-row tiles), prefill
         rows = tokens * (TOP_K + SHARED)
         index = torch.arange(TOP_K + SHARED).repeat(tokens, 1)
         token_slots = torch.zeros(tokens, dtype=torch.long)

@@ -196,8 +196,8 @@ def run_interpreted_cases() -> None:
         for tokens, width, depth in ((8, 72, 136), (40, 64, 40)):  # partial column and K blocks; 40 rows > 16
             check_expert_matmul("cpu", dtype, tokens, width, depth)
         check_silu_mul("cpu", dtype, 5, 40)
-        check_expert_lora_epilogues("cpu", dtype, 6, 40, 48, 8)  # 48 columns a part: 16-column tiles
-        check_expert_lora_epilogues("cpu", dtype, 40, 40, 48, 16)  # 64-row tiles: the down expand in 8 rank blocks
+        check_expert_lora_epilogues("cpu", dtype, 6, 40, 48, 8)  # 48 columns a part: 16-column tiles; rank < 16
+        check_expert_lora_epilogues("cpu", dtype, 40, 40, 48, 16)  # 64-row tiles holding rows of every slot
         check_combine_down("cpu", dtype, 21, 72, 8)  # two token tiles, a partial one; partial column tiles, rank < 16
         check_silu_mul_lora("cpu", dtype, 21, 40, 8)  # 4 row tiles, a partial one; a partial column tile, rank < 16
     print("interpreted cases passed")
@@ -254,6 +254,6 @@ def test_silu_mul_with_the_gate_up_lora_on_gpu(dtype, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 8, 32, 128])  # 8 and 32: the down expand's one rank block in 64 and 32 columns
+@pytest.mark.parametrize("tokens", [1, 8, 32, 128])  # 16-, 32- and 64-row tiles
 def test_expert_lora_epilogues_on_gpu_at_inkling_small_widths(dtype, tokens):
     check_expert_lora_epilogues("cuda", dtype, tokens, 2048, 512, 16)
