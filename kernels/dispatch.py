@@ -85,29 +85,6 @@ def expert_lora_shrink(
     return ops.expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
 
 
-def expert_in_lora_expand(
-    y: torch.Tensor,
-    lora_b: torch.Tensor,
-    slots: torch.Tensor,
-    expert_ids: torch.Tensor,
-    scalings: torch.Tensor,
-    out: torch.Tensor,
-    token_of_row: torch.Tensor,
-    groups: ExpertGroups,
-    expert_ends: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Gate/up LoRA of dispatched rows, in place: per-expert B over the tokens' shrink by each group's shared A
-    (y [T, P*G*R], lora_b [S, P, E, N, R], scalings [S, P*G], out [M, P*N]; `torch_ops` says it exactly).
-
-    On CUDA, decode's few rows run a program per row; for more, `expert_ends` (rows sorted by expert, ends[e] =
-    rows of experts <= e) lets CUDA run a program per expert."""
-    if out.is_cuda:
-        return _triton_expert().expert_in_lora_expand(
-            y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups, expert_ends
-        )
-    return torch_ops.expert_in_lora_expand(y, lora_b, slots, expert_ids, scalings, out, token_of_row, groups)
-
-
 def expert_out_lora_expand(
     y: torch.Tensor,
     lora_b: torch.Tensor,
@@ -121,28 +98,6 @@ def expert_out_lora_expand(
     expert group (lora_b [S, G, N, R], scalings [S, G])."""
     ops = _triton_expert() if out.is_cuda else torch_ops
     return ops.expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
-
-
-def expert_down_lora(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    slots: torch.Tensor,
-    expert_ids: torch.Tensor,
-    scalings: torch.Tensor,
-    out: torch.Tensor,
-    groups: ExpertGroups,
-    expert_ends: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """out += the down LoRA of dispatched rows x (per-expert A [S,E,R,K], each group's B [S,G,N,R]), in place:
-    `expert_out_lora_expand(expert_lora_shrink(x, A), B, ...)`; on CUDA one launch at decode sizes, and with
-    `expert_ends` up to SEGMENT_MAX_ROWS rows."""
-    if out.is_cuda:
-        return _triton_expert().expert_down_lora(
-            x, lora_a, lora_b, slots, expert_ids, scalings, out, groups, expert_ends
-        )
-    y = torch_ops.expert_lora_shrink(x, lora_a, slots, expert_ids, groups)
-    return torch_ops.expert_out_lora_expand(y, lora_b, slots, expert_ids, scalings, out, groups)
 
 
 def _torch_expand_sliced(
@@ -298,7 +253,8 @@ def silu_mul(
     """silu(gate) * up of rows [gate | up] [M, 2F] -> [M, F], each op rounded to the input's dtype as torch rounds
     them; on CUDA one Triton kernel in place of two (and the strided read of the halves). With `expand`, the
     dispatched rows' gate/up LoRA (y the shrink of their tokens `tokens`) is added to the rows first, as
-    `expert_in_lora_expand` adds it in place; on CUDA in the same kernel, over tiles of rows sorted by expert."""
+    `torch_ops.expert_in_lora_expand` adds it in place; on CUDA in the same kernel, over tiles of rows sorted by
+    expert."""
     ops = _triton_moe() if gate_up.is_cuda else torch_ops
     return ops.silu_mul(gate_up, expand, tokens)
 

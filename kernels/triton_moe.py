@@ -622,7 +622,8 @@ def _silu_mul_lora_kernel(
 ):  # fmt: skip
     """silu(gate) * up over a tile of rows sorted by expert and a column tile, each row's gate/up LoRA added to its
     gate and up as they are read: per (slot, expert) group in the tile (one or two in a prefill tile), y of the
-    rows' tokens, block p*G + g, times B[slot, p, expert]^T, rounded as `expert_in_lora_expand` adds it in place."""
+    rows' tokens, block p*G + g, times B[slot, p, expert]^T, rounded as `torch_ops.expert_in_lora_expand` adds it
+    in place."""
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < M
     c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)

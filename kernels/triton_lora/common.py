@@ -1,8 +1,7 @@
 """What the Triton LoRA kernels share: jit helpers, host-side tiling and checks, and the limits that pick a kernel.
 
 The jit helpers locate slices and (slot, expert) groups and add a delta in place, as the torch twins round it;
-the host helpers turn shapes into tile sizes and check them. The row limits live here, not with one kernel,
-because the expand launcher and the fused down both choose their program shape by them.
+the host helpers turn shapes into tile sizes and check them.
 """
 
 import torch
@@ -17,26 +16,12 @@ MAX_SLICES = 4
 # program per (tile, slot) runs them in parallel, the shrink's K loop split too. Decode batches of 64-256 sequences
 # hold every slot in each tile, and a few programs walking 8 slots each left most of the GPU idle.
 SLOT_LOOP_MIN_TOKENS = 256
-# Up to this many dispatched rows sorted by expert (with their segment ends), the expert kernels run one program
-# per (expert, slot): decode's few rows per expert then take one step each instead of a walk over all groups.
-SEGMENT_MAX_ROWS = 1024
-# Up to this many dispatched rows (decode), the expert gate/up expand and the fused down run one program per
-# (row, column tile) instead: the row's slot, expert and token locate its factors, so no program searches a
-# segment, every load goes out at once, and the grid does the same work for one adapter as for eight.
-ROW_MAX_ROWS = 256
-ROW_TILE_ELEMENTS = 8192  # elements of a per-row program's A block ([R, K]); its B tile ([N, R]) holds half
 
 
 @triton.jit
 def slice_of(n, o1, o2, o3):
     """Slice index of output column(s) n, given the slice starts o1 <= o2 <= o3 (N where unused)."""
     return (n >= o1).to(tl.int32) + (n >= o2).to(tl.int32) + (n >= o3).to(tl.int32)
-
-
-@triton.jit
-def slice_start(part, o1, o2, o3):
-    """First output column of slice(s) `part`."""
-    return tl.where(part >= 1, o1, 0) + tl.where(part >= 2, o2 - o1, 0) + tl.where(part >= 3, o3 - o2, 0)
 
 
 @triton.jit
@@ -60,7 +45,7 @@ def row_keys(rows, slots, local, E):
 @triton.jit
 def expand_acc(
     y_ptr,
-    y_rows,
+    rt,
     sel,
     stride_yt,
     stride_yr,
@@ -71,10 +56,7 @@ def expand_acc(
     r_lo,
     r_hi,
     R,
-    G,
-    group,
     in_n,
-    EXPERT_IN: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -86,9 +68,8 @@ def expand_acc(
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for r0 in range(r_lo, r_hi, BLOCK_R):
         rj = r0 + tl.arange(0, BLOCK_R)
-        y_cols = (rj // R) * (G * R) + group * R + rj % R if EXPERT_IN else rj
         yt = tl.load(
-            y_ptr + y_rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
+            y_ptr + rt[:, None] * stride_yt + rj[None, :] * stride_yr,
             mask=sel[:, None] & (rj[None, :] < r_hi),
             other=0.0,
         )
@@ -125,39 +106,12 @@ def add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale):
     tl.store(out_ptrs, plus_delta(old, acc, scale, out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def expert_segment(ends_ptr, expert):
-    """Rows start .. end-1 of `expert` among dispatched rows sorted by expert (ends: cumulative row counts)."""
-    start = tl.load(ends_ptr + tl.maximum(expert - 1, 0), mask=expert > 0, other=0)
-    return start, tl.load(ends_ptr + expert)
-
-
-@triton.jit
-def row_expert(slot_ptr, expert_ptr, first, count, split):
-    """Dispatched row program_id(0)'s slot, its expert counted from `first`, its group, and whether a LoRA
-    covers it (a slot, and an expert among the `count` covered)."""
-    row = tl.program_id(0)
-    slot = tl.load(slot_ptr + row)
-    local = tl.load(expert_ptr + row).to(tl.int32) - first
-    return row, slot, local, (local >= split).to(tl.int32), (slot >= 0) & (local >= 0) & (local < count)
-
-
 # ---- host side: tile sizes and shape checks -------------------------------------------------------
 
 
 def pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
     p = max(lo, triton.next_power_of_2(max(n, 1)))
     return p if hi is None else min(p, hi)
-
-
-def runs_per_row(rows: int) -> bool:
-    """Whether `rows` dispatched rows run the per-row expert kernels (the gate/up expand and the fused down alike)."""
-    return rows <= ROW_MAX_ROWS
-
-
-def row_block_n(n: int, block_r: int) -> int:
-    """Column tile of the per-row expert kernels: [BLOCK_N, BLOCK_R] factor tiles of ROW_TILE_ELEMENTS / 2."""
-    return min(pow2(n, 2), max(16, ROW_TILE_ELEMENTS // 2 // block_r))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

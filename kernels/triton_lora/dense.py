@@ -336,7 +336,7 @@ def lora_expand_sliced(
     require(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
     check_token_slots(token_slots, y.shape[0])
     require(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
-    return launch_expand(y, lora_b[:, None, None], token_slots, scalings, out, slice_offsets)
+    return launch_expand(y, lora_b[:, None], token_slots, scalings, out, slice_offsets)
 
 
 def lora_shrink_expand(

@@ -11,7 +11,6 @@ import torch
 
 from inkwell.kernels import torch_ops
 from inkwell.kernels.torch_ops import ExpertGroups
-from inkwell.kernels.triton_lora.expert_paths import EXPERT_PATHS, expert_path
 from tests.kernels.helpers import assert_close
 
 
@@ -149,11 +148,11 @@ def check_experts(
     n: int,
     covered: str = "both",
 ):
-    """The expert ops on dispatched rows of `experts` routed + 2 shared experts, of which `covered` have LoRA.
+    """The expert ops on dispatched rows of `experts` routed + 2 shared experts, of which `covered` have LoRA: the
+    shrink over per-expert A and the down projection's expand over each group's shared B.
 
-    Rows are sorted by expert, as the engine dispatches them; the gate/up expand and the fused down run every
-    way in EXPERT_PATHS: one program per row, one per expert and slot (with the segment ends), and token tiles
-    walking their groups. Rows of uncovered experts and of slot -1 must stay untouched (zero after the shrink)."""
+    Rows are sorted by expert, as the engine dispatches them. Rows of uncovered experts and of slot -1 must stay
+    untouched (zero after the shrink)."""
     gen = torch.Generator().manual_seed(rows * 3 + experts + len(covered))
     groups = expert_groups(experts, 2, covered)
     tokens = max(rows // 3, 1)
@@ -161,14 +160,12 @@ def check_experts(
     expert_ids, order = torch.randint(0, experts + 2, (rows,), generator=gen).sort(stable=True)
     token_of_row = torch.randint(0, tokens, (rows,), generator=gen)[order]
     slots = token_slots[token_of_row]
-    ends = torch.searchsorted(expert_ids, torch.arange(experts + 2), right=True).to(device)
-    scalings = torch.rand(num_slots, 2 * groups.groups, generator=gen) + 0.5
+    scalings = torch.rand(num_slots, groups.groups, generator=gen) + 0.5
     dev = dict(device=device, dtype=dtype)
     d_slots, d_experts = slots.to(device), expert_ids.to(device)
     local = expert_ids - groups.first
     untouched = ((slots < 0) | (local < 0) | (local >= groups.count)).to(device)
 
-    # down: per-expert A, each group's shared B
     x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
     a = torch.randn(num_slots, groups.count, rank, k, generator=gen, dtype=torch.float64) / k**0.5
     a[1, :, rank // 2 :] = 0  # slot 1 holds a smaller rank
@@ -176,37 +173,12 @@ def check_experts(
     b[1, :, :, rank // 2 :] = 0
     base = torch.randn(rows, n, generator=gen, dtype=torch.float64)
     ref_y = torch_ops.expert_lora_shrink(x, a, slots, expert_ids, groups)
-    down_scalings = scalings[:, : groups.groups].double()
-    ref_out = torch_ops.expert_out_lora_expand(ref_y, b, slots, expert_ids, down_scalings, base.clone(), groups)
+    ref_out = torch_ops.expert_out_lora_expand(ref_y, b, slots, expert_ids, scalings.double(), base.clone(), groups)
     y = ops.expert_lora_shrink(x.to(**dev), a.to(**dev), d_slots, d_experts, groups)
     assert_close(y, ref_y, dtype, "expert_lora_shrink")
     assert bool((y[untouched] == 0).all()), "expert_lora_shrink: uncovered rows must be zero"
     out = base.to(**dev)
     before = out.clone()
-    d_scal = scalings[:, : groups.groups].to(device)
-    ops.expert_out_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, out, groups)
+    ops.expert_out_lora_expand(ref_y.to(**dev), b.to(**dev), d_slots, d_experts, scalings.to(device), out, groups)
     assert_close(out, ref_out, dtype, "expert_out_lora_expand")
     assert torch.equal(out[untouched], before[untouched]), "expert_out_lora_expand touched uncovered rows"
-    for path in EXPERT_PATHS:
-        with expert_path(path, ends) as segment_ends:
-            fused = ops.expert_down_lora(
-                x.to(**dev), a.to(**dev), b.to(**dev), d_slots, d_experts, d_scal, base.to(**dev), groups, segment_ends
-            )
-        assert_close(fused, ref_out, dtype, f"expert_down_lora ({path})")
-        assert torch.equal(fused[untouched], before[untouched]), f"expert_down_lora ({path}) touched uncovered rows"
-
-    # gate/up: each group's shared A (the tokens' shrink y_in), per-expert B per projection
-    y_in = torch.randn(tokens, 2 * groups.groups * rank, generator=gen, dtype=torch.float64)
-    b_in = torch.randn(num_slots, 2, groups.count, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
-    base = torch.randn(rows, 2 * n, generator=gen, dtype=torch.float64)
-    ref_out = torch_ops.expert_in_lora_expand(
-        y_in, b_in, slots, expert_ids, scalings.double(), base.clone(), token_of_row, groups
-    )
-    before = base.to(**dev)
-    d_tokens, d_y, d_b, d_scal = token_of_row.to(device), y_in.to(**dev), b_in.to(**dev), scalings.to(device)
-    for path in EXPERT_PATHS:
-        out = before.clone()
-        with expert_path(path, ends) as segment_ends:
-            ops.expert_in_lora_expand(d_y, d_b, d_slots, d_experts, d_scal, out, d_tokens, groups, segment_ends)
-        assert_close(out, ref_out, dtype, f"expert_in_lora_expand ({covered}, {path})")
-        assert torch.equal(out[untouched], before[untouched]), f"expert_in_lora_expand ({path}) touched uncovered rows"

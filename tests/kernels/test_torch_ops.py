@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from inkwell.kernels import (
-    expert_in_lora_expand,
     expert_lora_shrink,
     expert_out_lora_expand,
     lora_expand,
     lora_shrink,
 )
+from inkwell.kernels.torch_ops import expert_in_lora_expand
 from tests.kernels.lora_checks import expert_groups
 
 
