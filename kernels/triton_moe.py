@@ -336,9 +336,9 @@ def _slot_deltas(
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e:
-    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot that any of the tile's rows holds, over the rows of that slot (the
-    tile is one expert's, so a slot's B is one [R, BLOCK_N] block). Each row gets its own slot's product only, so
-    the rows' scalings apply once, after the loop."""
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot over the rows of that slot (the tile is one expert's, so a slot's B
+    is one [R, BLOCK_N] block), B's load masked off for a slot no row holds. Each row gets its own slot's product
+    only, so the rows' scalings apply once, after the loop."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
@@ -380,7 +380,7 @@ def _expert_matmul_kernel(
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
     output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per slot
-    that the tile's rows hold (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
+    (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
     before this one, which waited for the kernels before it) the delta follows the loop and the wait, which is when
     the next kernel may launch.
 
@@ -502,7 +502,6 @@ def expert_matmul(
         wait = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
         expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, chained=True))
     tiles = expert_tiles(depth, max_rows)
-    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     if expand is None:
         lora = [ends] * 4 + [0] * 16
         consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
@@ -512,6 +511,7 @@ def expert_matmul(
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
+    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
