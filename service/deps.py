@@ -1,15 +1,19 @@
 """FastAPI dependencies shared by the routers: the DB session, the object store, paging, and the NUL check of
 every path and query."""
 
+import logging
 from collections.abc import Iterator
 
 from fastapi import Query, Request
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from inkwell.service.db import repo
 from inkwell.service.errors import APIError
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
+
+log = logging.getLogger("inkwell.service")
 
 
 def refuse_nul(request: Request) -> None:
@@ -28,10 +32,22 @@ def refuse_nul(request: Request) -> None:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """A session for this request: read-only engine for GET/HEAD, write-intent otherwise."""
+    """A session for this request: read-only engine for GET/HEAD, write-intent otherwise.
+
+    Closing rolls back what the route left open. When the connection was lost after the route's last statement,
+    that rollback fails, yet nothing is at stake: a database that lost the connection has discarded its transaction,
+    and the route's answer (a read, a committed write, or its own error) is already made. The failure is logged, not
+    raised from the dependency's exit, where it would drop the connection without a response.
+    """
     sm = request.app.state.read_sessionmaker if request.method in ("GET", "HEAD") else request.app.state.sessionmaker
-    with sm() as s:
+    s = sm()
+    try:
         yield s
+    finally:
+        try:
+            s.close()
+        except OperationalError as exc:
+            log.warning("database connection lost while closing a request's session: %s", exc)
 
 
 def get_store(request: Request) -> ObjectStore:

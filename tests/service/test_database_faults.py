@@ -1,10 +1,16 @@
 """PostgreSQL refusing connections: the API answers 503 `database_unavailable` (retryable) and
 recovers by itself once the database is back."""
 
+import logging
 import secrets
 
 import pytest
+from fastapi import Depends, FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session, sessionmaker
 
+from inkwell.service.deps import get_session
 from tests.service.helpers import assert_error, make_settings, pg_connect, start_service
 
 
@@ -24,10 +30,12 @@ def own_database():
 
 
 def _refuse_connections(conn, name: str, refuse: bool) -> None:
+    """Refusing also ends the open sessions, waiting (up to 5 s each) until they are gone: a backend only signalled
+    could still answer the next request's statement and die before its rollback."""
     with conn.cursor() as cur:
         cur.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {"false" if refuse else "true"}')
         if refuse:
-            cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            cur.execute("SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = %s", (name,))
 
 
 def test_database_down_is_503_retryable_then_recovers(own_database, seaweed, tmp_path):
@@ -49,3 +57,30 @@ def test_database_down_is_503_retryable_then_recovers(own_database, seaweed, tmp
             assert client.get("/healthz").json()["status"] == "ok"
     finally:
         svc.stop()
+
+
+def test_a_connection_lost_after_the_routes_last_statement_keeps_its_answer(own_database, caplog):
+    """The route reads, then its connection dies before the request's session closes: the read's answer goes out
+    (the failed rollback is logged, not raised from the dependency's exit), and the dead connection is not handed to
+    the next request."""
+    conn, _, url = own_database
+    engine = create_engine(url, pool_pre_ping=True)
+    app = FastAPI()
+    app.state.read_sessionmaker = sessionmaker(engine)
+
+    @app.get("/backend")
+    def backend(s: Session = Depends(get_session)) -> dict:
+        pid = s.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        return {"pid": pid}
+
+    try:
+        with TestClient(app) as client, caplog.at_level(logging.WARNING, "inkwell.service"):
+            first = client.get("/backend")
+            assert first.status_code == 200
+            assert "lost while closing" in caplog.text
+            second = client.get("/backend")
+            assert second.status_code == 200 and second.json()["pid"] != first.json()["pid"]
+    finally:
+        engine.dispose()
