@@ -85,10 +85,11 @@ def serve(
     worker_args = [sys.executable, "-m", "inkwell.service.workers"]
     job_workers = Supervisor("job worker", worker_args, _worker_env(settings), workers)
     job_workers.start()
-    if key:
-        console.print(f"created tenant '{LOCAL_TENANT}'; its API key (shown once): [bold]{key}[/]")
-        console.print(f"  export INKWELL_URL=http://{host}:{port} INKWELL_API_KEY={key}")
-        console.print(f"  tinker client: export TINKER_BASE_URL=http://{host}:{port} TINKER_API_KEY={tinker_key(key)}")
+    if key:  # soft_wrap: a line wrapped at the console's width would paste as two commands, the key not exported
+        console.print(f"created tenant '{LOCAL_TENANT}'; its API key (shown once): [bold]{key}[/]", soft_wrap=True)
+        console.print(f"  export INKWELL_URL=http://{host}:{port} INKWELL_API_KEY={key}", soft_wrap=True)
+        tinker = f"export TINKER_BASE_URL=http://{host}:{port} TINKER_API_KEY={tinker_key(key)}"
+        console.print(f"  {tinker}  # for the tinker client", soft_wrap=True)
     else:
         console.print(f"tenant '{LOCAL_TENANT}' exists; make a new key with `inkwell admin create-key {LOCAL_TENANT}`")
     # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so `finally` runs.

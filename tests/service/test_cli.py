@@ -11,6 +11,7 @@ import httpx
 from typer.testing import CliRunner
 
 from inkwell import cli, sdk
+from inkwell.service.tinker.auth import tinker_key
 from tests.service.helpers import free_port, serve_env, start_serve, wait_healthy
 
 
@@ -23,7 +24,16 @@ def test_serve_embedded_default_prints_a_working_key_and_admin_adds_tenants(tmp_
     held = contextlib.ExitStack()  # the event stream a client holds through the SIGTERM
     try:
         wait_healthy(proc, port, log)
-        key = re.search(r"(ink_[A-Za-z0-9_-]{20,})", log.read_text()).group(1)
+        printed = log.read_text()
+        key = re.search(r"(ink_[A-Za-z0-9_-]{20,})", printed).group(1)
+        # The printed exports paste into a shell as they are (one line each, however narrow the console).
+        exports = "\n".join(re.findall(r"^\s*(export .*)$", printed, re.MULTILINE))
+        shell = subprocess.run(["bash", "-c", f"{exports}\nenv"], capture_output=True, text=True, env={}, check=True)
+        url = f"http://127.0.0.1:{port}"
+        exported = shell.stdout.splitlines()
+        for pair in (f"INKWELL_URL={url}", f"INKWELL_API_KEY={key}", f"TINKER_BASE_URL={url}"):
+            assert pair in exported, (pair, printed)
+        assert f"TINKER_API_KEY={tinker_key(key)}" in exported, printed
         headers = {"Authorization": f"Bearer {key}"}
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["inkling-tiny"]
