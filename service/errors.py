@@ -47,11 +47,20 @@ def error_response(status: int, code: str, message: str, details: dict, headers:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _validation_errors(exc: RequestValidationError) -> list[dict]:
-    out = []
+def validation_summary(exc: RequestValidationError) -> tuple[str, list[dict]]:
+    """The message naming the first thing wrong, and every error as {loc, msg, type}: one wording for `/v1` and
+    Tinker's routes. A body that is not JSON is said as such, with the parser's reason and where it stopped
+    (FastAPI reports it at loc ["body", <character>] as "JSON decode error")."""
+    errors = []
     for err in exc.errors():
-        out.append({"loc": list(err.get("loc", ())), "msg": str(err.get("msg", "")), "type": err.get("type", "")})
-    return out
+        loc, msg, kind = list(err.get("loc", ())), str(err.get("msg", "")), err.get("type", "")
+        if kind == "json_invalid" and len(loc) == 2:
+            reason = (err.get("ctx") or {}).get("error", "unreadable")
+            loc, msg = ["body"], f"not valid JSON ({reason} at character {loc[1]}); send a JSON object"
+        errors.append({"loc": loc, "msg": msg, "type": kind})
+    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+    where = ".".join(str(p) for p in first["loc"])
+    return (f"{where}: {first['msg']}" if where else first["msg"]), errors
 
 
 def _integrity_failure(exc: BaseException | None) -> BaseException | None:
@@ -97,10 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = _validation_errors(exc)
-        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-        where = ".".join(str(p) for p in first["loc"])
-        message = f"{where}: {first['msg']}" if where else first["msg"]
+        message, errors = validation_summary(exc)
         return error_response(422, "validation_error", message, {"retryable": False, "errors": errors})
 
     @app.exception_handler(StarletteHTTPException)

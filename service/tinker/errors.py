@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from inkwell.service.errors import APIError
+from inkwell.service.errors import APIError, validation_summary
 from inkwell.service.sessions.futures import FutureError
 
 # Failures of the service rather than of the request; every other code is the caller's to fix.
@@ -63,10 +63,7 @@ def _from_api_error(exc: APIError) -> JSONResponse:
 
 
 def _from_validation(exc: RequestValidationError) -> JSONResponse:
-    errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
-    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-    where = ".".join(str(p) for p in first["loc"])
-    message = f"{where}: {first['msg']}" if where else first["msg"]
+    message, errors = validation_summary(exc)
     return tinker_error(400, "validation_error", message, {"retryable": False, "errors": errors})
 
 

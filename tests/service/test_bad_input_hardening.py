@@ -162,6 +162,18 @@ def test_json_nested_too_deeply_is_422(tenant):
     assert err["details"]["line"] == 3 and "nested too deeply" in err["details"]["reason"], err
 
 
+def test_a_body_that_is_not_json_says_so_and_where_it_stops(tenant):
+    _, client = tenant
+    for text, reason, at in (
+        ("not-json", "Expecting value", 0),
+        ('{"base_model": "x",', "Expecting property name", 19),
+    ):
+        err = assert_error(post_json(client, "/v1/jobs", text), 422, "validation_error")
+        assert err["message"].startswith(f"body: not valid JSON ({reason}"), err
+        assert f"at character {at}); send a JSON object" in err["message"], err
+        assert err["details"]["errors"] == [{"loc": ["body"], "msg": err["message"][6:], "type": "json_invalid"}], err
+
+
 def test_s3_refusing_a_body_for_its_checksum_is_integrity_error_not_retryable(sqlite_service, monkeypatch):
     """SeaweedFS itself refuses the upload (400 BadDigest): the checksum sent is not the bytes' (as when they
     changed on the way)."""

@@ -197,3 +197,8 @@ def test_errors_have_the_clients_shape(service, tenant, training):
     assert unknown.status_code == 404 and unknown.json()["category"] == "user"
     invalid = httpx.post(f"{url}/optim_step", json={"model_id": training.model_id}, headers=headers)
     assert invalid.status_code == 400 and "optim_params" in invalid.json()["error"]
+    not_json = httpx.post(
+        f"{url}/optim_step", content=b"{model_id", headers={**headers, "content-type": "application/json"}
+    )
+    assert not_json.status_code == 400 and not_json.json()["category"] == "user"
+    assert not_json.json()["error"].startswith("body: not valid JSON (Expecting property name"), not_json.text
