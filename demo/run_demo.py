@@ -24,7 +24,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from openai import OpenAI  # noqa: E402
-from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -32,14 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embedded import EmbeddedService, free_port  # noqa: E402
 from tasks import TASKS, Example, is_correct, make_split  # noqa: E402
 
-from inkwell import sdk  # noqa: E402
+from inkwell import sdk, terminal  # noqa: E402
 from inkwell.models import load_tokenizer  # noqa: E402
 from inkwell.recipes.rl import StepReport, grpo  # noqa: E402
 from inkwell.recipes.tasks import TASKS as RL_TASKS  # noqa: E402
 from inkwell.trainer.verifiers import verifier  # noqa: E402
 
 BASE = "inkling-tiny"
-console = Console()
+console = terminal.console()
 
 
 def to_records(examples: list[Example]) -> list[dict]:

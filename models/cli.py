@@ -6,12 +6,12 @@ What needs torch is imported by the command that uses it: every `inkwell` comman
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from inkwell import terminal
 from inkwell.models import PRESETS
 
 app = typer.Typer(help="Create and inspect Inkling base models.", no_args_is_help=True)
-console = Console()
+console = terminal.console()
 
 
 @app.command("init")
@@ -23,12 +23,12 @@ def init(
 ) -> None:
     """Write a deterministic HF-format checkpoint of a preset."""
     if preset not in PRESETS:
-        console.print(f"[red]unknown preset {preset!r}[/]; choose from {', '.join(PRESETS)}")
+        terminal.print_error(console, f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
         raise typer.Exit(2)
     from inkwell.models import init_base_model
 
     path = init_base_model(preset, out_dir, seed=seed, name=name)
-    console.print(f"wrote {preset} (seed {seed}) to {path}")
+    console.print(f"wrote {preset} (seed {seed}) to {path}", markup=False, highlight=False)
 
 
 @app.command("show")
@@ -40,7 +40,7 @@ def show(model_dir: Path) -> None:
         config = load_base_config(model_dir)
         identity = base_model_identity(model_dir)
     except BaseModelError as exc:
-        console.print(f"[red]{exc}[/]")
+        terminal.print_error(console, str(exc))
         raise typer.Exit(2) from exc
     console.print(f"{identity.name}  config sha256 {identity.config_sha256[:16]}…")
     console.print(

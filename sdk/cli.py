@@ -12,19 +12,19 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import BaseModel
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from inkwell import terminal
 from inkwell.sdk.client import API_KEY_ENV, URL_ENV, Client
 from inkwell.sdk.errors import InkwellError
 from inkwell.sdk.jobs import Job
 
 jobs_app = typer.Typer(help="Fine-tuning jobs: create, list, follow, cancel.", no_args_is_help=True)
 adapters_app = typer.Typer(help="The adapter registry: list, download, import, alias, delete.", no_args_is_help=True)
-out = Console()
-err = Console(stderr=True)
+out = terminal.console()
+err = terminal.console(stderr=True)
 
 Url = Annotated[str | None, typer.Option("--url", envvar=URL_ENV, help="service URL", show_default=False)]
 ApiKey = Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, help="API key", show_default=False)]
@@ -173,12 +173,12 @@ def jobs_events(
     events = jobs.events(job_id, after=after) if follow else jobs.history(job_id, after=after)
     for event in events:
         if as_json:
-            out.print(json.dumps(event.model_dump(mode="json")), highlight=False, soft_wrap=True)
+            out.print(json.dumps(event.model_dump(mode="json")), highlight=False)
             continue
         data = " ".join(f"{k}={_value(v)}" for k, v in event.data.items() if v is not None)
         state = f"[{event.state}] " if event.state else ""
         line = f"{event.id:>6} {_when(event.created_at)} {event.type:<10} {state}{event.message} {data}"
-        out.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+        out.print(line.rstrip(), markup=False, highlight=False)
 
 
 @jobs_app.command("logs")

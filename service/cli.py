@@ -13,8 +13,8 @@ from pathlib import Path
 
 import typer
 import uvicorn
-from rich.console import Console
 
+from inkwell import terminal
 from inkwell.service.db import repo
 from inkwell.service.db.migrate import upgrade_database
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
@@ -25,7 +25,7 @@ from inkwell.service.storage import ObjectStore
 from inkwell.service.storage.seaweed import start_embedded
 from inkwell.service.tinker.auth import tinker_key
 
-console = Console()
+console = terminal.console()
 admin_app = typer.Typer(
     help="Manage tenants, API keys and base models (talks to the database directly).", no_args_is_help=True
 )
@@ -77,7 +77,7 @@ def serve(
         try:
             seaweed, settings = start_embedded(settings)
         except RuntimeError as exc:
-            console.print(f"[red]{exc}[/]")
+            terminal.print_error(console, str(exc))
             raise typer.Exit(1) from exc
         console.print(f"embedded SeaweedFS: S3 at {settings.s3_endpoint}")
     if workers:  # what this service runs it expects to be alive: /healthz says degraded while none is
@@ -85,11 +85,11 @@ def serve(
     worker_args = [sys.executable, "-m", "inkwell.service.workers"]
     job_workers = Supervisor("job worker", worker_args, _worker_env(settings), workers)
     job_workers.start()
-    if key:  # soft_wrap: a line wrapped at the console's width would paste as two commands, the key not exported
-        console.print(f"created tenant '{LOCAL_TENANT}'; its API key (shown once): [bold]{key}[/]", soft_wrap=True)
-        console.print(f"  export INKWELL_URL=http://{host}:{port} INKWELL_API_KEY={key}", soft_wrap=True)
+    if key:
+        console.print(f"created tenant '{LOCAL_TENANT}'; its API key (shown once): [bold]{key}[/]")
+        console.print(f"  export INKWELL_URL=http://{host}:{port} INKWELL_API_KEY={key}")
         tinker = f"export TINKER_BASE_URL=http://{host}:{port} TINKER_API_KEY={tinker_key(key)}"
-        console.print(f"  {tinker}  # for the tinker client", soft_wrap=True)
+        console.print(f"  {tinker}  # for the tinker client")
     else:
         console.print(f"tenant '{LOCAL_TENANT}' exists; make a new key with `inkwell admin create-key {LOCAL_TENANT}`")
     # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so `finally` runs.
@@ -128,12 +128,15 @@ def create_tenant(name: str, data_dir: Path = typer.Option(None)) -> None:
     sm = _sessionmaker(_settings(data_dir))
     with sm() as s:
         if repo.tenant_by_name(s, name):
-            console.print(f"[red]tenant {name!r} already exists[/]; add a key with `inkwell admin create-key {name}`")
+            terminal.print_error(
+                console, f"tenant {name!r} already exists; add a key with `inkwell admin create-key {name}`"
+            )
             raise typer.Exit(1)
         tenant = repo.create_tenant(s, name)
         _, key = repo.create_api_key(s, tenant.id)
         s.commit()
-    console.print(f"tenant {name} ({tenant.id})\nAPI key (shown once): {key}\n  as a Tinker key: {tinker_key(key)}")
+    shown = f"tenant {name} ({tenant.id})\nAPI key (shown once): {key}\n  as a Tinker key: {tinker_key(key)}"
+    console.print(shown, markup=False, highlight=False)
 
 
 @admin_app.command("create-key")
@@ -143,11 +146,14 @@ def create_key(tenant: str, name: str = typer.Option("default"), data_dir: Path 
     with sm() as s:
         row = repo.tenant_by_name(s, tenant)
         if row is None:
-            console.print(f"[red]no tenant {tenant!r}[/]; create it with `inkwell admin create-tenant {tenant}`")
+            terminal.print_error(
+                console, f"no tenant {tenant!r}; create it with `inkwell admin create-tenant {tenant}`"
+            )
             raise typer.Exit(1)
         key_row, key = repo.create_api_key(s, row.id, name)
         s.commit()
-    console.print(f"key {key_row.id} for {tenant} (shown once): {key}\n  as a Tinker key: {tinker_key(key)}")
+    shown = f"key {key_row.id} for {tenant} (shown once): {key}\n  as a Tinker key: {tinker_key(key)}"
+    console.print(shown, markup=False, highlight=False)
 
 
 @admin_app.command("revoke-key")
@@ -158,9 +164,9 @@ def revoke_key(key_id: str, data_dir: Path = typer.Option(None)) -> None:
         ok = repo.revoke_api_key(s, key_id)
         s.commit()
     if not ok:
-        console.print(f"[red]no active key {key_id!r}[/]")
+        terminal.print_error(console, f"no active key {key_id!r}")
         raise typer.Exit(1)
-    console.print(f"revoked {key_id}")
+    console.print(f"revoked {key_id}", markup=False, highlight=False)
 
 
 @admin_app.command("add-base-model")
@@ -176,11 +182,11 @@ def add_base_model(name: str, model_dir: Path, data_dir: Path = typer.Option(Non
             checkpoint = register_base_model(s, name, model_dir)
             s.commit()
     except BaseModelError as exc:
-        console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
+        terminal.print_error(console, str(exc))
         raise typer.Exit(2) from exc
     for note in checkpoint.notes:
-        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"registered base model {name} -> {model_dir.resolve()}")
+        console.print(f"note: {note}", markup=False, highlight=False)
+    console.print(f"registered base model {name} -> {model_dir.resolve()}", markup=False, highlight=False)
 
 
 @admin_app.command("cleanup")

@@ -4,11 +4,13 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from inkwell import terminal
 from inkwell.trainer.config import TrainCallbacks, TrainConfigError, TrainEvent, TrainingCancelled, load_job_config
 
-console = Console()
+console = terminal.console()
 
 
 class ProgressCallbacks(TrainCallbacks):
@@ -24,7 +26,7 @@ class ProgressCallbacks(TrainCallbacks):
         self.progress.update(self.task, completed=event.step, total=event.total_steps, note=note)
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        self.console.print(f"step {step}: checkpoint {path}")
+        self.console.print(f"step {step}: checkpoint {escape(str(path))}")
 
 
 def train_command(
@@ -36,7 +38,7 @@ def train_command(
     try:
         job = load_job_config(config)
     except TrainConfigError as exc:
-        console.print(f"[red]{exc}[/]")
+        terminal.print_error(console, str(exc))
         raise typer.Exit(2) from exc
     from inkwell.trainer.api import train  # megatron-core loads only when a job really runs: not for a bad file
 
@@ -46,14 +48,14 @@ def train_command(
         try:
             result = train(job, ProgressCallbacks(progress, task, console))
         except TrainConfigError as exc:
-            console.print(f"[red]{exc}[/]")
+            terminal.print_error(console, str(exc))
             raise typer.Exit(2) from exc
         except TrainingCancelled as exc:
-            console.print(f"[yellow]{exc}[/]")
+            console.print(f"[yellow]{escape(str(exc))}[/]")
             raise typer.Exit(130) from exc
     console.print(
         f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}"
         + (f", eval {result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f}" if result.final_eval_loss else "")
     )
     for layout, path in result.adapter_dirs.items():
-        console.print(f"adapter ({layout}): {path}")
+        console.print(f"adapter ({layout}): {escape(str(path))}")

@@ -48,6 +48,11 @@ def test_serve_embedded_default_prints_a_working_key_and_admin_adds_tenants(tmp_
         assert again.exit_code == 1 and "already exists" in again.output
         missing = runner.invoke(cli.app, ["admin", "create-key", "nobody"], env=env)
         assert missing.exit_code == 1 and "create-tenant" in missing.output
+        # names are printed as given, not read as rich markup
+        odd = runner.invoke(cli.app, ["admin", "create-tenant", "[bold]lab"], env=env)
+        assert odd.exit_code == 0 and odd.output.startswith("tenant [bold]lab ("), odd.output
+        odd_again = runner.invoke(cli.app, ["admin", "create-tenant", "[bold]lab"], env=env)
+        assert "tenant '[bold]lab' already exists" in odd_again.output, odd_again.output
 
         # a queued job's event stream (no job worker: it stays open) held by a client through the SIGTERM
         with sdk.Client(url=f"http://127.0.0.1:{port}", api_key=key) as client:

@@ -32,4 +32,5 @@ def test_train_command_runs_a_job_and_exports_both_layouts(tmp_path, tiny_model_
     assert "step 1: checkpoint" in result.stdout
     for layout in ("sglang", "peft"):
         assert (tmp_path / "out" / "adapters" / layout / "adapter_model.safetensors").is_file()
-        assert f"adapter ({layout})" in result.stdout
+        # the whole path on one line, though longer than the 80 columns of a pipe
+        assert f"adapter ({layout}): {tmp_path / 'out' / 'adapters' / layout}" in result.stdout.splitlines()
