@@ -320,8 +320,9 @@ def parse_config[M: BaseModel](data: M | dict, model: type[M] = TrainJobConfig) 
         raise TrainConfigError(f"{field or 'config'}: {first['msg']}", field=field, reason=first["msg"]) from exc
 
 
-def load_job_config(path: Path) -> TrainJobConfig:
+def load_job_config(path: str | Path) -> TrainJobConfig:
     """A job config from a .json or .yaml file."""
+    path = Path(path)
     if not path.is_file():
         raise TrainConfigError(f"config: {path} does not exist", field="config")
     text = path.read_text()

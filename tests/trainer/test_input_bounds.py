@@ -38,6 +38,7 @@ def test_config_file_out_of_bounds_is_refused_naming_the_field(tmp_path, text, f
 
 def test_largest_seed_is_accepted_and_seeds_every_generator(tmp_path):
     assert load_job_config(config_file(tmp_path, f'"seed": {MAX_SEED}')).seed == MAX_SEED
+    assert load_job_config(str(config_file(tmp_path, '"seed": 7'))).seed == 7  # a path given as a string
     examples = [Example([1, 2, 3], [0, 1, 1], n) for n in range(1, 9)]
     train, held = split_eval(examples, 0.25, MAX_SEED)
     assert len(held) == 2 and len(train) == 6
