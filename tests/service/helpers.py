@@ -40,20 +40,37 @@ def pg_connect(dbname: str = "test"):
 
 
 @contextmanager
-def scratch_pg_database(prefix: str) -> Iterator[str]:
-    """The URL of a new, empty PostgreSQL database named `prefix_<random>`, dropped (its sessions ended) after."""
+def own_pg_database(prefix: str) -> Iterator[tuple[psycopg2.extensions.connection, str, str]]:
+    """A new, empty PostgreSQL database named `prefix_<random>`: an admin connection (autocommit), its name and
+    its URL. Dropped after WITH (FORCE), which ends its sessions and waits for them: a backend only signalled to
+    end could still hold the database and fail the DROP."""
     conn, user = pg_connect()
     conn.autocommit = True
     name = f"{prefix}_{secrets.token_hex(5)}"
     with conn.cursor() as cur:
         cur.execute(f'CREATE DATABASE "{name}"')
     try:
-        yield f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
+        yield conn, name, f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
     finally:
         with conn.cursor() as cur:
-            cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         conn.close()
+
+
+@contextmanager
+def scratch_pg_database(prefix: str) -> Iterator[str]:
+    """The URL of an `own_pg_database`."""
+    with own_pg_database(prefix) as (_, _, url):
+        yield url
+
+
+def pg_allow_connections(conn: psycopg2.extensions.connection, name: str, allow: bool) -> None:
+    """Let database `name` take connections again, or refuse them and end its open sessions, waiting (up to 5 s
+    each) until they are gone: a backend only signalled could still answer the next statement, then die."""
+    with conn.cursor() as cur:
+        cur.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {"true" if allow else "false"}')
+        if not allow:
+            cur.execute("SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = %s", (name,))
 
 
 def free_port() -> int:

@@ -2,7 +2,6 @@
 recovers by itself once the database is back."""
 
 import logging
-import secrets
 
 import pytest
 from fastapi import Depends, FastAPI
@@ -11,31 +10,13 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from inkwell.service.deps import get_session
-from tests.service.helpers import assert_error, make_settings, pg_connect, start_service
+from tests.service.helpers import assert_error, make_settings, own_pg_database, pg_allow_connections, start_service
 
 
 @pytest.fixture
 def own_database():
-    conn, user = pg_connect()
-    conn.autocommit = True
-    name = f"inkwell_dbfault_{secrets.token_hex(5)}"
-    with conn.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{name}"')
-    yield conn, name, f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}"
-    with conn.cursor() as cur:
-        cur.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
-        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-    conn.close()
-
-
-def _refuse_connections(conn, name: str, refuse: bool) -> None:
-    """Refusing also ends the open sessions, waiting (up to 5 s each) until they are gone: a backend only signalled
-    could still answer the next request's statement and die before its rollback."""
-    with conn.cursor() as cur:
-        cur.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {"false" if refuse else "true"}')
-        if refuse:
-            cur.execute("SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = %s", (name,))
+    with own_pg_database("inkwell_dbfault") as database:
+        yield database
 
 
 def test_database_down_is_503_retryable_then_recovers(own_database, seaweed, tmp_path):
@@ -45,14 +26,14 @@ def test_database_down_is_503_retryable_then_recovers(own_database, seaweed, tmp
         _, key = svc.new_tenant()
         with svc.client(key) as client:
             assert client.get("/v1/models").status_code == 200
-            _refuse_connections(conn, name, True)
+            pg_allow_connections(conn, name, False)
             err = assert_error(client.get("/v1/models"), 503, "database_unavailable")
             assert err["details"]["retryable"] is True
             job = {"base_model": "inkling-tiny", "dataset_id": "ds_0", "adapter_name": "a"}
             assert_error(client.post("/v1/jobs", json=job), 503, "database_unavailable")
             health = client.get("/healthz")
             assert health.status_code == 503 and health.json()["database"] == "unavailable"
-            _refuse_connections(conn, name, False)
+            pg_allow_connections(conn, name, True)
             assert client.get("/v1/models").status_code == 200
             assert client.get("/healthz").json()["status"] == "ok"
     finally:

@@ -4,7 +4,6 @@ once SeaweedFS is back the job trains and publishes. On SQLite and on PostgreSQL
 A worker's graceful stop (SIGTERM) hands its job back the same way."""
 
 import contextlib
-import secrets
 import threading
 import time
 
@@ -15,7 +14,13 @@ from inkwell.service.db import repo
 from inkwell.service.settings import Settings
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
 from inkwell.service.workers.job_worker import MAX_ATTEMPTS, JobWorker
-from tests.service.helpers import make_settings, pg_connect, scratch_pg_database, start_service
+from tests.service.helpers import (
+    make_settings,
+    own_pg_database,
+    pg_allow_connections,
+    scratch_pg_database,
+    start_service,
+)
 from tests.service.test_jobs_e2e import submit
 
 CLAIMS = MAX_ATTEMPTS + 2  # more claims than a job has attempts
@@ -159,13 +164,6 @@ def test_a_stopped_worker_requeues_its_job_without_using_an_attempt(tmp_path, se
         svc.stop()
 
 
-def _allow_connections(conn, name: str, allow: bool) -> None:
-    with conn.cursor() as cur:
-        cur.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {"true" if allow else "false"}')
-        if not allow:
-            cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-
-
 class BackOnWait(threading.Event):
     """A worker's stop flag that lets the database back in the first time the worker waits on it."""
 
@@ -183,49 +181,40 @@ class BackOnWait(threading.Event):
 def test_database_outage_mid_job_requeues_without_using_an_attempt(tmp_path, seaweed):
     """PostgreSQL refuses connections once the dataset is downloaded: the worker's next write fails inside
     training, the worker keeps trying to hand the job back, and does once the database answers again."""
-    conn, user = pg_connect()
-    conn.autocommit = True
-    name = f"inkwell_dbout_{secrets.token_hex(5)}"
-    with conn.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{name}"')
-    svc = start_service(make_settings(tmp_path / "svc", f"postgresql+psycopg2://{user}@127.0.0.1:5432/{name}", seaweed))
-    try:
-        _, key = svc.new_tenant()
-        with svc.client(key) as client:
-            _, job = submit(client, "db-outage", max_steps=2, checkpoint_every=1)
-            settings = worker_settings(svc, tmp_path, "w-db").model_copy(update={"lease_seconds": 6.0})
-            stopping = BackOnWait(lambda: _allow_connections(conn, name, True))
-            worker = JobWorker(settings, worker_id="w-db", stopping=stopping)
-            download = worker.store.download_file
+    with own_pg_database("inkwell_dbout") as (conn, name, url):
+        svc = start_service(make_settings(tmp_path / "svc", url, seaweed))
+        try:
+            _, key = svc.new_tenant()
+            with svc.client(key) as client:
+                _, job = submit(client, "db-outage", max_steps=2, checkpoint_every=1)
+                settings = worker_settings(svc, tmp_path, "w-db").model_copy(update={"lease_seconds": 6.0})
+                stopping = BackOnWait(lambda: pg_allow_connections(conn, name, True))
+                worker = JobWorker(settings, worker_id="w-db", stopping=stopping)
+                download = worker.store.download_file
 
-            def download_then_database_goes(key: str, path):
-                download(key, path)
-                _allow_connections(conn, name, False)
+                def download_then_database_goes(key: str, path):
+                    download(key, path)
+                    pg_allow_connections(conn, name, False)
 
-            worker.store.download_file = download_then_database_goes
-            try:
-                with pytest.raises(OperationalError):
-                    worker.run_once()
-                assert stopping.waited >= 1  # the first hand-back found the database down and was retried
-            finally:
-                _allow_connections(conn, name, True)
-                worker.db_engine.dispose()
-            during = client.get(f"/v1/jobs/{job['id']}").json()
-            assert during["state"] == "queued" and during["attempts"] == 0, during
-            events = client.get(f"/v1/jobs/{job['id']}/events").json()["data"]
-            assert "database unavailable" in events[-1]["message"], events[-1]
+                worker.store.download_file = download_then_database_goes
+                try:
+                    with pytest.raises(OperationalError):
+                        worker.run_once()
+                    assert stopping.waited >= 1  # the first hand-back found the database down and was retried
+                finally:
+                    pg_allow_connections(conn, name, True)
+                    worker.db_engine.dispose()
+                during = client.get(f"/v1/jobs/{job['id']}").json()
+                assert during["state"] == "queued" and during["attempts"] == 0, during
+                events = client.get(f"/v1/jobs/{job['id']}/events").json()["data"]
+                assert "database unavailable" in events[-1]["message"], events[-1]
 
-            after = JobWorker(worker_settings(svc, tmp_path, "w-db2"), worker_id="w-db2")
-            try:
-                assert after.run_once() is True
-            finally:
-                after.db_engine.dispose()
-            done = client.get(f"/v1/jobs/{job['id']}").json()
-            assert done["state"] == "succeeded" and done["attempts"] == 1, done
-    finally:
-        svc.stop()
-        _allow_connections(conn, name, True)
-        with conn.cursor() as cur:
-            cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.close()
+                after = JobWorker(worker_settings(svc, tmp_path, "w-db2"), worker_id="w-db2")
+                try:
+                    assert after.run_once() is True
+                finally:
+                    after.db_engine.dispose()
+                done = client.get(f"/v1/jobs/{job['id']}").json()
+                assert done["state"] == "succeeded" and done["attempts"] == 1, done
+        finally:
+            svc.stop()
