@@ -6,6 +6,7 @@ it prints objects. Errors print the service's code and message and exit with sta
 
 import functools
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -314,6 +315,9 @@ def adapters_download(
     api_key: ApiKey = None,
 ) -> None:
     """Download a version, verifying every file's sha256."""
+    if "/" in ref or os.sep in ref:  # a destination given where the version goes
+        message = f"{ref!r} is not a version number, an alias or 'latest'; to choose where to write, pass --dest {ref}"
+        raise typer.BadParameter(message, param_hint="ref")
     adapters = Client(url, api_key).adapters
     if dest is None:
         version = adapters.version(name, ref).version

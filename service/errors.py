@@ -120,6 +120,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}; see /docs"
+            if b"%2f" in request.scope.get("raw_path", b"").lower():  # routed as decoded: a '/' splits the segment
+                message += " (a path segment holds an encoded '/', %2F: no id, name, alias or version contains one)"
         return error_response(exc.status_code, code, message, {"retryable": False}, getattr(exc, "headers", None))
 
     @app.exception_handler(StorageUnavailable)

@@ -106,6 +106,9 @@ def test_adapters_commands(api, sqlite_service, adapter_dir, tmp_path):
         in run(env, "adapters", "download", "cli-ad", "1", "--dest", str(tmp_path / "x"), code=1).output
     )
     run(env, "adapters", "alias", "cli-ad", "prod", code=2)  # neither VERSION nor --delete
+    where = run(env, "adapters", "download", "cli-ad", str(tmp_path / "y"), code=2)  # a path where REF goes
+    said = " ".join(where.output.replace("│", " ").split())  # the error's panel wraps its lines
+    assert f"pass --dest {tmp_path / 'y'}" in said and not (tmp_path / "y").exists()
 
 
 def test_the_command_line_starts_without_torch():

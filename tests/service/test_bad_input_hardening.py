@@ -174,6 +174,15 @@ def test_a_body_that_is_not_json_says_so_and_where_it_stops(tenant):
         assert err["details"]["errors"] == [{"loc": ["body"], "msg": err["message"][6:], "type": "json_invalid"}], err
 
 
+def test_a_slash_inside_a_path_segment_is_named_in_the_404(tenant):
+    _, client = tenant
+    for path in ("/v1/adapters/x/versions/%2Ftmp%2Fdl", "/v1/jobs/a%2fb"):
+        err = assert_error(client.get(path), 404, "not_found")
+        assert "holds an encoded '/'" in err["message"], err
+    plain = assert_error(client.get("/v1/adapters/x/versions/1/nope"), 404, "not_found")
+    assert "encoded" not in plain["message"], plain
+
+
 def test_s3_refusing_a_body_for_its_checksum_is_integrity_error_not_retryable(sqlite_service, monkeypatch):
     """SeaweedFS itself refuses the upload (400 BadDigest): the checksum sent is not the bytes' (as when they
     changed on the way)."""
