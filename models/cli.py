@@ -20,10 +20,14 @@ def init(
     out_dir: Path = typer.Argument(..., help="directory to write config.json, weights and tokenizer to"),
     seed: int = typer.Option(0, help="weights are a deterministic function of the seed"),
     name: str = typer.Option(None, help="name recorded in config.json (default: the preset)"),
+    overwrite: bool = typer.Option(False, help="write into OUT_DIR even when it holds files"),
 ) -> None:
     """Write a deterministic HF-format checkpoint of a preset."""
     if preset not in PRESETS:
         terminal.print_error(console, f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        raise typer.Exit(2)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:  # a checkpoint there would be replaced
+        terminal.print_error(console, f"{out_dir} is not empty; choose another directory or pass --overwrite")
         raise typer.Exit(2)
     from inkwell.models import init_base_model
 

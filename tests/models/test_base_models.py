@@ -5,7 +5,9 @@ import sys
 import pytest
 import torch
 from transformers import InklingForCausalLM
+from typer.testing import CliRunner
 
+from inkwell import cli
 from inkwell.models import (
     BaseModelError,
     init_base_model,
@@ -60,6 +62,11 @@ def test_cli_models_init_writes_a_loadable_checkpoint(tmp_path):
     assert load_base_config(out).hidden_size == 128
     bad = subprocess.run([*cmd[:5], "inkling-huge", str(tmp_path / "x")], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "unknown preset" in bad.stdout
+    weights = (out / WEIGHTS_FILE).read_bytes()
+    again = CliRunner().invoke(cli.app, ["models", "init", "inkling-tiny", str(out), "--seed", "4"])
+    assert again.exit_code == 2 and "--overwrite" in again.output and (out / WEIGHTS_FILE).read_bytes() == weights
+    replaced = CliRunner().invoke(cli.app, ["models", "init", "inkling-tiny", str(out), "--seed", "4", "--overwrite"])
+    assert replaced.exit_code == 0 and (out / WEIGHTS_FILE).read_bytes() != weights
 
 
 def test_missing_corrupt_or_foreign_checkpoints_are_refused(tiny_model_dir, tmp_path):
