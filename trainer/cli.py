@@ -48,9 +48,11 @@ def train_command(
         try:
             result = train(job, ProgressCallbacks(progress, task, console))
         except TrainConfigError as exc:
+            progress.stop()  # the bar's last state, then the reason as the last line
             terminal.print_error(console, str(exc))
             raise typer.Exit(2) from exc
         except TrainingCancelled as exc:
+            progress.stop()
             console.print(f"[yellow]{escape(str(exc))}[/]")
             raise typer.Exit(130) from exc
     console.print(

@@ -34,3 +34,6 @@ def test_train_command_runs_a_job_and_exports_both_layouts(tmp_path, tiny_model_
         assert (tmp_path / "out" / "adapters" / layout / "adapter_model.safetensors").is_file()
         # the whole path on one line, though longer than the 80 columns of a pipe
         assert f"adapter ({layout}): {tmp_path / 'out' / 'adapters' / layout}" in result.stdout.splitlines()
+    again = inkwell("train", "--config", str(job))  # the same output_dir: refused, the reason the last line
+    said = [line for line in again.stdout.splitlines() if line.strip()]
+    assert again.returncode == 2 and "already exists" in said[-1], again.stdout
