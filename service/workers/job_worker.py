@@ -54,6 +54,14 @@ MAX_ATTEMPTS = 5
 MAX_BACKOFF_SECONDS = 60.0
 
 
+def outage_line(exc: Exception) -> str:
+    """An outage's exception as one log line: the driver's own error and its first line (psycopg2 adds hints and
+    SQLAlchemy a link on lines of their own, four lines a warning, every retry)."""
+    cause = getattr(exc, "orig", None) or exc
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _finite(data: dict) -> dict:
     """NaN/inf become None: JSON columns (PostgreSQL's above all) refuse them."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in data.items()}
@@ -93,7 +101,7 @@ class _Job:
                     row = repo.renew_lease(s, self.id, w.worker_id, w.lease)
                     s.commit()
             except OperationalError as exc:
-                log.warning("heartbeat for %s failed (will retry): %s", self.id, exc)
+                log.warning("heartbeat for %s failed (will retry): %s", self.id, outage_line(exc))
                 continue
             if row is None:
                 log.warning("lost the lease on %s; stopping", self.id)
@@ -188,7 +196,7 @@ class JobWorker:
                 except (OperationalError, StorageUnavailable) as exc:
                     outages += 1
                     delay = self.backoff_seconds(outages)
-                    log.warning("worker %s: %s; next claim in %.1fs", self.worker_id, exc, delay)
+                    log.warning("worker %s: %s; next claim in %.1fs", self.worker_id, outage_line(exc), delay)
                     self.stopping.wait(delay)
                     continue
                 if not ran:
@@ -210,7 +218,7 @@ class JobWorker:
                     repo.beat_worker(s, self.worker_id)
                     s.commit()
             except OperationalError as exc:
-                log.warning("worker %s: heartbeat failed (will retry): %s", self.worker_id, exc)
+                log.warning("worker %s: heartbeat failed (will retry): %s", self.worker_id, outage_line(exc))
             if done.wait(self.settings.heartbeat_seconds):
                 return
 
@@ -390,13 +398,13 @@ class JobWorker:
                     self._cancelled(job, f"job cancelled ({what} unavailable)", {})
                     return
                 self._requeue(job, f"{what} unavailable; job re-queued, attempt not counted", {"reason": what})
-                log.warning("job %s re-queued: %s unavailable: %s", job.id, what, exc)
+                log.warning("job %s re-queued: %s unavailable: %s", job.id, what, outage_line(exc))
                 return
             except LeaseLost:
                 return
             except OperationalError as again:
                 if time.monotonic() >= deadline or self.stopping.wait(min(1.0, self.settings.heartbeat_seconds)):
-                    log.warning("job %s: could not re-queue it (%s); its lease will expire", job.id, again)
+                    log.warning("job %s: could not re-queue it (%s); its lease will expire", job.id, outage_line(again))
                     return
 
     def _cancelled(self, job: _Job, message: str, data: dict) -> None:

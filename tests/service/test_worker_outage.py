@@ -8,12 +8,13 @@ import threading
 import time
 
 import pytest
+from sqlalchemy import create_engine
 from sqlalchemy.exc import OperationalError
 
 from inkwell.service.db import repo
 from inkwell.service.settings import Settings
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
-from inkwell.service.workers.job_worker import MAX_ATTEMPTS, JobWorker
+from inkwell.service.workers.job_worker import MAX_ATTEMPTS, JobWorker, outage_line
 from tests.service.helpers import (
     make_settings,
     own_pg_database,
@@ -218,3 +219,12 @@ def test_database_outage_mid_job_requeues_without_using_an_attempt(tmp_path, sea
                 assert done["state"] == "succeeded" and done["attempts"] == 1, done
         finally:
             svc.stop()
+
+
+def test_an_outage_is_logged_as_one_line():
+    """A worker logs every retry through an outage: the driver's hint and SQLAlchemy's link stay out of it."""
+    with pytest.raises(OperationalError) as info:
+        create_engine("postgresql+psycopg2://nobody@127.0.0.1:1/none").connect()  # nothing listens on port 1
+    assert "\n" in str(info.value)
+    line = outage_line(info.value)
+    assert "\n" not in line and line.startswith("OperationalError: connection to server") and "refused" in line
