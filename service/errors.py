@@ -38,6 +38,15 @@ class APIError(Exception):
         self.details = {"retryable": retryable, **details}
 
 
+def outage_line(exc: Exception) -> str:
+    """An outage's exception (the database's, the object store's) as one log line: the driver's own error and its
+    first line (psycopg2 adds hints and SQLAlchemy a link on lines of their own: four lines a warning, and a job
+    worker warns at every retry)."""
+    cause = getattr(exc, "orig", None) or exc
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def not_found(kind: str, ident: str) -> APIError:
     return APIError(404, "not_found", f"{kind} {ident!r} not found")
 
@@ -128,7 +137,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _storage(request: Request, exc: StorageUnavailable) -> JSONResponse:
         if cause := _integrity_failure(exc):
             return _integrity_response(cause)
-        log.warning("storage unavailable: %s", exc)
+        log.warning("storage unavailable: %s", outage_line(exc))
         return error_response(
             503,
             "storage_unavailable",
@@ -148,7 +157,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     async def _database(request: Request, exc: OperationalError) -> JSONResponse:
-        log.warning("database unavailable: %s", exc)
+        log.warning("database unavailable: %s", outage_line(exc))
         return error_response(
             503, "database_unavailable", "the database cannot be reached; retry shortly", {"retryable": True}
         )

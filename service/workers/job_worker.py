@@ -34,6 +34,7 @@ from inkwell.recipes.rl import StepReport
 from inkwell.service.db import repo
 from inkwell.service.db.models import JobRow, utcnow
 from inkwell.service.db.session import make_db_engine, make_sessionmaker
+from inkwell.service.errors import outage_line
 from inkwell.service.jobs import train_config
 from inkwell.service.registry import BaseMismatch, Publication, publish
 from inkwell.service.settings import Settings
@@ -52,14 +53,6 @@ log = logging.getLogger("inkwell.worker")
 MAX_ATTEMPTS = 5
 # After an outage, a worker waits poll * 2**n seconds before its next claim (n failures in a row), at most this.
 MAX_BACKOFF_SECONDS = 60.0
-
-
-def outage_line(exc: Exception) -> str:
-    """An outage's exception as one log line: the driver's own error and its first line (psycopg2 adds hints and
-    SQLAlchemy a link on lines of their own, four lines a warning, every retry)."""
-    cause = getattr(exc, "orig", None) or exc
-    text = str(cause).strip()
-    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _finite(data: dict) -> dict:

@@ -12,9 +12,10 @@ from sqlalchemy import create_engine
 from sqlalchemy.exc import OperationalError
 
 from inkwell.service.db import repo
+from inkwell.service.errors import outage_line
 from inkwell.service.settings import Settings
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
-from inkwell.service.workers.job_worker import MAX_ATTEMPTS, JobWorker, outage_line
+from inkwell.service.workers.job_worker import MAX_ATTEMPTS, JobWorker
 from tests.service.helpers import (
     make_settings,
     own_pg_database,
