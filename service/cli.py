@@ -8,6 +8,7 @@ it starts: its children die with it (even on `kill -9`), and a job worker that d
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -58,6 +59,18 @@ def _worker_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def _refuse_a_busy_address(host: str, port: int) -> None:
+    """Exit before anything starts when the API's address is taken: uvicorn finds out only after the object store
+    and the job workers are up (and a first start's tenant and key are made)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            terminal.print_error(console, f"cannot listen on {host}:{port} ({exc.strerror}); pass another --port")
+            raise typer.Exit(1) from exc
+
+
 def serve(
     host: str = typer.Option("127.0.0.1", help="interface to listen on"),
     port: int = typer.Option(8000),
@@ -65,6 +78,7 @@ def serve(
     workers: int = typer.Option(1, min=0, help="job worker processes to run beside the API"),
 ) -> None:
     """Run the API, its object store (embedded SeaweedFS unless INKWELL_S3_ENDPOINT) and job workers."""
+    _refuse_a_busy_address(host, port)
     from inkwell.service.app import create_app
     from inkwell.service.bootstrap import LOCAL_TENANT, ensure_local_key
 

@@ -4,6 +4,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -70,3 +71,16 @@ def test_serve_embedded_default_prints_a_working_key_and_admin_adds_tenants(tmp_
     # The SeaweedFS it started (its own session, so it outlives no one by accident) is stopped too.
     leftover = subprocess.run(["pgrep", "-f", f"-dir={tmp_path / 'data' / 's3'}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
+
+
+def test_serve_on_a_taken_port_exits_before_starting_anything(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        log = tmp_path / "serve.log"
+        proc = start_serve(serve_env(tmp_path / "data"), port, log, workers=1)
+        assert proc.wait(60) == 1, log.read_text()[-2000:]
+    said = log.read_text()
+    assert f"cannot listen on 127.0.0.1:{port}" in said and "pass another --port" in said, said[-2000:]
+    assert not (tmp_path / "data").exists()  # no database, object store, job worker or key was made
