@@ -13,6 +13,12 @@ def console(stderr: bool = False) -> Console:
     return Console(soft_wrap=True, stderr=stderr)
 
 
+def print_plain(to: Console, message: str, style: str | None = None) -> None:
+    """`message` as written, in `style` if given: a name, a path or an error's text in it is not read as rich markup
+    (`[b]...`) nor coloured by rich's highlighter."""
+    to.print(message, style=style, markup=False, highlight=False)
+
+
 def print_error(to: Console, message: str) -> None:
-    """`message` in red, as written: a name, a path or an error's text in it is not read as rich markup (`[b]...`)."""
-    to.print(message, style="red", markup=False, highlight=False)
+    """`message` in red, as written."""
+    print_plain(to, message, "red")

@@ -32,7 +32,7 @@ def init(
     from inkwell.models import init_base_model
 
     path = init_base_model(preset, out_dir, seed=seed, name=name)
-    console.print(f"wrote {preset} (seed {seed}) to {path}", markup=False, highlight=False)
+    terminal.print_plain(console, f"wrote {preset} (seed {seed}) to {path}")
 
 
 @app.command("show")

@@ -43,7 +43,7 @@ def _reports_errors[**P, R](command: Callable[P, R]) -> Callable[P, R]:
             details = {k: v for k, v in exc.details.items() if k != "retryable"}
             err.print(f"[red]error[/] [bold]{escape(exc.code)}[/]: {escape(exc.message)}", highlight=False)
             if details:
-                err.print(json.dumps(details, default=str), highlight=False, markup=False)
+                terminal.print_plain(err, json.dumps(details, default=str))
             raise typer.Exit(1) from exc
         except (FileNotFoundError, TypeError) as exc:
             err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
@@ -179,7 +179,7 @@ def jobs_events(
         data = " ".join(f"{k}={_value(v)}" for k, v in event.data.items() if v is not None)
         state = f"[{event.state}] " if event.state else ""
         line = f"{event.id:>6} {_when(event.created_at)} {event.type:<10} {state}{event.message} {data}"
-        out.print(line.rstrip(), markup=False, highlight=False)
+        terminal.print_plain(out, line.rstrip())
 
 
 @jobs_app.command("logs")

@@ -150,7 +150,7 @@ def create_tenant(name: str, data_dir: Path = typer.Option(None)) -> None:
         _, key = repo.create_api_key(s, tenant.id)
         s.commit()
     shown = f"tenant {name} ({tenant.id})\nAPI key (shown once): {key}\n  as a Tinker key: {tinker_key(key)}"
-    console.print(shown, markup=False, highlight=False)
+    terminal.print_plain(console, shown)
 
 
 @admin_app.command("create-key")
@@ -167,7 +167,7 @@ def create_key(tenant: str, name: str = typer.Option("default"), data_dir: Path 
         key_row, key = repo.create_api_key(s, row.id, name)
         s.commit()
     shown = f"key {key_row.id} for {tenant} (shown once): {key}\n  as a Tinker key: {tinker_key(key)}"
-    console.print(shown, markup=False, highlight=False)
+    terminal.print_plain(console, shown)
 
 
 @admin_app.command("revoke-key")
@@ -180,7 +180,7 @@ def revoke_key(key_id: str, data_dir: Path = typer.Option(None)) -> None:
     if not ok:
         terminal.print_error(console, f"no active key {key_id!r}")
         raise typer.Exit(1)
-    console.print(f"revoked {key_id}", markup=False, highlight=False)
+    terminal.print_plain(console, f"revoked {key_id}")
 
 
 @admin_app.command("add-base-model")
@@ -199,8 +199,8 @@ def add_base_model(name: str, model_dir: Path, data_dir: Path = typer.Option(Non
         terminal.print_error(console, str(exc))
         raise typer.Exit(2) from exc
     for note in checkpoint.notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
-    console.print(f"registered base model {name} -> {model_dir.resolve()}", markup=False, highlight=False)
+        terminal.print_plain(console, f"note: {note}")
+    terminal.print_plain(console, f"registered base model {name} -> {model_dir.resolve()}")
 
 
 @admin_app.command("cleanup")

@@ -9,7 +9,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from inkwell.service.db import repo
-from inkwell.service.errors import APIError
+from inkwell.service.errors import APIError, outage_line
 from inkwell.service.settings import Settings
 from inkwell.service.storage import ObjectStore
 
@@ -47,7 +47,7 @@ def get_session(request: Request) -> Iterator[Session]:
         try:
             s.close()
         except OperationalError as exc:
-            log.warning("database connection lost while closing a request's session: %s", exc)
+            log.warning("database connection lost while closing a request's session: %s", outage_line(exc))
 
 
 def get_store(request: Request) -> ObjectStore:

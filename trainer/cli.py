@@ -4,7 +4,6 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from inkwell import terminal
@@ -26,7 +25,7 @@ class ProgressCallbacks(TrainCallbacks):
         self.progress.update(self.task, completed=event.step, total=event.total_steps, note=note)
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        self.console.print(f"step {step}: checkpoint {escape(str(path))}")
+        terminal.print_plain(self.console, f"step {step}: checkpoint {path}")
 
 
 def train_command(
@@ -53,11 +52,11 @@ def train_command(
             raise typer.Exit(2) from exc
         except TrainingCancelled as exc:
             progress.stop()
-            console.print(f"[yellow]{escape(str(exc))}[/]")
+            terminal.print_plain(console, str(exc), "yellow")
             raise typer.Exit(130) from exc
     console.print(
         f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}"
         + (f", eval {result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f}" if result.final_eval_loss else "")
     )
     for layout, path in result.adapter_dirs.items():
-        console.print(f"adapter ({layout}): {escape(str(path))}")
+        terminal.print_plain(console, f"adapter ({layout}): {path}")
