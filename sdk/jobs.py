@@ -84,44 +84,64 @@ class _JobBase:
         return f"<{type(self).__name__} {self.id} {self.state} step {p.step}/{p.max_steps} adapter={self.adapter_name}>"
 
 
+# A progress event's figures shown beside the bar: (event key, label, format).
+_POSTFIX = (
+    ("loss", "loss", "{:.4f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("reward", "reward", "{:.3f}"),
+    ("kl_k3", "kl", "{:.1e}"),
+)
+
+
 class _ProgressBar:
     """A tqdm bar (step / total steps, loss, tokens/s; an RL job's reward and KL) fed with the job's events; no-op
-    when disabled."""
+    when disabled.
 
-    def __init__(self, job: _JobBase, enabled: bool) -> None:
+    The events recorded before the wait began (`history`) only set where the bar starts: replayed on screen, a
+    running job's bar went back to [queued] and step 0, and its rate counted the replay's steps as done at once."""
+
+    def __init__(self, job: _JobBase, enabled: bool, history: list[JobEvent]) -> None:
         self._bar: Any = None
         if not enabled:
             return
         from tqdm.auto import tqdm
 
-        total = job.progress.max_steps or job.info.hyperparameters.get("max_steps")
-        self._bar = tqdm(total=total, initial=job.progress.step, unit="step", file=sys.stderr, dynamic_ncols=True)
         self._name = job.adapter_name
-        self._bar.set_description_str(f"{self._name} [{job.state}]")
+        self._state = job.state
+        self._step = job.progress.step
+        self._total = job.progress.max_steps or job.info.hyperparameters.get("max_steps")
+        self._postfix: dict[str, str] = {}
+        for event in history:
+            self._apply(event)
+        self._bar = tqdm(total=self._total, initial=self._step, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self._show()
 
     def update(self, event: JobEvent) -> None:
         if self._bar is None:
             return
+        was = self._state
+        self._apply(event)
+        if self._state == "running" and was != "running":
+            self._bar.reset(total=self._total)  # time/step rates count from the claim, not the queue
+        self._show()
+
+    def _apply(self, event: JobEvent) -> None:
         if event.type == "state" and event.state:
-            if event.state == "running":
-                self._bar.reset(total=self._bar.total)  # time/step rates count from the claim, not the queue
-            self._bar.set_description_str(f"{self._name} [{event.state}]")
+            self._state = event.state
         elif event.type == "progress" and isinstance(event.data.get("step"), int):
             total = event.data.get("total_steps") or event.data.get("max_steps")
             if isinstance(total, int) and total > 0:
-                self._bar.total = total
-            self._bar.n = event.data["step"]
-            postfix = {}
-            if event.data.get("loss") is not None:
-                postfix["loss"] = f"{event.data['loss']:.4f}"
-            if event.data.get("tokens_per_s") is not None:
-                postfix["tok/s"] = f"{event.data['tokens_per_s']:.0f}"
-            if event.data.get("reward") is not None:
-                postfix["reward"] = f"{event.data['reward']:.3f}"
-            if event.data.get("kl_k3") is not None:
-                postfix["kl"] = f"{event.data['kl_k3']:.1e}"
-            self._bar.set_postfix(postfix, refresh=False)
-            self._bar.refresh()
+                self._total = total
+            self._step = event.data["step"]
+            shown = [(label, form, event.data.get(key)) for key, label, form in _POSTFIX]
+            self._postfix = {label: form.format(value) for label, form, value in shown if value is not None}
+
+    def _show(self) -> None:
+        self._bar.total = self._total
+        self._bar.n = self._step
+        self._bar.set_description_str(f"{self._name} [{self._state}]", refresh=False)
+        self._bar.set_postfix(self._postfix, refresh=False)
+        self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:
@@ -144,9 +164,10 @@ class Job(_JobBase):
         JobFailedError / JobCancelledError otherwise and JobTimeoutError after `timeout` seconds."""
         self.refresh()
         if not self.done:
-            bar = _ProgressBar(self, progress)
+            history = list(self._client.jobs.history(self.id)) if progress else []
+            bar = _ProgressBar(self, progress, history)
             try:
-                for event in self.events(timeout=timeout):
+                for event in self.events(after=history[-1].id if history else None, timeout=timeout):
                     bar.update(event)
             finally:
                 bar.close()
@@ -161,9 +182,10 @@ class AsyncJob(_JobBase):
     async def wait(self, timeout: float | None = None, progress: bool = True) -> Self:
         await self.refresh()
         if not self.done:
-            bar = _ProgressBar(self, progress)
+            history = [event async for event in self._client.jobs.history(self.id)] if progress else []
+            bar = _ProgressBar(self, progress, history)
             try:
-                async for event in self.events(timeout=timeout):
+                async for event in self.events(after=history[-1].id if history else None, timeout=timeout):
                     bar.update(event)
             finally:
                 bar.close()

@@ -4,6 +4,8 @@ the registry (import, download with sha256 checks, aliases, deletes), errors and
 import asyncio
 import hashlib
 import json
+import re
+import threading
 import time
 
 import pytest
@@ -104,6 +106,57 @@ def test_job_create_list_cancel_events_logs(api):
     assert err.value.code == "unknown_base_model"
     with pytest.raises(sdk.NotFoundError):
         client.jobs.get("job_" + "0" * 24)
+
+
+def _play_worker(service, job_id: str, events: list[tuple[str, str | None, dict]]) -> None:
+    """Record a worker's events for the job as the job worker does (state and progress), without training."""
+    from sqlalchemy import update
+
+    from inkwell.service.db import repo
+    from inkwell.service.db.models import JobRow
+
+    with service.sm() as s:
+        for type_, state, data in events:
+            if state is not None:
+                s.execute(update(JobRow).where(JobRow.id == job_id).values(state=state, worker_id="bar-test"))
+            repo.add_event(s, job_id, type_, f"{type_} {state or data}", data, state=state)
+        s.commit()
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_progress_bar_starts_where_a_running_job_is(api, sqlite_service, capsys, client_kind):
+    """wait() on a running job: the bar starts at its state and step (the earlier events set it, they are not
+    replayed on screen) and moves with the live ones."""
+    client, key = api
+    job = client.train("inkling-tiny", CHAT, adapter_name="bar", wait=False, max_steps=5)
+    steps = [("progress", None, {"step": n, "max_steps": 5, "loss": 2.0 / n}) for n in (1, 2, 3)]
+    _play_worker(sqlite_service, job.id, [("state", "running", {}), *steps])
+
+    def finish() -> None:
+        time.sleep(1.0)
+        _play_worker(sqlite_service, job.id, [("progress", None, {"step": 4, "max_steps": 5, "loss": 0.25})])
+        _play_worker(sqlite_service, job.id, [("state", "succeeded", {})])
+
+    finisher = threading.Thread(target=finish)
+    finisher.start()
+
+    async def wait_async() -> str:
+        async with sdk.AsyncClient(sqlite_service.url, key) as async_client:
+            return (await (await async_client.jobs.get(job.id)).wait(timeout=30)).state
+
+    try:
+        state = job.wait(timeout=30).state if client_kind == "sync" else asyncio.run(wait_async())
+        assert state == "succeeded"
+    finally:
+        finisher.join()
+    drawn = re.findall(r"bar \[(\w+)\]:\s+\d+%\|[^|]*\| (\d)/5 ([^\r\n]*)", capsys.readouterr().err)
+    shown = [(state, int(step), re.search(r"loss=([\d.]+)", rest)) for state, step, rest in drawn]
+    assert shown, "the bar drew nothing"
+    assert {state for state, _, _ in shown} == {"running", "succeeded"}  # never back to queued
+    assert [step for _, step, _ in shown] == sorted(step for _, step, _ in shown)
+    (first_state, first_step, first_loss), (last_state, last_step, last_loss) = shown[0], shown[-1]
+    assert (first_state, first_step, first_loss[1]) == ("running", 3, "0.6667")  # where the job was, at once
+    assert (last_state, last_step, last_loss[1]) == ("succeeded", 4, "0.2500")
 
 
 def test_registry_import_download_alias_delete(api, adapter_dir, sqlite_service, tmp_path):
