@@ -12,19 +12,21 @@ The service mounts this module as an extension after the sessions: `lifespan(app
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from tinker import types
 
 from inkwell.service.auth import Principal
 from inkwell.service.db import repo
-from inkwell.service.errors import APIError
+from inkwell.service.errors import APIError, validation_summary
 from inkwell.service.sessions.futures import Future
 from inkwell.service.tinker import codec
 from inkwell.service.tinker.auth import tinker_principal
-from inkwell.service.tinker.door import TinkerDoor
+from inkwell.service.tinker.door import JsonRequest, TinkerDoor
 from inkwell.service.tinker.errors import TinkerRoute
 from inkwell.service.tinker.paths import TinkerPath
 from inkwell.service.tinker.runs import Runs
@@ -147,52 +149,76 @@ def get_info(body: types.GetInfoRequest, request: Request, who: Principal = Depe
 
 @router.post("/forward_backward")
 async def forward_backward(request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
-    """The body is a ForwardBackwardRequest protobuf (`forward_only` for TrainingClient.forward)."""
+    """The body is a ForwardBackwardRequest protobuf (`forward_only` for TrainingClient.forward); its datums are
+    decoded by the door, so one that cannot be is refused in the request's turn."""
     raw = await request.body()
     try:
-        body = await asyncio.to_thread(
-            lambda: codec.decode_forward_backward(codec.decompress(raw, request.headers.get("content-encoding")))
+        msg = await asyncio.to_thread(
+            lambda: codec.read_forward_backward(codec.decompress(raw, request.headers.get("content-encoding")))
         )
     except codec.CodecError as exc:
         raise APIError(400, "invalid_body", str(exc)) from exc
-    future = await _door(request).forward_backward(who.tenant_id, body)
-    return _future(future, model_id=body.model_id)
+    return _future(await _door(request).forward_backward(who.tenant_id, msg), model_id=msg.model_id)
+
+
+type JsonObject = Annotated[dict[str, Any], Body()]
+
+
+def _validated[B: JsonRequest](raw: dict[str, Any], schema: type[B]) -> B:
+    """`raw` as `schema`, or the RequestValidationError FastAPI raises for a body that does not validate."""
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()], body=raw) from exc
+
+
+async def _in_order[B: JsonRequest](
+    request: Request, who: Principal, raw: dict[str, Any], schema: type[B], run: Callable[[str, B], Awaitable[Future]]
+) -> dict[str, Any]:
+    """A training model's JSON request, validated here rather than before the route: one that does not validate
+    but names its model and seq_id is refused through its future, in its turn (refused at the POST, its seq_id
+    never reached the model, whose later requests then waited for it)."""
+    model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
+    try:
+        body = _validated(raw, schema)
+    except RequestValidationError as invalid:
+        if not isinstance(model_id, str) or type(seq_id) is not int:
+            raise
+        message, errors = validation_summary(invalid)
+        refusal = APIError(400, "validation_error", message, errors=errors)
+        return _future(await _door(request).refuse(who.tenant_id, model_id, seq_id, schema, refusal), model_id=model_id)
+    return _future(await run(who.tenant_id, body), model_id=model_id)
 
 
 @router.post("/optim_step")
-async def optim_step(
-    body: types.OptimStepRequest, request: Request, who: Principal = Depends(tinker_principal)
-) -> dict[str, Any]:
-    return _future(await _door(request).optim_step(who.tenant_id, body), model_id=body.model_id)
+async def optim_step(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
+    return await _in_order(request, who, raw, types.OptimStepRequest, _door(request).optim_step)
 
 
 @router.post("/save_weights")
-async def save_weights(
-    body: types.SaveWeightsRequest, request: Request, who: Principal = Depends(tinker_principal)
-) -> dict[str, Any]:
-    return _future(await _door(request).save_state(who.tenant_id, body), model_id=body.model_id)
+async def save_weights(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
+    return await _in_order(request, who, raw, types.SaveWeightsRequest, _door(request).save_state)
 
 
 @router.post("/load_weights")
-async def load_weights(
-    body: types.LoadWeightsRequest, request: Request, who: Principal = Depends(tinker_principal)
-) -> dict[str, Any]:
+async def load_weights(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
     """With session_id and model_seq_id: a new model from the state (create_training_client_from_state*); with
     model_id and seq_id: the deprecated load_state into that model."""
     door = _door(request)
-    if body.session_id is not None and body.model_seq_id is not None:
-        model_id = f"{body.session_id}:train:{body.model_seq_id}"
-        return _future(await door.create_from_state(who.tenant_id, body), model_id=model_id)
-    if body.model_id is None:
-        raise APIError(400, "validation_error", "load_weights: give session_id and model_seq_id, or model_id")
-    return _future(await door.load_state(who.tenant_id, body), model_id=body.model_id)
+    if raw.get("session_id") is None or raw.get("model_seq_id") is None:
+        if raw.get("model_id") is None:
+            raise APIError(400, "validation_error", "load_weights: give session_id and model_seq_id, or model_id")
+        return await _in_order(request, who, raw, types.LoadWeightsRequest, door.load_state)
+    body = _validated(raw, types.LoadWeightsRequest)
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    return _future(await door.create_from_state(who.tenant_id, body), model_id=model_id)
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(
-    body: types.SaveWeightsForSamplerRequest, request: Request, who: Principal = Depends(tinker_principal)
+    raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)
 ) -> dict[str, Any]:
-    return _future(await _door(request).save_for_sampler(who.tenant_id, body), model_id=body.model_id)
+    return await _in_order(request, who, raw, types.SaveWeightsForSamplerRequest, _door(request).save_for_sampler)
 
 
 # ---- sampling ----------------------------------------------------------------------------------------

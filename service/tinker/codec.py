@@ -93,12 +93,17 @@ def _config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
     return dict(msg.loss_fn_config)
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardBody:
+def read_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
+    """The request's message: its model and seq_id are known from here on, even when a datum cannot be decoded."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError (and others) for bad bytes
         raise CodecError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from exc
+    return msg
+
+
+def decode_forward_backward(msg: pb.ForwardBackwardRequest) -> ForwardBackwardBody:
     data = []
     for i, datum in enumerate(msg.data):  # provenance spans (stable_reinforce's) are left unread
         inputs = {name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}") for name, t in datum.loss_fn_inputs.items()}

@@ -49,6 +49,18 @@ PRUNE_EVERY = 512
 SUPPORTED_LOSSES = ", ".join(LOSSES)
 
 type Render = Callable[[Any], Response]
+type JsonRequest = (
+    types.OptimStepRequest | types.SaveWeightsRequest | types.LoadWeightsRequest | types.SaveWeightsForSamplerRequest
+)
+
+# The future kind of a training model's JSON request, by its body's type (forward_backward, protobuf, makes
+# "forward" or "forward_backward" futures); /v1 and the console list a session's futures by kind.
+REQUEST_KINDS: dict[type[JsonRequest], str] = {
+    types.OptimStepRequest: "optim_step",
+    types.SaveWeightsRequest: "save_state",
+    types.LoadWeightsRequest: "load_state",
+    types.SaveWeightsForSamplerRequest: "save_weights_for_sampler",
+}
 
 
 def lora_spec(config: types.LoraConfig | None) -> LoraSpec:
@@ -277,12 +289,11 @@ class TinkerDoor:
         futures = self.manager.futures
 
         async def accept() -> Admitted[Future]:
-            answer = futures.create(tenant_id, kind, model.live.id)
             try:
                 checked = await check(model.live)
             except APIError as exc:  # refused through its future: the client sends every chunk before it looks
-                futures.fail(answer, _as_failure(exc))
-                return Admitted(answer, _nothing, lambda reason: None)
+                return self._refused(tenant_id, model, kind, exc)
+            answer = futures.create(tenant_id, kind, model.live.id)
 
             async def start() -> None:
                 try:
@@ -300,8 +311,34 @@ class TinkerDoor:
 
         return await model.gate.admit(seq_id, accept, SEQ_WAIT_SECONDS)
 
-    async def forward_backward(self, tenant_id: str, body: codec.ForwardBackwardBody) -> Future:
-        async def check(live: LiveSession) -> dict[str, float]:
+    async def refuse(
+        self, tenant_id: str, model_id: str, seq_id: int, schema: type[JsonRequest], error: APIError
+    ) -> Future:
+        """A training request whose body does not validate as `schema` but names its model and seq_id: refused
+        through its future, in its turn. Refused at the POST, its seq_id never reached the gate, and the model's
+        later requests waited for it."""
+        model = self.model(tenant_id, model_id)
+        kind = REQUEST_KINDS[schema]
+
+        async def accept() -> Admitted[Future]:
+            return self._refused(tenant_id, model, kind, error)
+
+        return await model.gate.admit(seq_id, accept, SEQ_WAIT_SECONDS)
+
+    def _refused(self, tenant_id: str, model: TinkerModel, kind: str, error: APIError) -> Admitted[Future]:
+        """A request taken in only to fail: its future says why, and it has nothing to start in its turn."""
+        answer = self.manager.futures.create(tenant_id, kind, model.live.id)
+        self.manager.futures.fail(answer, _as_failure(error))
+        return Admitted(answer, _nothing, _settled)
+
+    async def forward_backward(self, tenant_id: str, msg: codec.pb.ForwardBackwardRequest) -> Future:
+        """Datums are decoded and checked on arrival; one that cannot be fails the request through its future."""
+
+        async def check(live: LiveSession) -> codec.ForwardBackwardBody:
+            try:
+                body = await asyncio.to_thread(codec.decode_forward_backward, msg)
+            except codec.CodecError as exc:
+                raise APIError(400, "invalid_body", str(exc)) from exc
             if body.loss_fn not in LOSSES:
                 raise APIError(
                     400,
@@ -316,17 +353,19 @@ class TinkerDoor:
                 )
             except DatumError as exc:
                 raise APIError(400, "invalid_datum", str(exc), field=exc.field, index=exc.index) from exc
-            return {k: float(v) for k, v in body.loss_fn_config.items()}
+            return body
 
-        async def submit(live: LiveSession, config: dict[str, float]) -> tuple[Future, Render]:
+        kind = "forward" if msg.forward_only else "forward_backward"
+
+        async def submit(live: LiveSession, body: codec.ForwardBackwardBody) -> tuple[Future, Render]:
+            config = {k: float(v) for k, v in body.loss_fn_config.items()}
+
             def op(fid: str) -> messages.ForwardBackward:
                 return messages.ForwardBackward(fid, body.data, body.loss_fn, config, not body.forward_only)
 
-            future = self.manager.submit(live, "forward" if body.forward_only else "forward_backward", op)
-            return future, _proto(codec.encode_forward_backward)
+            return self.manager.submit(live, kind, op), _proto(codec.encode_forward_backward)
 
-        kind = "forward" if body.forward_only else "forward_backward"
-        return await self._in_order(tenant_id, body.model_id, body.seq_id, kind, check, submit)
+        return await self._in_order(tenant_id, msg.model_id, msg.seq_id, kind, check, submit)
 
     async def optim_step(self, tenant_id: str, req: types.OptimStepRequest) -> Future:
         async def check(live: LiveSession) -> AdamParams:
@@ -342,7 +381,7 @@ class TinkerDoor:
         async def submit(live: LiveSession, adam: AdamParams) -> tuple[Future, Render]:
             return self.manager.optim_step(live, adam), lambda result: _json({"metrics": result["metrics"]})
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, "optim_step", check, submit)
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, REQUEST_KINDS[type(req)], check, submit)
 
     async def save_state(self, tenant_id: str, req: types.SaveWeightsRequest) -> Future:
         async def check(live: LiveSession) -> TinkerPath:
@@ -354,7 +393,7 @@ class TinkerDoor:
             future = await asyncio.to_thread(self.manager.save_state, live, path.name)
             return future, lambda result: _json({"path": str(path)})
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, "save_state", check, submit)
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, REQUEST_KINDS[type(req)], check, submit)
 
     def _delete_state(self, tenant_id: str, path: TinkerPath) -> None:
         keys = [o.key for o in self.manager.store.list_objects(state_prefix(tenant_id, path.run_id, path.name))]
@@ -371,7 +410,7 @@ class TinkerDoor:
             future = await asyncio.to_thread(self.manager.load_state, live, path.state_ref, req.optimizer)
             return future, lambda result: _json({"path": str(path)})
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, "load_state", check, submit)
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, REQUEST_KINDS[type(req)], check, submit)
 
     async def save_for_sampler(self, tenant_id: str, req: types.SaveWeightsForSamplerRequest) -> Future:
         """Publish the adapter as a registry version (and push it to the serving workers). Named: the alias
@@ -401,7 +440,7 @@ class TinkerDoor:
 
             return self.manager.save_weights_for_sampler(live, None), render
 
-        return await self._in_order(tenant_id, req.model_id, req.seq_id, "save_weights_for_sampler", check, submit)
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, REQUEST_KINDS[type(req)], check, submit)
 
     # ---- sampling ----------------------------------------------------------------------------------------
 
@@ -506,6 +545,10 @@ def _training_state(tinker_path: str) -> TinkerPath:
 
 async def _nothing() -> None:
     pass
+
+
+def _settled(reason: str) -> None:
+    """Nothing to give up: the request's future has already failed."""
 
 
 async def _mirror(inner: Future, outer: Future, futures: FutureStore) -> None:

@@ -5,7 +5,8 @@ chunks of one forward_backward: it sends them at once, the first one last, and w
 chunks before it sends the first. So every request is answered at once (its future), and a request that arrives
 early is started, in order, once every one before it has been. A request sent again (the client retries a POST
 that timed out) gets the answer its first arrival got; one refused on arrival still takes its turn; one whose
-predecessor never arrives is abandoned after a while (its future fails), so nothing waits forever.
+predecessor never arrives is abandoned after a while (its future fails) and the missing ones are passed over, so
+nothing waits forever and the model goes on.
 """
 
 import asyncio
@@ -33,6 +34,7 @@ class SeqGate:
         self._answers: OrderedDict[int, object] = OrderedDict()
         self._waiting: dict[int, Admitted | None] = {}  # None: refused or abandoned, nothing to start
         self._turn = asyncio.Lock()
+        self._starting: set[asyncio.Future] = set()
 
     async def admit[T](self, seq_id: int, accept: Callable[[], Awaitable[Admitted[T]]], wait_seconds: float) -> T:
         """`accept()` the request now (an APIError refuses it, and it still takes its turn); start every admitted
@@ -70,10 +72,28 @@ class SeqGate:
                     await admitted.start()
 
     def _give_up(self, seq_id: int, waited: float) -> None:
+        """Abandon `seq_id` and pass over the seq_ids before it that never arrived, so the model's later requests
+        run (waiting for a lost request, every later one would be given up in turn, for good)."""
         admitted = self._waiting.get(seq_id)
-        if admitted is not None:
-            self._waiting[seq_id] = None
-            admitted.abandon(f"seq_id {seq_id} waited {waited:.0f}s for seq_id {self.next_seq}, which never arrived")
+        if admitted is None:
+            return
+        missing = [seq for seq in range(self.next_seq, seq_id) if seq not in self._waiting]
+        reason = f"seq_id {seq_id} waited {waited:.0f}s for seq_id {missing[0]}, which never arrived"
+        for seq in missing:
+            self._waiting[seq] = None
+            self._remember(
+                seq,
+                APIError(
+                    400,
+                    "seq_id_passed_over",
+                    f"seq_id {seq} came too late: seq_id {seq_id} waited {waited:.0f}s for it and the model went on",
+                ),
+            )
+        self._waiting[seq_id] = None
+        admitted.abandon(reason)
+        task = asyncio.ensure_future(self._start_due())  # those after it, already here, run now
+        self._starting.add(task)  # held: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._starting.discard)
 
     def _remember(self, seq_id: int, answer: object) -> None:
         self._answers[seq_id] = answer

@@ -4,11 +4,13 @@ the state with its optimizer takes the step the first one took; sampler weights 
 compute_logprobs and the trainer agree with; the REST client lists, inspects and deletes checkpoints. Two session
 workers in all (the service's default capacity)."""
 
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import tinker
+import torch
 from tinker import types
 
 from inkwell.service.routers.tinker import CLIENT_CONFIG
@@ -113,6 +115,22 @@ def test_a_bad_datum_is_refused_by_field_and_the_client_goes_on(training):
         training.forward([_datum(TOKENS), bad], "cross_entropy").result()
     assert err.value.category == "user" and "invalid_datum" in str(err.value) and "target_tokens" in str(err.value)
     assert len(_logprobs(training.forward([_datum(TOKENS)], "cross_entropy").result())[0]) == 9
+
+
+def test_a_body_refused_on_arrival_takes_its_turn_and_the_client_goes_on(training):
+    """Datums that cannot be decoded (2-D weights) and a body that does not validate (a NaN learning rate) fail
+    through their futures in their turn: refused at the POST, their seq_ids never reached the model, and every
+    later request waited 50 s for them and failed."""
+    wide = types.TensorData.from_torch(torch.ones(len(TOKENS) - 1, 2))
+    with pytest.raises(tinker.RequestFailedError) as err:
+        training.forward_backward([_datum(TOKENS, weights=wide)], "cross_entropy").result()
+    assert err.value.category == "user" and "invalid_body" in str(err.value) and "shape [9, 2]" in str(err.value)
+    with pytest.raises(tinker.RequestFailedError) as err:
+        training.optim_step(types.AdamParams(learning_rate=float("nan"))).result()
+    assert "validation_error" in str(err.value) and "learning_rate" in str(err.value)
+    started = time.monotonic()
+    assert len(_logprobs(training.forward([_datum(TOKENS)], "cross_entropy").result())[0]) == 9
+    assert time.monotonic() - started < 20  # not held for the refused ones' seq_ids
 
 
 def test_a_state_resumes_with_its_optimizer_to_the_same_step(client, training):

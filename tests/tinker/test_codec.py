@@ -31,7 +31,7 @@ def test_a_clients_request_reads_back_as_datums():
         },
     )
     raw = zstandard.ZstdCompressor().compress(_request(datum, {"clip_low_threshold": 0.9}))
-    body = codec.decode_forward_backward(codec.decompress(raw, "zstd"))
+    body = codec.decode_forward_backward(codec.read_forward_backward(codec.decompress(raw, "zstd")))
     assert (body.model_id, body.seq_id, body.loss_fn, body.forward_only) == ("ts_1:train:0", 3, "ppo", False)
     assert body.loss_fn_config == {"clip_low_threshold": pytest.approx(0.9)}
     (got,) = body.data
@@ -44,15 +44,18 @@ def test_sparse_inputs_and_refusals():
         data=[1.0, 2.0], dtype="float32", shape=[3, 1], sparse_crow_indices=[0, 1, 1, 2], sparse_col_indices=[0, 0]
     )
     datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"weights": sparse})
-    assert codec.decode_forward_backward(_request(datum)).data[0].loss_fn_inputs["weights"] == [1.0, 0.0, 2.0]
+    (got,) = codec.decode_forward_backward(codec.read_forward_backward(_request(datum))).data
+    assert got.loss_fn_inputs["weights"] == [1.0, 0.0, 2.0]
     wide = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2]),
         loss_fn_inputs={"weights": types.TensorData(data=[1.0] * 4, dtype="float32", shape=[2, 2])},
     )
+    msg = codec.read_forward_backward(_request(wide))
+    assert (msg.model_id, msg.seq_id) == ("ts_1:train:0", 3)  # known before a datum fails to decode
     with pytest.raises(codec.CodecError, match="one value per token"):
-        codec.decode_forward_backward(_request(wide))
+        codec.decode_forward_backward(msg)
     with pytest.raises(codec.CodecError, match="not a ForwardBackwardRequest"):
-        codec.decode_forward_backward(b"\xff\xff\xff")
+        codec.read_forward_backward(b"\xff\xff\xff")
     with pytest.raises(codec.CodecError, match="gzip"):
         codec.decompress(b"", "gzip")
 

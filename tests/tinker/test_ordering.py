@@ -1,6 +1,7 @@
 """A model's requests start in seq_id order whatever order they arrive in, each answered at once (the client
 waits for the POSTs of a forward_backward's later chunks before it sends the first); a repeated seq_id gets its
-first answer; a request refused on arrival still takes its turn; one whose predecessor never comes is given up."""
+first answer; a request refused on arrival still takes its turn; one whose predecessor never comes is given up,
+and the model goes on without that predecessor."""
 
 import asyncio
 
@@ -41,7 +42,7 @@ async def _forgotten(gate: SeqGate) -> int:
     return await gate.admit(1, _request(1, [], []), 5.0)
 
 
-def test_a_refused_request_takes_its_turn_and_a_gap_is_given_up():
+def test_a_refused_request_takes_its_turn_and_a_gap_is_given_up_and_passed_over():
     async def run() -> None:
         gate, started, given_up = SeqGate(), [], []
 
@@ -55,9 +56,14 @@ def test_a_refused_request_takes_its_turn_and_a_gap_is_given_up():
         assert again.value.code == "invalid_datum"
         assert await gate.admit(2, _request(2, started, given_up), 1.0) == 20 and started == [2]
         assert await gate.admit(4, _request(4, started, given_up), 0.1) == 40
-        await asyncio.sleep(0.2)
-        assert given_up and "seq_id 3" in given_up[0]
-        await gate.admit(3, _request(3, started, given_up), 1.0)
-        assert started == [2, 3]  # 4 was given up: never started
+        assert await gate.admit(6, _request(6, started, given_up), 5.0) == 60  # waits for 3 (and 5) too
+        await asyncio.sleep(0.3)
+        assert given_up == ["seq_id 4 waited 0s for seq_id 3, which never arrived"]
+        assert started == [2]  # 4 was given up: never started; 3 was passed over; 6 still waits for 5
+        with pytest.raises(APIError) as late:
+            await gate.admit(3, _request(3, started, given_up), 1.0)
+        assert late.value.code == "seq_id_passed_over" and "seq_id 4 waited" in late.value.message
+        assert await gate.admit(5, _request(5, started, given_up), 1.0) == 50
+        assert started == [2, 5, 6]  # the model went on
 
     asyncio.run(run())
