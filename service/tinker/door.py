@@ -69,10 +69,18 @@ def lora_spec(config: types.LoraConfig | None) -> LoraSpec:
     targets = ["attn"] if config.train_attn else []
     targets += ["mlp", "experts", "shared_experts"] if config.train_mlp else []
     targets += ["lm_head"] if config.train_unembed else []
+    if not targets:
+        raise APIError(
+            400,
+            "validation_error",
+            "lora_config: train_attn, train_mlp and train_unembed are all false; set at least one",
+            field="lora_config",
+        )
     try:
         return LoraSpec(rank=config.rank, alpha=LORA_ALPHA, targets=tuple(targets))
     except ValidationError as exc:
-        raise APIError(400, "validation_error", f"lora_config: {exc.errors()[0]['msg']}", field="lora_config") from exc
+        field = "lora_config." + ".".join(str(part) for part in exc.errors()[0]["loc"])
+        raise APIError(400, "validation_error", f"{field}: {exc.errors()[0]['msg']}", field=field) from exc
 
 
 @dataclass
