@@ -3,6 +3,9 @@
 `train` is imported on first use, so reading configs (the service, the CLI) does not load megatron-core.
 """
 
+import logging
+import warnings
+
 from inkwell.trainer.config import (
     TrainCallbacks,
     TrainConfigError,
@@ -13,6 +16,13 @@ from inkwell.trainer.config import (
     load_job_config,
     parse_config,
 )
+
+# Every megatron-core import goes through this package. At import, megatron-core announces what it falls back to
+# without Transformer Engine, Apex or absl (none of which inkwell uses) and torch that a CPU host has no CUDA
+# runtime: a dozen lines at every `inkwell serve` that ask nothing of the user.
+warnings.filterwarnings("ignore", r"(Transformer Engine and Apex are|absl\.logging is) not installed", UserWarning)
+logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 __all__ = [
     "TrainCallbacks",
