@@ -476,7 +476,9 @@ class TinkerDoor:
         try:
             resolved = await self._tier().resolve(tenant_id, model)
         except ModelNotFoundError as exc:
-            raise APIError(404, "model_not_found", str(exc), field="model_path") from exc
+            if model_path is not None:
+                raise _weights_gone(model_path, str(exc)) from exc
+            raise APIError(404, "model_not_found", str(exc), field="base_model") from exc
         except ModelMismatchError as exc:
             raise APIError(400, "model_mismatch", str(exc), field="model_path") from exc
         max_context = await asyncio.to_thread(self.context_of, resolved.model_dir)
@@ -536,12 +538,23 @@ class TinkerDoor:
         except ValidationError as exc:
             err = exc.errors()[0]
             raise APIError(400, "validation_error", f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from exc
-        future = await sampling.sample(self._tier(), self.manager.futures, tenant_id, body)
+        try:
+            future = await sampling.sample(self._tier(), self.manager.futures, tenant_id, body)
+        except APIError as exc:
+            if exc.code == "model_not_found" and sampler.model_path:
+                raise _weights_gone(sampler.model_path, exc.message) from exc
+            raise
 
         def render(result: dict[str, Any]) -> Response:
             return _proto(codec.encode_sample)(result, last_n, req.topk_prompt_logprobs)
 
         return self._answer(tenant_id, future, render)
+
+
+def _weights_gone(model_path: str, reason: str) -> APIError:
+    """Sampler weights that no longer resolve, named by their tinker:// path rather than the registry's names."""
+    message = f"{model_path}: these sampler weights were deleted or never saved ({reason})"
+    return APIError(404, "model_not_found", message, field="model_path")
 
 
 def _training_state(tinker_path: str) -> TinkerPath:

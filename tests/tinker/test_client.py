@@ -180,9 +180,10 @@ def test_sampling_clients_agree_with_the_trainer(client, training):
     assert base.sequences[0].logprobs != first.logprobs  # the adapter, not the base, answered
 
 
-def test_rest_client_lists_inspects_and_deletes_checkpoints(service, tenant, training):
+def test_rest_client_lists_inspects_and_deletes_checkpoints(service, tenant, client, training):
     rest = tinker.RestClient(base_url=service.url, api_key=tenant[1])
     sampler_path = training.save_weights_for_sampler("000001").result().path  # the cookbook's digit names
+    sampler = client.create_sampling_client(model_path=sampler_path).result()
     run_id = sampler_path.removeprefix("tinker://").split("/")[0]
     listed = rest.list_checkpoints(run_id).result().checkpoints
     ids = {c.checkpoint_id: c for c in listed}
@@ -194,6 +195,13 @@ def test_rest_client_lists_inspects_and_deletes_checkpoints(service, tenant, tra
     assert (info.base_model, info.lora_rank, info.train_mlp, info.train_unembed) == ("inkling-tiny", 2, True, True)
     rest.delete_checkpoint_from_tinker_path(sampler_path).result()
     assert "sampler_weights/000001" not in {c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints}
+    for sample in (  # the deleted weights are named by the path the user knows, not by registry names
+        lambda: sampler.sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2)),
+        lambda: client.create_sampling_client(model_path=sampler_path),
+    ):
+        with pytest.raises(tinker.NotFoundError) as err:
+            sample().result()
+        assert f"{sampler_path}: these sampler weights were deleted or never saved" in str(err.value)
     models = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
     assert "inkling-tiny" in models
 
