@@ -22,7 +22,7 @@ from inkwell.sdk.client import API_KEY_ENV, URL_ENV, Client
 from inkwell.sdk.errors import InkwellError
 from inkwell.sdk.jobs import Job
 
-jobs_app = typer.Typer(help="Fine-tuning jobs: create, list, follow, cancel.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Fine-tuning jobs: create, list, follow, wait for, cancel.", no_args_is_help=True)
 adapters_app = typer.Typer(help="The adapter registry: list, download, import, alias, delete.", no_args_is_help=True)
 out = terminal.console()
 err = terminal.console(stderr=True)
@@ -182,6 +182,25 @@ def jobs_events(
         terminal.print_plain(out, line.rstrip())
 
 
+@jobs_app.command("wait")
+@_reports_errors
+def jobs_wait(
+    job_id: str,
+    timeout: Annotated[
+        float | None, typer.Option(help="stop waiting after this many seconds (the job goes on)", show_default=False)
+    ] = None,
+    url: Url = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Follow a job with a progress bar until it ends; exit status 1 if it failed, was cancelled or outlasted
+    --timeout."""
+    _published(Client(url, api_key).jobs.get(job_id).wait(timeout=timeout))
+
+
+def _published(job: Job) -> None:
+    out.print(f"{job.id} succeeded: published {job.adapter_name}@{job.info.adapter_version}", highlight=False)
+
+
 @jobs_app.command("logs")
 @_reports_errors
 def jobs_logs(job_id: str, url: Url = None, api_key: ApiKey = None) -> None:
@@ -237,8 +256,7 @@ def jobs_create(
     )
     out.print(f"created {job.id} ({job.adapter_name}, {job.state})", highlight=False)
     if wait:
-        job.wait()
-        out.print(f"{job.id} succeeded: published {job.adapter_name}@{job.info.adapter_version}", highlight=False)
+        _published(job.wait())
 
 
 # ---- adapters ---------------------------------------------------------------------------------

@@ -48,11 +48,14 @@ def test_jobs_commands(api, sqlite_service, tmp_path):
     listed = json.loads(run(env, "jobs", "list", "--state", "queued", "--json").output)
     assert [j["id"] for j in listed] == [job_id]
     assert job_id in run(env, "jobs", "list").output
+    waited = run(env, "jobs", "wait", job_id, "--timeout", "1", code=1)  # no worker serves this service
+    assert "wait_timeout" in waited.output
     assert "cancelled" in run(env, "jobs", "cancel", job_id).output
     events = run(env, "jobs", "events", job_id, "--json").output.splitlines()
     assert [json.loads(e)["state"] for e in events] == ["queued", "cancelled"]
     assert "[cancelled]" in run(env, "jobs", "events", job_id, "--no-follow").output
     assert "job queued" in run(env, "jobs", "logs", job_id).output
+    assert "job_cancelled" in run(env, "jobs", "wait", job_id, code=1).output
 
     bad = run(env, "jobs", "create", "--base-model", "gpt-9", "--dataset", str(data), code=1)
     assert "unknown_base_model" in bad.output and "inkling-tiny" in bad.output
