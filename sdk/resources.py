@@ -34,6 +34,7 @@ from inkwell.service.schemas import (
 )
 from inkwell.service.schemas import Job as JobInfo
 from inkwell.trainer.config import name_problem
+from inkwell.validation import first_error, reason
 
 if TYPE_CHECKING:
     from inkwell.sdk.client import Client
@@ -78,13 +79,12 @@ def _check_name(kind: str, name: str) -> None:
 def pydantic_error(what: str, exc: pydantic.ValidationError, known: Iterable[str]) -> ValidationError:
     """A client-side ValidationError naming the bad field and, for unknown ones, the allowed names."""
     errors = exc.errors(include_url=False)
-    first = errors[0]
-    where = ".".join(str(p) for p in first["loc"])
-    if first["type"] == "extra_forbidden":
+    where, why = first_error(exc)
+    if errors[0]["type"] == "extra_forbidden":
         message = f"unknown {what} {where!r}; known: {', '.join(known)}"
     else:
-        message = f"{what} {where}: {first['msg']}"
-    details = {"errors": [{"loc": list(e["loc"]), "msg": e["msg"]} for e in errors]}
+        message = f"{what} {where}: {why}"
+    details = {"errors": [{"loc": list(e["loc"]), "msg": reason(e)} for e in errors]}
     return ValidationError(message, code="validation_error", details=details)
 
 

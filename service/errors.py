@@ -19,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inkwell.service.storage import ObjectCorrupt, ObjectMissing, StorageUnavailable
+from inkwell.validation import place, reason
 
 log = logging.getLogger("inkwell.service")
 
@@ -62,13 +63,13 @@ def validation_summary(exc: RequestValidationError) -> tuple[str, list[dict]]:
     (FastAPI reports it at loc ["body", <character>] as "JSON decode error")."""
     errors = []
     for err in exc.errors():
-        loc, msg, kind = list(err.get("loc", ())), str(err.get("msg", "")), err.get("type", "")
+        loc, msg, kind = list(err.get("loc", ())), reason(err), err.get("type", "")
         if kind == "json_invalid" and len(loc) == 2:
-            reason = (err.get("ctx") or {}).get("error", "unreadable")
-            loc, msg = ["body"], f"not valid JSON ({reason} at character {loc[1]}); send a JSON object"
+            parser_said = (err.get("ctx") or {}).get("error", "unreadable")
+            loc, msg = ["body"], f"not valid JSON ({parser_said} at character {loc[1]}); send a JSON object"
         errors.append({"loc": loc, "msg": msg, "type": kind})
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-    where = ".".join(str(p) for p in first["loc"])
+    where = place(first)
     return (f"{where}: {first['msg']}" if where else first["msg"]), errors
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from inkwell.adapters.spec import LoraSpec
 from inkwell.trainer.records import SFT_FORMATS, DatasetFormat
 from inkwell.trainer.verifiers import VERIFIERS, verifier
+from inkwell.validation import first_error
 
 # Adapter, alias and dataset names: a path segment that is safe in S3 keys, URLs and file names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -315,9 +316,8 @@ def parse_config[M: BaseModel](data: M | dict, model: type[M] = TrainJobConfig) 
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
-        raise TrainConfigError(f"{field or 'config'}: {first['msg']}", field=field, reason=first["msg"]) from exc
+        field, why = first_error(exc)
+        raise TrainConfigError(f"{field or 'config'}: {why}", field=field or None, reason=why) from exc
 
 
 def load_job_config(path: str | Path) -> TrainJobConfig:

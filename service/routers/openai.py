@@ -61,6 +61,7 @@ from inkwell.serving.resolve import ModelMismatchError, ModelNotFoundError, Reso
 from inkwell.serving.router import QueueFullError
 from inkwell.serving.settings import ServingSettings
 from inkwell.serving.tier import ServingTier
+from inkwell.validation import first_error
 
 router = APIRouter(prefix="/v1", tags=["serving"])
 log = logging.getLogger(__name__)
@@ -111,9 +112,8 @@ async def _parse[T: OpenAIRequest](request: Request, model: type[T]) -> T:
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise OpenAIError(400, "invalid_parameter", f"{param}: {first['msg']}", param) from exc
+        param, why = first_error(exc)
+        raise OpenAIError(400, "invalid_parameter", f"{param}: {why}", param or None) from exc
     unsupported = body.unsupported()
     if unsupported:
         raise OpenAIError(400, "unsupported_parameter", f"{unsupported} is not supported; leave it unset", unsupported)

@@ -41,6 +41,7 @@ from inkwell.serving.tier import ServingTier
 from inkwell.trainer.core import AdamParams
 from inkwell.trainer.datums import DatumError, check_request
 from inkwell.trainer.losses import LOSSES
+from inkwell.validation import first_error
 
 LORA_ALPHA = 32.0  # Tinker's fixed LoRA alpha: the learning rate does not depend on the rank
 SEQ_WAIT_SECONDS = 50.0  # under the client's 60 s timeout; it sends the request again on the 408
@@ -79,8 +80,8 @@ def lora_spec(config: types.LoraConfig | None) -> LoraSpec:
     try:
         return LoraSpec(rank=config.rank, alpha=LORA_ALPHA, targets=tuple(targets))
     except ValidationError as exc:
-        field = "lora_config." + ".".join(str(part) for part in exc.errors()[0]["loc"])
-        raise APIError(400, "validation_error", f"{field}: {exc.errors()[0]['msg']}", field=field) from exc
+        field, why = first_error(exc, "lora_config")
+        raise APIError(400, "validation_error", f"{field}: {why}", field=field) from exc
 
 
 @dataclass
@@ -382,8 +383,8 @@ class TinkerDoor:
             try:
                 adam = session_schemas.AdamParams.model_validate(req.optim_params.model_dump())
             except ValidationError as exc:
-                err = exc.errors()[0]
-                raise APIError(400, "validation_error", f"adam_params.{err['loc'][0]}: {err['msg']}") from exc
+                field, why = first_error(exc, "adam_params")
+                raise APIError(400, "validation_error", f"{field}: {why}", field=field) from exc
             return AdamParams(**adam.model_dump())
 
         async def submit(live: LiveSession, adam: AdamParams) -> tuple[Future, Render]:
@@ -536,8 +537,8 @@ class TinkerDoor:
                 topk_prompt_logprobs=req.topk_prompt_logprobs,
             )
         except ValidationError as exc:
-            err = exc.errors()[0]
-            raise APIError(400, "validation_error", f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from exc
+            field, why = first_error(exc)
+            raise APIError(400, "validation_error", f"{field}: {why}", field=field) from exc
         try:
             future = await sampling.sample(self._tier(), self.manager.futures, tenant_id, body)
         except APIError as exc:

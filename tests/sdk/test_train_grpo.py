@@ -71,10 +71,10 @@ def test_an_unknown_verifier_is_refused_naming_the_known_ones(refused):
     client, http, answers, _ = refused
     err = assert_error(http.post("/v1/jobs", json=job(answers, verifier="fuzzy")), 422, "validation_error")
     assert err["details"]["errors"][0]["loc"][-2:] == ["hyperparameters", "verifier"]
-    assert "unknown verifier 'fuzzy'; built in: exact_match, regex" in err["message"]
+    assert "verifier: unknown verifier 'fuzzy'; built in: exact_match, regex" in err["message"]
     err = assert_error(http.post("/v1/jobs", json=job(answers, group_size=2, batch_size=4)), 422, "validation_error")
     assert err["details"]["errors"][0]["loc"][-1] == "batch_size"  # an SFT knob is no GRPO knob
-    with pytest.raises(sdk.ValidationError, match="verifier: Value error, unknown verifier 'fuzzy'"):
+    with pytest.raises(sdk.ValidationError, match="verifier: unknown verifier 'fuzzy'"):
         sdk.train("inkling-tiny", answers, method="grpo", verifier="fuzzy", client=client)
 
 
