@@ -6,7 +6,7 @@ in `omit_if_none`, which OpenAI leaves out when they are empty (a chunk's usage,
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 from transformers import PreTrainedTokenizerBase
 
 from inkwell.serving.contract import SamplingParams, TokenLogprob
@@ -65,6 +65,15 @@ class CompletionRequest(OpenAIRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        return super().unsupported()
 
     def prompts(self) -> list[str] | list[list[int]]:
         if isinstance(self.prompt, str):
@@ -80,10 +89,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        """Inkling reads text: an image or audio part is refused rather than dropped from the prompt."""
+        for part in [] if isinstance(content, str) else content:
+            if part.get("type") != "text":
+                raise ValueError(f"a content part of type {part.get('type')!r}: Inkling reads text parts only")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text part needs its 'text' string")
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -92,6 +112,23 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # what the engine does not do, named so that setting it is refused rather than ignored: no tool calls, no
+    # constrained decoding ("none" and {"type": "text"} ask for nothing, and are accepted)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        asked = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none"),
+            "response_format": self.response_format not in (None, {"type": "text"}),
+        }
+        return next((name for name, given in asked.items() if given), None) or super().unsupported()
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -246,6 +246,8 @@ def test_bad_models_are_4xx_openai_errors(served, model, status, code):
         ({"max_tokens": "many"}, "max_tokens", "invalid_parameter"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),
+        ({"suffix": "}"}, "suffix", "unsupported_parameter"),
+        ({"best_of": 3, "n": 1}, "best_of", "unsupported_parameter"),
         ({"seed": 2**64}, "seed", "invalid_parameter"),  # beyond every 64-bit reading
         ({"seed": -(2**63) - 1}, "seed", "invalid_parameter"),
         ({"seed": 1.5}, "seed", "invalid_parameter"),
@@ -257,6 +259,32 @@ def test_bad_parameters_are_400(served, kwargs, param, code):
     with pytest.raises(openai.BadRequestError) as err:
         served.client().completions.create(**args)
     assert err.value.body["code"] == code and err.value.body["param"] == param
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"tools": [TOOL]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ],
+)
+def test_chat_features_the_engine_lacks_are_refused_not_ignored(served, kwargs, param):
+    """Tools, constrained output and image parts: a 400 naming them, where they were dropped without a word."""
+    args = {"model": "inkling-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().chat.completions.create(**{**args, **kwargs})
+    assert err.value.body["param"].split(".")[0] == param, err.value.body
+    neutral = {"tool_choice": "none", "response_format": {"type": "text"}}  # asking for nothing is fine
+    texts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    ok = served.client().chat.completions.create(
+        **{**args, **neutral, "messages": [{"role": "user", "content": texts}]}, temperature=0
+    )
+    assert ok.choices[0].finish_reason in ("stop", "length")
 
 
 def test_raw_http_errors(served):
