@@ -51,7 +51,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = app.state
     runs = Runs(state.sessionmaker, state.store)
     state.tinker = TinkerDoor(state.sessions, runs, getattr(state, "serving", None))
-    yield
+    reaper = asyncio.ensure_future(state.tinker.reap(state.sessions.settings.reap_interval))
+    try:
+        yield
+    finally:
+        reaper.cancel()
 
 
 def _door(request: Request) -> TinkerDoor:

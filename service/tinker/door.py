@@ -11,7 +11,9 @@ expires.
 
 import asyncio
 import json
+import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +48,14 @@ from inkwell.validation import first_error
 LORA_ALPHA = 32.0  # Tinker's fixed LoRA alpha: the learning rate does not depend on the rank
 SEQ_WAIT_SECONDS = 50.0  # under the client's 60 s timeout; it sends the request again on the 408
 LONG_POLL_SECONDS = 30.0  # under retrieve_future's 45 s timeout
+# The client beats every 10 s and warns after 2 min without an answer that its session will be ended: one silent
+# this long has gone (killed, or its machine asleep), and its training models give their slots back.
+HEARTBEAT_LOST_SECONDS = 120.0
+FORGET_FINISHED_SECONDS = 3600.0  # a finished session still answers 410 to its client this long
 PRUNE_EVERY = 512
 SUPPORTED_LOSSES = ", ".join(LOSSES)
+
+log = logging.getLogger("inkwell.tinker")
 
 type Render = Callable[[Any], Response]
 type JsonRequest = (
@@ -90,6 +98,7 @@ class TinkerSession:
     tenant_id: str
     models: list[str] = field(default_factory=list)
     finished: bool = False
+    last_beat: float = field(default_factory=time.monotonic)  # created, or its client's last heartbeat
 
 
 @dataclass
@@ -164,7 +173,9 @@ class TinkerDoor:
 
     def heartbeat(self, tenant_id: str, session_id: str) -> None:
         """Keep the session's training models open (an idle model is closed after the sessions' idle timeout)."""
-        for model_id in self.session(tenant_id, session_id).models:
+        session = self.session(tenant_id, session_id)
+        session.last_beat = time.monotonic()
+        for model_id in session.models:
             live = self.models[model_id].live
             if live.state != "closed":
                 live.touch()
@@ -172,13 +183,30 @@ class TinkerDoor:
     async def finish(self, tenant_id: str, session_id: str) -> None:
         """Close the session's training models (their devices and session slots are released) and forget its models
         and samplers; their checkpoints stay."""
-        session = self.session(tenant_id, session_id)
-        session.finished = True
+        await self._finish(self.session(tenant_id, session_id), "closed_by_owner", "finished")
+
+    async def _finish(self, session: TinkerSession, reason: str, why: str) -> None:
+        session.finished, session.last_beat = True, time.monotonic()
         for model_id in session.models:
             model = self.models.pop(model_id)
-            await self.manager.close(model.live, "closed_by_owner", f"Tinker session {session_id} finished")
-        for sampler_id in [sid for sid in self.samplers if sid.startswith(f"{session_id}:")]:
+            await self.manager.close(model.live, reason, f"Tinker session {session.id} {why}")
+        for sampler_id in [sid for sid in self.samplers if sid.startswith(f"{session.id}:")]:
             del self.samplers[sampler_id]
+
+    async def reap(self, interval: float) -> None:
+        """Every `interval` s: finish the sessions whose client stopped beating (a killed script left its training
+        models holding session slots until the sessions' idle timeout, ten minutes, and a new run waited on 429s
+        as long), and forget those finished an hour ago."""
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                silent = now - session.last_beat
+                if session.finished and silent > FORGET_FINISHED_SECONDS:
+                    del self.sessions[session.id]
+                elif not session.finished and silent > HEARTBEAT_LOST_SECONDS:
+                    log.info("Tinker session %s: no heartbeat for %.0f s; its models close", session.id, silent)
+                    await self._finish(session, "session_heartbeat_lost", f"had no heartbeat for {silent:.0f} s")
 
     # ---- training models ---------------------------------------------------------------------------------
 
