@@ -78,6 +78,8 @@ class SeqGate:
         if admitted is None:
             return
         missing = [seq for seq in range(self.next_seq, seq_id) if seq not in self._waiting]
+        if not missing:  # every one before it is here, the earliest still starting: it runs in its turn
+            return
         reason = f"seq_id {seq_id} waited {waited:.0f}s for seq_id {missing[0]}, which never arrived"
         for seq in missing:
             self._waiting[seq] = None

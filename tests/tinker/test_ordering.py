@@ -67,3 +67,30 @@ def test_a_refused_request_takes_its_turn_and_a_gap_is_given_up_and_passed_over(
         assert started == [2, 5, 6]  # the model went on
 
     asyncio.run(run())
+
+
+def test_a_request_whose_predecessors_are_all_here_is_not_given_up():
+    """Its timer runs out while the one before it is still starting (a slow start): nothing is missing, so it
+    waits its turn, and the timer raises nothing in the event loop."""
+
+    async def run() -> None:
+        gate, started, given_up, errors = SeqGate(), [], [], []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        release = asyncio.Event()
+
+        async def slow() -> Admitted[int]:
+            async def start() -> None:
+                await release.wait()
+                started.append(1)
+
+            return Admitted(10, start, given_up.append)
+
+        assert await gate.admit(2, _request(2, started, given_up), 0.1) == 20
+        first = asyncio.ensure_future(gate.admit(1, slow, 5.0))
+        await asyncio.sleep(0.3)  # 2's timer ran out while 1 was starting
+        release.set()
+        assert await first == 10
+        await asyncio.sleep(0)
+        assert given_up == [] and started == [1, 2] and errors == []
+
+    asyncio.run(run())
