@@ -84,6 +84,15 @@ class _JobBase:
         return f"<{type(self).__name__} {self.id} {self.state} step {p.step}/{p.max_steps} adapter={self.adapter_name}>"
 
 
+def _ended(events: list[JobEvent]) -> bool:
+    """Whether the events hold the job's terminal state: it ended as the wait began, nothing is left to follow."""
+    return any(event.type == "state" and event.state in TERMINAL_STATES for event in events)
+
+
+def _last_id(events: list[JobEvent]) -> int | None:
+    return events[-1].id if events else None
+
+
 # A progress event's figures shown beside the bar: (event key, label, format).
 _POSTFIX = (
     ("loss", "loss", "{:.4f}"),
@@ -167,8 +176,9 @@ class Job(_JobBase):
             history = list(self._client.jobs.history(self.id)) if progress else []
             bar = _ProgressBar(self, progress, history)
             try:
-                for event in self.events(after=history[-1].id if history else None, timeout=timeout):
-                    bar.update(event)
+                if not _ended(history):
+                    for event in self.events(after=_last_id(history), timeout=timeout):
+                        bar.update(event)
             finally:
                 bar.close()
             self.refresh()
@@ -185,8 +195,9 @@ class AsyncJob(_JobBase):
             history = [event async for event in self._client.jobs.history(self.id)] if progress else []
             bar = _ProgressBar(self, progress, history)
             try:
-                async for event in self.events(after=history[-1].id if history else None, timeout=timeout):
-                    bar.update(event)
+                if not _ended(history):
+                    async for event in self.events(after=_last_id(history), timeout=timeout):
+                        bar.update(event)
             finally:
                 bar.close()
             await self.refresh()

@@ -159,6 +159,24 @@ def test_progress_bar_starts_where_a_running_job_is(api, sqlite_service, capsys,
     assert (last_state, last_step, last_loss[1]) == ("succeeded", 4, "0.2500")
 
 
+def test_wait_on_a_job_that_ends_as_the_wait_begins(api, sqlite_service, monkeypatch):
+    """The job ends between wait()'s look at it and its read of the events so far: the wait returns at once (it
+    followed the stream from the terminal event on, which the service closes at once, until it gave up)."""
+    client, _ = api
+    job = client.train("inkling-tiny", CHAT, adapter_name="ending", wait=False, max_steps=5)
+    _play_worker(sqlite_service, job.id, [("state", "running", {})])
+    history = client.jobs.history
+
+    def ending_history(job_id: str, **kwargs):
+        _play_worker(sqlite_service, job_id, [("state", "succeeded", {})])  # the race, injected
+        return history(job_id, **kwargs)
+
+    monkeypatch.setattr(client.jobs, "history", ending_history)
+    started = time.monotonic()
+    assert job.wait(timeout=60).state == "succeeded"
+    assert time.monotonic() - started < 5
+
+
 def test_registry_import_download_alias_delete(api, adapter_dir, sqlite_service, tmp_path):
     client, _ = api
     v1 = client.adapters.import_(adapter_dir, name="imported", base_model="inkling-tiny", layout="sglang")
