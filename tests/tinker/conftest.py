@@ -12,7 +12,9 @@ from tests.service.helpers import Service, make_settings, start_service
 
 @pytest.fixture(scope="session")
 def service(seaweed, tmp_path_factory) -> Iterator[Service]:
-    svc = start_service(make_settings(tmp_path_factory.mktemp("svc-tinker"), None, seaweed))
+    with pytest.MonkeyPatch.context() as patch:  # sessions read their settings as the service starts
+        patch.setenv("INKWELL_SESSION_REAP_INTERVAL", "0.5")  # the reapers' pass: 5 s by default
+        svc = start_service(make_settings(tmp_path_factory.mktemp("svc-tinker"), None, seaweed))
     yield svc
     svc.stop()
 
