@@ -176,7 +176,7 @@ def _validated[B: JsonRequest](raw: dict[str, Any], schema: type[B]) -> B:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()], body=raw) from exc
 
 
-async def _in_order[B: JsonRequest](
+async def _training_request[B: JsonRequest](
     request: Request, who: Principal, raw: dict[str, Any], schema: type[B], run: Callable[[str, B], Awaitable[Future]]
 ) -> dict[str, Any]:
     """A training model's JSON request, validated here rather than before the route: one that does not validate
@@ -196,12 +196,12 @@ async def _in_order[B: JsonRequest](
 
 @router.post("/optim_step")
 async def optim_step(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
-    return await _in_order(request, who, raw, types.OptimStepRequest, _door(request).optim_step)
+    return await _training_request(request, who, raw, types.OptimStepRequest, _door(request).optim_step)
 
 
 @router.post("/save_weights")
 async def save_weights(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
-    return await _in_order(request, who, raw, types.SaveWeightsRequest, _door(request).save_state)
+    return await _training_request(request, who, raw, types.SaveWeightsRequest, _door(request).save_state)
 
 
 @router.post("/load_weights")
@@ -212,7 +212,7 @@ async def load_weights(raw: JsonObject, request: Request, who: Principal = Depen
     if raw.get("session_id") is None or raw.get("model_seq_id") is None:
         if raw.get("model_id") is None:
             raise APIError(400, "validation_error", "load_weights: give session_id and model_seq_id, or model_id")
-        return await _in_order(request, who, raw, types.LoadWeightsRequest, door.load_state)
+        return await _training_request(request, who, raw, types.LoadWeightsRequest, door.load_state)
     body = _validated(raw, types.LoadWeightsRequest)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     return _future(await door.create_from_state(who.tenant_id, body), model_id=model_id)
@@ -222,7 +222,8 @@ async def load_weights(raw: JsonObject, request: Request, who: Principal = Depen
 async def save_weights_for_sampler(
     raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)
 ) -> dict[str, Any]:
-    return await _in_order(request, who, raw, types.SaveWeightsForSamplerRequest, _door(request).save_for_sampler)
+    door = _door(request)
+    return await _training_request(request, who, raw, types.SaveWeightsForSamplerRequest, door.save_for_sampler)
 
 
 # ---- sampling ----------------------------------------------------------------------------------------
