@@ -98,7 +98,9 @@ class TinkerSession:
     tenant_id: str
     models: list[str] = field(default_factory=list)
     finished: bool = False
-    last_beat: float = field(default_factory=time.monotonic)  # created, or its client's last heartbeat
+    # monotonic time of its creation or its client's last heartbeat; once finished, of its finish (the reaper
+    # forgets it an hour later)
+    last_beat: float = field(default_factory=time.monotonic)
 
 
 @dataclass
