@@ -336,9 +336,10 @@ def _slot_deltas(
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e:
-    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot over the rows of that slot (the tile is one expert's, so a slot's B
-    is one [R, BLOCK_N] block), B's load masked off for a slot no row holds. Each row gets its own slot's product
-    only, so the rows' scalings apply once, after the loop."""
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot the tile's rows hold (the tile is one expert's, so a slot's B is
+    one [R, BLOCK_N] block), the slots visited in order from the least, so a tile of one adapter's rows does one
+    dot however many slots the pool has. Each row gets its own slot's product only, so the rows' scalings apply
+    once, after the loop."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
@@ -357,7 +358,9 @@ def _slot_deltas(
     )  # fmt: skip
     b_mask = in_j[:, None] & in_n[None, :]
     delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for slot in range(0, num_slots):
+    least = tl.min(tl.where(slots >= 0, slots, num_slots), 0)  # num_slots: the tile holds no slot
+    b_block += least.to(tl.int64) * stride_bs
+    for slot in range(least, tl.max(slots, 0) + 1):  # the slots from the tile's least to its greatest
         rows_of_slot = slots == slot
         held = tl.max(rows_of_slot.to(tl.int32), 0) > 0
         b = tl.load(b_block, mask=b_mask & held, other=0.0)
