@@ -336,10 +336,10 @@ def _slot_deltas(
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e:
-    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot the tile's rows hold (the tile is one expert's, so a slot's B is
-    one [R, BLOCK_N] block), the slots visited in order from the least, so a tile of one adapter's rows does one
-    dot however many slots the pool has. Each row gets its own slot's product only, so the rows' scalings apply
-    once, after the loop."""
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot from the tile's least slot to its greatest (the tile is one
+    expert's, so a slot's B is one [R, BLOCK_N] block; B's load masked off for a slot between them that no row
+    holds), so a tile of one adapter's rows does one dot however many slots the pool has. Each row gets its own
+    slot's product only, so the rows' scalings apply once, after the loop."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
