@@ -1,5 +1,6 @@
 """`Client` and `AsyncClient`: configuration, the four resources and `train()`, over one transport each."""
 
+import contextlib
 import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -10,10 +11,10 @@ import httpx
 
 from inkwell.adapters.spec import LoraSpec
 from inkwell.sdk.calls import Op
-from inkwell.sdk.errors import ConfigurationError
+from inkwell.sdk.errors import ConfigurationError, InkwellError
 from inkwell.sdk.jobs import AsyncJob, Job
 from inkwell.sdk.resources import DATASET_ID, Adapters, Datasets, DatasetSource, Jobs, Models
-from inkwell.sdk.sessions import SamplingClient, Sessions
+from inkwell.sdk.sessions import SamplingClient, Sessions, TrainingSession
 from inkwell.sdk.transport import AsyncTransport, SyncTransport
 from inkwell.service.schemas import Job as JobInfo
 
@@ -65,6 +66,7 @@ class _ClientBase:
         self.adapters = Adapters(self)
         self.models = Models(self)
         self.sessions = Sessions(self)
+        self._open_sessions: set[TrainingSession] = set()  # opened here and not closed: closed with the client
 
     def sampling_client(self, model: str) -> SamplingClient:
         """Sample from `model`: a base model or '<base>:<adapter>[@<version>|@<alias>]'."""
@@ -134,6 +136,10 @@ class Client(_ClientBase):
         return job.wait(timeout=timeout, progress=progress) if wait else job
 
     def close(self) -> None:
+        """Close the sessions this client opened and left open (their heartbeats stop here), then the connection."""
+        for session in list(self._open_sessions):
+            with contextlib.suppress(InkwellError):  # already closed, or the service is gone
+                session.close()
         self._transport.close()
 
     def __enter__(self) -> "Client":
@@ -169,6 +175,10 @@ class AsyncClient(_ClientBase):
         return await job.wait(timeout=timeout, progress=progress) if wait else job
 
     async def aclose(self) -> None:
+        """Close the sessions this client opened and left open (their heartbeats stop here), then the connection."""
+        for session in list(self._open_sessions):
+            with contextlib.suppress(InkwellError):  # already closed, or the service is gone
+                await session.close()
         await self._transport.close()
 
     async def __aenter__(self) -> "AsyncClient":

@@ -7,11 +7,14 @@
     client.sampling_client(sampler.model).sample(prompt, num_samples=4, max_tokens=16).result()
 
 On a `Client` every call returns an `APIFuture` (`.result(timeout)`); on an `AsyncClient` an `AsyncAPIFuture`
-(`await`). A session sends heartbeats in the background while it is open (a `with` block closes it), so an idle
-program does not lose its device; the service closes sessions that stop sending them.
+(`await`). A session sends heartbeats in the background while it is open (a `with` block closes it, and so does a
+synchronous client's program at its exit), so an idle program does not lose its device; the service closes
+sessions that stop sending them.
 """
 
 import asyncio
+import atexit
+import contextlib
 import math
 import threading
 import time
@@ -233,6 +236,8 @@ class TrainingSession(_Primitives):
     def close(self):
         """End the session and free its device (pending requests fail)."""
         self._stop.set()
+        atexit.unregister(self._close_at_exit)
+        self._client._open_sessions.discard(self)
         call = Call("DELETE", f"/v1/sessions/{segment(self.id)}", parse=parse_model(Session))
         return self._run(self._get_op(call))
 
@@ -250,6 +255,7 @@ class TrainingSession(_Primitives):
 
     def _start_heartbeats(self) -> None:
         interval = max(1.0, self.info.idle_timeout_seconds / 4)
+        self._client._open_sessions.add(self)
         if self._client._is_async:
 
             async def beat() -> None:
@@ -272,6 +278,13 @@ class TrainingSession(_Primitives):
 
         self._beat = threading.Thread(target=beat_sync, name=f"heartbeat-{self.id}", daemon=True)
         self._beat.start()
+        atexit.register(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """The program ends (or is interrupted), or its client closes, with the session open: close it. Its
+        heartbeats stop there, and the session would hold its device until the service's idle timeout."""
+        with contextlib.suppress(InkwellError):  # already closed, or the service is gone: it holds nothing then
+            self.close()
 
     def __repr__(self) -> str:
         return f"<TrainingSession {self.id} {self.info.state} step={self.info.step}>"

@@ -4,6 +4,8 @@ exactly, sampler weights reach the serving tier, and bad input is refused withou
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -284,6 +286,29 @@ def test_capacity_idle_timeout_and_a_dead_worker(client, service, tenant):
             with pytest.raises(SessionClosedError):
                 busy.forward([_datum([1, 2, 3])])
             busy._stop.set()
+
+
+def test_a_session_left_open_closes_with_its_client_and_at_its_programs_exit(service, tenant):
+    """The session's heartbeats end with its client or its program: it is closed then (by its owner), not held
+    until the idle timeout (6 s here; 10 minutes by default)."""
+    headers = {"Authorization": f"Bearer {tenant[1]}"}
+    with httpx.Client(base_url=service.url, headers=headers, timeout=60) as raw:
+
+        def closed_code(session_id: str) -> str | None:
+            return raw.get(f"/v1/sessions/{session_id}").json()["closed_code"]
+
+        with sdk.Client(service.url, tenant[1]) as own:
+            left = own.sessions.create("inkling-tiny", lora=LORA)
+            assert closed_code(left.id) is None
+        assert closed_code(left.id) == "closed_by_owner"
+        script = (
+            "from inkwell import sdk\n"
+            f"client = sdk.Client({service.url!r}, {tenant[1]!r})\n"
+            f"print(client.sessions.create('inkling-tiny', lora={LORA!r}).id)\n"
+        )
+        ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert ended.returncode == 0, ended.stderr
+        assert closed_code(ended.stdout.strip()) == "closed_by_owner"
 
 
 def test_importance_sampling_with_the_samplers_own_logprobs_is_cross_entropys_gradient(client):
