@@ -1,4 +1,4 @@
-"""`inkwell jobs ...` and `inkwell adapters ...`: the SDK on the command line.
+"""`inkwell jobs ...`, `inkwell adapters ...` and `inkwell sessions ...`: the SDK on the command line.
 
 Every command takes `--url` / `--api-key` (or INKWELL_URL / INKWELL_API_KEY) and `--json` where
 it prints objects. Errors print the service's code and message and exit with status 1.
@@ -21,9 +21,11 @@ from inkwell import terminal
 from inkwell.sdk.client import API_KEY_ENV, URL_ENV, Client
 from inkwell.sdk.errors import InkwellError
 from inkwell.sdk.jobs import Job
+from inkwell.service.sessions.schemas import Session
 
 jobs_app = typer.Typer(help="Fine-tuning jobs: create, list, follow, wait for, cancel.", no_args_is_help=True)
 adapters_app = typer.Typer(help="The adapter registry: list, download, import, alias, delete.", no_args_is_help=True)
+sessions_app = typer.Typer(help="Training sessions: list, show, close.", no_args_is_help=True)
 out = terminal.console()
 err = terminal.console(stderr=True)
 
@@ -391,3 +393,52 @@ def adapters_delete(name: str, version: int, url: Url = None, api_key: ApiKey = 
     """Soft-delete a version (audited; refused while an alias points at it)."""
     v = Client(url, api_key).adapters.delete_version(name, version)
     out.print(f"deleted {v.name}@{v.version}", highlight=False)
+
+
+# ---- sessions ---------------------------------------------------------------------------------
+
+SESSION_COLUMNS = ["id", "state", "base", "adapter", "step", "pending", "last active", "closed"]
+
+
+def _session_row(session: Session) -> list[Any]:
+    return [
+        session.id,
+        session.state,
+        session.base_model,
+        session.adapter_name,
+        session.step,
+        session.pending,
+        _when(session.last_active_at),
+        session.closed_code,
+    ]
+
+
+@sessions_app.command("list")
+@_reports_errors
+def sessions_list(as_json: AsJson = False, url: Url = None, api_key: ApiKey = None) -> None:
+    """List the tenant's training sessions, open and recently closed."""
+    sessions = Client(url, api_key).sessions.list()
+    if as_json:
+        return _print_json(sessions)
+    _table(SESSION_COLUMNS, [_session_row(s) for s in sessions])
+
+
+@sessions_app.command("get")
+@_reports_errors
+def sessions_get(session_id: str, as_json: AsJson = False, url: Url = None, api_key: ApiKey = None) -> None:
+    """Show one session (why it ended, when it has)."""
+    session = Client(url, api_key).sessions.get(session_id).info
+    if as_json:
+        return _print_json(session)
+    _table(SESSION_COLUMNS, [_session_row(session)])
+    if session.closed_reason:
+        terminal.print_plain(out, session.closed_reason)
+
+
+@sessions_app.command("close")
+@_reports_errors
+def sessions_close(session_id: str, url: Url = None, api_key: ApiKey = None) -> None:
+    """Close a session and free its device: one a killed program left open, without waiting for its idle
+    timeout. Its pending requests fail."""
+    session = Client(url, api_key).sessions.get(session_id).close().info
+    out.print(f"{session.id}: {session.state} at step {session.step}", highlight=False)

@@ -1,8 +1,9 @@
-"""`inkwell jobs ...` / `inkwell adapters ...` through the real CLI app against the real service."""
+"""`inkwell jobs`, `inkwell adapters` and `inkwell sessions` through the real CLI app against the real service."""
 
 import hashlib
 import json
 
+import httpx
 from typer.testing import CliRunner
 
 from inkwell.cli import app
@@ -123,3 +124,20 @@ def test_the_command_line_starts_without_torch():
     code = "import sys, inkwell.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_sessions_commands(api, sqlite_service):
+    """A session a program left open (no heartbeats here) is listed, shown and closed from the command line."""
+    _, key = api
+    env = {"INKWELL_URL": sqlite_service.url, "INKWELL_API_KEY": key}
+    body = {"base_model": "inkling-tiny", "lora": {"rank": 2}}
+    headers = {"Authorization": f"Bearer {key}"}
+    opened = httpx.post(f"{sqlite_service.url}/v1/sessions", json=body, headers=headers, timeout=60).json()
+    listed = json.loads(run(env, "sessions", "list", "--json").output)
+    assert [(s["id"], s["state"]) for s in listed] == [(opened["id"], opened["state"])]
+    assert opened["id"] in run(env, "sessions", "list").output
+    assert f"{opened['id']}: closed at step 0" in run(env, "sessions", "close", opened["id"]).output
+    shown = run(env, "sessions", "get", opened["id"]).output
+    assert "closed_by_owner" in shown and "closed by its owner" in shown
+    assert json.loads(run(env, "sessions", "get", opened["id"], "--json").output)["state"] == "closed"
+    assert "not_found" in run(env, "sessions", "close", "sess_" + "0" * 24, code=1).output
