@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from transformers import PreTrainedTokenizerBase
 
 from inkwell.serving.contract import SamplingParams, TokenLogprob
-from inkwell.serving.limits import SEED_MAX, SEED_MIN
+from inkwell.serving.limits import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 
 class StreamOptions(BaseModel):
@@ -108,10 +108,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # checked here under the names the client sent (the engine knows them as max_tokens and logprobs); a chat
+    # has no echo, so no use for max_tokens 0
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # what the engine does not do, named so that setting it is refused rather than ignored: no tool calls, no
     # constrained decoding ("none" and {"type": "text"} ask for nothing, and are accepted)
     tools: list[dict[str, Any]] | None = None

@@ -261,6 +261,23 @@ def test_bad_parameters_are_400(served, kwargs, param, code):
     assert err.value.body["code"] == code and err.value.body["param"] == param
 
 
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_chat_parameters_are_400_under_the_names_sent(served, kwargs, param):
+    """The chat's own names (top_logprobs, max_completion_tokens), not the engine's (logprobs, max_tokens)."""
+    args = {"model": "inkling-tiny", "messages": [{"role": "user", "content": "hi"}], **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().chat.completions.create(**args)
+    assert err.value.body["code"] == "invalid_parameter" and err.value.body["param"] == param, err.value.body
+    assert err.value.body["message"].startswith(f"{param}: "), err.value.body
+
+
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 
 
