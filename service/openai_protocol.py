@@ -61,7 +61,7 @@ class OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -75,7 +75,27 @@ class CompletionRequest(OpenAIRequest):
             return "best_of"
         return super().unsupported()
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt_form(cls, prompt: object) -> object:
+        """Named when it is none of the four forms (the union's own error names one of its branches: prompt.str)."""
+
+        def token(item: object) -> bool:
+            return isinstance(item, int) and not isinstance(item, bool)
+
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list)
+            and (
+                all(isinstance(p, str) for p in prompt)
+                or all(token(p) for p in prompt)
+                or all(isinstance(p, list) and all(token(t) for t in p) for p in prompt)
+            )
+        ):
+            return prompt
+        raise ValueError("give a string, a list of strings, a list of token ids, or a list of lists of token ids")
+
     def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts, one list of texts or token ids however they were given (one, or a batch)."""
         if isinstance(self.prompt, str):
             return [self.prompt]
         if self.prompt and all(isinstance(p, int) for p in self.prompt):

@@ -208,6 +208,22 @@ def test_echo_scores_the_prompt(served, reference):
     assert more.choices[0].text.startswith("The cat sat")
 
 
+def test_a_batch_of_token_id_prompts_answers_each(served):
+    """A list of token-id lists is a batch of prompts, as a list of strings is (choice i*n+j: prompt i, draw j)."""
+    prompts = [[5, 6, 7], [8, 9]]
+    out = served.client().completions.create(
+        model="inkling-tiny", prompt=prompts, max_tokens=2, n=2, temperature=0, echo=True, logprobs=0
+    )
+    assert len(out.choices) == 4 and out.usage.prompt_tokens == 3 + 2  # each prompt once, however many draws
+    for i, prompt in enumerate(prompts):
+        one = served.client().completions.create(
+            model="inkling-tiny", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=0
+        )
+        for j in range(2):
+            assert out.choices[2 * i + j].text == one.choices[0].text
+            assert out.choices[2 * i + j].logprobs.tokens == one.choices[0].logprobs.tokens
+
+
 def test_seeded_sampling_is_repeatable(served):
     client = served.client()
     kw = dict(model="inkling-tiny:alpha", prompt="seed", max_tokens=8, temperature=1.0, top_p=0.9)
@@ -244,6 +260,8 @@ def test_bad_models_are_4xx_openai_errors(served, model, status, code):
         ({"max_tokens": 2000}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "x" * 1100}, "prompt", "context_length_exceeded"),
         ({"max_tokens": "many"}, "max_tokens", "invalid_parameter"),
+        ({"prompt": [[5, 6], "x"]}, "prompt", "invalid_parameter"),
+        ({"prompt": [5, True]}, "prompt", "invalid_parameter"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),
         ({"suffix": "}"}, "suffix", "unsupported_parameter"),
