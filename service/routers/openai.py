@@ -54,6 +54,7 @@ from inkwell.service.openai_protocol import (
     error_body,
     step_logprobs,
 )
+from inkwell.service.openapi_body import json_body
 from inkwell.service.schemas import FleetStatus, ResidentAdapter, WorkerStatus
 from inkwell.serving.contract import Choice, EngineError, SamplingParams, StepOutput
 from inkwell.serving.handle import AdapterLoadError, RequestStream, WorkerDiedError
@@ -286,29 +287,10 @@ def _answers_errors(
     return answered
 
 
-def _json_body(model: type[OpenAIRequest]) -> dict:
-    """The route's `openapi_extra`: `model` as its JSON body in /openapi.json, definitions inlined (they would
-    dangle outside the model's own schema). The route parses its body itself, so that even a body FastAPI would
-    refuse gets OpenAI's error shape, and FastAPI would not document it otherwise."""
-    schema = model.model_json_schema()
-    definitions = schema.pop("$defs", {})
-
-    def inline(node: object) -> object:
-        if isinstance(node, dict):
-            if "$ref" in node:
-                return inline(definitions[node["$ref"].rsplit("/", 1)[-1]])
-            return {key: inline(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [inline(value) for value in node]
-        return node
-
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
-
-
 # ---- routes ----------------------------------------------------------------------------------------
 
 
-@router.post("/completions", response_model=None, openapi_extra=_json_body(CompletionRequest))
+@router.post("/completions", response_model=None, openapi_extra=json_body(CompletionRequest))
 @_answers_errors
 async def completions(request: Request, tenant: str) -> Response:
     body, tier, resolved, tokenizer = await _open(request, tenant, CompletionRequest)
@@ -367,7 +349,7 @@ async def completions(request: Request, tenant: str) -> Response:
     return _json(completion(data, Usage.of(prompt_tokens, sum(c.completion_tokens for c in choices.values()))))
 
 
-@router.post("/chat/completions", response_model=None, openapi_extra=_json_body(ChatCompletionRequest))
+@router.post("/chat/completions", response_model=None, openapi_extra=json_body(ChatCompletionRequest))
 @_answers_errors
 async def chat_completions(request: Request, tenant: str) -> Response:
     body, tier, resolved, tokenizer = await _open(request, tenant, ChatCompletionRequest)

@@ -23,6 +23,7 @@ from tinker import types
 from inkwell.service.auth import Principal
 from inkwell.service.db import repo
 from inkwell.service.errors import APIError, validation_summary
+from inkwell.service.openapi_body import json_body
 from inkwell.service.sessions.futures import Future
 from inkwell.service.tinker import codec
 from inkwell.service.tinker.auth import tinker_principal
@@ -194,17 +195,17 @@ async def _training_request[B: JsonRequest](
     return _future(await run(who.tenant_id, body), model_id=model_id)
 
 
-@router.post("/optim_step")
+@router.post("/optim_step", openapi_extra=json_body(types.OptimStepRequest))
 async def optim_step(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
     return await _training_request(request, who, raw, types.OptimStepRequest, _door(request).optim_step)
 
 
-@router.post("/save_weights")
+@router.post("/save_weights", openapi_extra=json_body(types.SaveWeightsRequest))
 async def save_weights(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
     return await _training_request(request, who, raw, types.SaveWeightsRequest, _door(request).save_state)
 
 
-@router.post("/load_weights")
+@router.post("/load_weights", openapi_extra=json_body(types.LoadWeightsRequest))
 async def load_weights(raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)) -> dict[str, Any]:
     """With session_id and model_seq_id: a new model from the state (create_training_client_from_state*); with
     model_id and seq_id: the deprecated load_state into that model."""
@@ -218,7 +219,7 @@ async def load_weights(raw: JsonObject, request: Request, who: Principal = Depen
     return _future(await door.create_from_state(who.tenant_id, body), model_id=model_id)
 
 
-@router.post("/save_weights_for_sampler")
+@router.post("/save_weights_for_sampler", openapi_extra=json_body(types.SaveWeightsForSamplerRequest))
 async def save_weights_for_sampler(
     raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)
 ) -> dict[str, Any]:

@@ -187,4 +187,11 @@ def test_metrics_and_openapi(service, tenant):
     text = client.get("/metrics").text
     assert 'inkwell_http_requests_total{method="GET",route="/v1/models",status="200"}' in text
     assert "inkwell_jobs{" in text
-    assert "/v1/adapters/import" in client.get("/openapi.json").json()["paths"]
+    paths = client.get("/openapi.json").json()["paths"]
+    assert "/v1/adapters/import" in paths
+    # routes that parse their JSON body themselves document it all the same, with nested types inlined
+    for path, title in [("/v1/chat/completions", "ChatCompletionRequest"), ("/api/v1/optim_step", "OptimStepRequest")]:
+        body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["title"] == title and "$ref" not in json.dumps(body), body
+    step = paths["/api/v1/optim_step"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "learning_rate" in json.dumps(step["properties"]["optim_params"])
