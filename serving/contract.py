@@ -78,8 +78,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs or self.prompt_routing else 1):
             raise SamplingError(
                 "max_tokens",
-                f"max_tokens must be at least 1, got {self.max_tokens} (0 only scores the prompt: echo with logprobs, "
-                "or its routing)",
+                f"max_tokens must be at least 1, got {self.max_tokens} (0 is for scoring the prompt alone: ask for "
+                "its logprobs or its routing)",
             )
         if not 0.0 <= self.temperature <= 2.0:
             raise SamplingError("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
