@@ -14,6 +14,7 @@ A missing `prompt` is refused (write `"prompt": ""` for none). The upload refuse
 their prompts. Other keys are ignored. The text must be UTF-8; lines end at \\n, \\r\\n or \\r.
 """
 
+import codecs
 import json
 import re
 from dataclasses import dataclass
@@ -129,6 +130,7 @@ def parse_record(obj: object) -> Record:
 def parse_jsonl(data: bytes) -> list[Line]:
     """Every example of a JSONL file with its line number; JsonlError for the first line that is not UTF-8, not
     JSON, not an example or of another format than the lines before it, or for a file without examples."""
+    data = data.removeprefix(codecs.BOM_UTF8)  # the mark some editors write first; not part of line 1
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -43,6 +43,8 @@ TABLE = [
         ("accept", "prompt_completion", 2),
     ),
     ("cr-line-ends", lines(PC).replace(b"\n", b"\r") + lines(PC), ("accept", "prompt_completion", 2)),
+    ("utf8-bom", b"\xef\xbb\xbf" + lines(PC, PC), ("accept", "prompt_completion", 2)),  # as Notepad and Excel save
+    ("bom-then-not-utf8", b"\xef\xbb\xbf" + lines(PC) + b"\xff\n", ("refuse", 2, "not UTF-8")),
     ("not-json", lines(PC, '{"prompt": "a"'), ("refuse", 2, "not valid JSON")),
     ("not-an-object", lines("[1, 2]"), ("refuse", 1, "expected a JSON object, got list")),
     ("unknown-shape", lines(PC, {"text": "hello"}), ("refuse", 2, "needs 'messages'")),
