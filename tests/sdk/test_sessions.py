@@ -2,6 +2,7 @@
 worker processes) on inkling-tiny in fp32: the primitives compute what the SFT job computes, states resume
 exactly, sampler weights reach the serving tier, and bad input is refused without touching the session."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -301,6 +302,12 @@ def test_a_session_left_open_closes_with_its_client_and_at_its_programs_exit(ser
             left = own.sessions.create("inkling-tiny", lora=LORA)
             assert closed_code(left.id) is None
         assert closed_code(left.id) == "closed_by_owner"
+
+        async def left_open_by_an_async_client() -> str:
+            async with sdk.AsyncClient(service.url, tenant[1]) as own:
+                return (await own.sessions.create("inkling-tiny", lora=LORA)).id
+
+        assert closed_code(asyncio.run(left_open_by_an_async_client())) == "closed_by_owner"
         script = (
             "from inkwell import sdk\n"
             f"client = sdk.Client({service.url!r}, {tenant[1]!r})\n"
