@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import BaseModel
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -68,6 +69,7 @@ def _print_json(value: Any) -> None:
 
 
 KEY_COLUMNS = ("id", "name", "source", "adapter")  # what users copy into the next command: never cut
+PIPE_WIDTH = 1_000  # wider than any table: a table printed into a pipe takes the width it needs
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> None:
@@ -81,7 +83,9 @@ def _table(columns: list[str], rows: list[list[Any]]) -> None:
             table.add_column(column)
     for row in cells:
         table.add_row(*(Text(c) for c in row))  # plain text: server strings are not rich markup
-    out.print(table)
+    # into a pipe or a file at its own width: fitted to rich's 80 columns there, a cell was cut ("c…" for closed)
+    # and a `grep` or a script read the cut text
+    (out if out.is_terminal else Console(file=out.file, width=PIPE_WIDTH)).print(table)
 
 
 def _value(v: Any) -> str:

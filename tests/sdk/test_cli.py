@@ -138,6 +138,8 @@ def test_sessions_commands(api, sqlite_service):
     assert opened["id"] in run(env, "sessions", "list").output
     assert f"{opened['id']}: closed at step 0" in run(env, "sessions", "close", opened["id"]).output
     shown = run(env, "sessions", "get", opened["id"]).output
+    narrow = CliRunner().invoke(app, ["sessions", "list"], env={**env, "COLUMNS": "80"}).output  # as in a pipe
+    assert max(map(len, narrow.splitlines())) > 80 and "closed_by_owner" in narrow and " closed " in narrow, narrow
     assert "closed_by_owner" in shown and "closed by its owner" in shown
     assert json.loads(run(env, "sessions", "get", opened["id"], "--json").output)["state"] == "closed"
     assert "not_found" in run(env, "sessions", "close", "sess_" + "0" * 24, code=1).output
