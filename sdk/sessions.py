@@ -281,8 +281,8 @@ class TrainingSession(_Primitives):
         atexit.register(self._close_at_exit)
 
     def _close_at_exit(self) -> None:
-        """The program ends (or is interrupted), or its client closes, with the session open: close it. Its
-        heartbeats stop there, and the session would hold its device until the service's idle timeout."""
+        """The program ends (or is interrupted) with the session open: close it. Its heartbeats stop there, and the
+        session would hold its device until the service's idle timeout."""
         with contextlib.suppress(InkwellError):  # already closed, or the service is gone: it holds nothing then
             self.close()
 
