@@ -4,6 +4,7 @@ from a reader thread, and fail every pending future (retryably) if the process d
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,15 +38,19 @@ class SessionHandle:
         self._closing = False
 
     def start(self, timeout: float) -> messages.SessionInfo:
-        """Start the process and wait (blocking) until its model is resident."""
-        self.process.start()
+        """Start the process and wait (blocking) until its model is resident. A close that comes first, or while
+        the worker starts, wins: the worker is stopped (a closed session holds no device) and this raises."""
+        with self._lock:
+            if self._closing:
+                raise SessionStartError("session_closed", "the session was closed before its worker started")
+            self.process.start()
         try:
-            msg = self.outbox.get(timeout=timeout)
-        except queue.Empty as exc:
+            msg = self._first_message(timeout)
+        except SessionStartError:
             self.close()
-            raise SessionStartError(
-                "session_start_failed", f"the session worker did not start in {timeout:.0f}s"
-            ) from exc
+            raise
+        if self._closing:  # close() stopped the worker while it started
+            raise SessionStartError("session_closed", "the session was closed while its worker started")
         if not isinstance(msg, messages.Ready):
             self.close()
             if isinstance(msg, messages.StartFailed):
@@ -55,6 +60,23 @@ class SessionHandle:
         self._reader = threading.Thread(target=self._read, name=f"{self.process.name}-reader", daemon=True)
         self._reader.start()
         return self.info
+
+    def _first_message(self, timeout: float) -> object:
+        """The worker's first message; a worker that exits first (killed, or stopped by a close) is not waited on
+        for the rest of `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise SessionStartError(
+                        "session_start_failed", f"the session worker exited with code {self.process.exitcode}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise SessionStartError(
+                        "session_start_failed", f"the session worker did not start in {timeout:.0f}s"
+                    ) from None
 
     @property
     def alive(self) -> bool:
@@ -119,9 +141,10 @@ class SessionHandle:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker (pending requests fail) and wait for it; kill it if it does not stop in time."""
-        if self._closing:
-            return
-        self._closing = True
+        with self._lock:  # against start(): a worker it has not started yet is never started
+            if self._closing:
+                return
+            self._closing = True
         forkserver.stop(self.process, self.inbox, messages.Stop(), self._reader, timeout)
         self._died("the session was closed")
 

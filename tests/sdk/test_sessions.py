@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from inkwell import sdk
 from inkwell.models import load_base_model
 from inkwell.sdk.errors import RequestFailedError, SessionClosedError
+from inkwell.service.sessions.handle import SessionHandle
 from inkwell.trainer import TrainCallbacks, TrainEvent, train
 from inkwell.trainer.config import parse_config
 from inkwell.trainer.dataset import RowStream
@@ -316,6 +318,39 @@ def test_a_session_left_open_closes_with_its_client_and_at_its_programs_exit(ser
         ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert ended.returncode == 0, ended.stderr
         assert closed_code(ended.stdout.strip()) == "closed_by_owner"
+
+
+def test_a_session_closed_before_its_worker_launched_leaves_no_worker(service, tenant, monkeypatch):
+    """Closed while its worker has not launched yet (the fork server still importing, the first session after a
+    start): the worker is never launched, where it was launched after the close and held its device, unreachable,
+    until the service (or a test run) waited on it forever at exit."""
+    closed, started = threading.Event(), threading.Event()
+    real_start, real_close = SessionHandle.start, SessionHandle.close
+
+    def slow_launch(handle: SessionHandle, timeout: float):  # injected: the launch comes after the owner's close
+        closed.wait(30)
+        try:
+            return real_start(handle, timeout)
+        finally:
+            started.set()
+
+    def noted_close(handle: SessionHandle, timeout: float = 10.0) -> None:
+        real_close(handle, timeout)
+        closed.set()
+
+    monkeypatch.setattr(SessionHandle, "start", slow_launch)
+    monkeypatch.setattr(SessionHandle, "close", noted_close)
+    headers = {"Authorization": f"Bearer {tenant[1]}"}
+    with httpx.Client(base_url=service.url, headers=headers, timeout=60) as raw:
+        opened = raw.post("/v1/sessions", json={"base_model": "inkling-tiny", "lora": LORA}).json()
+        assert opened["state"] == "starting"
+        assert raw.delete(f"/v1/sessions/{opened['id']}").json()["closed_code"] == "closed_by_owner"
+    assert started.wait(60), "the session's start never returned"
+    process = service.app.state.sessions.sessions[opened["id"]].handle.process
+    if process.is_alive():
+        process.kill()  # not left to hang the test run at its exit
+        pytest.fail("the closed session's worker was launched after its close and kept running")
+    assert process.pid is None
 
 
 def test_importance_sampling_with_the_samplers_own_logprobs_is_cross_entropys_gradient(client):
