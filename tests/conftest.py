@@ -7,6 +7,7 @@ definition with a cache of its own, so every area that imported `seaweed` starte
 its own, and so on for the services."""
 
 import contextlib
+import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,3 +75,17 @@ def training_service(seaweed, tmp_path_factory):
     yield svc
     stop_worker(worker)
     svc.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A child process still running when the tests are done (a worker nothing stopped) is killed and fails the
+    run by name: the interpreter's exit would wait on it forever (multiprocessing joins its children), and CI
+    would show only its timeout after every test had passed."""
+    left = multiprocessing.active_children()
+    for child in left:
+        child.kill()
+        child.join(5)
+    if left:
+        report = session.config.pluginmanager.get_plugin("terminalreporter")
+        report.write_line(f"child processes left running by the tests, killed: {', '.join(c.name for c in left)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
