@@ -87,5 +87,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         child.join(5)
     if left:
         report = session.config.pluginmanager.get_plugin("terminalreporter")
+        report.ensure_newline()
         report.write_line(f"child processes left running by the tests, killed: {', '.join(c.name for c in left)}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
