@@ -13,7 +13,9 @@ INKWELL_FORKSERVER=0 spawns every child instead (what benchmarks/bench_startup.p
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import queue
 import threading
+import time
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -49,6 +51,24 @@ def warm() -> None:
         return
     context("cpu")
     multiprocessing.forkserver.ensure_running()
+
+
+class NotReady(RuntimeError):
+    """A starting child sent nothing in time, or exited first; the message says which ("exited with code -15")."""
+
+
+def first_message(process: BaseProcess, outbox: Any, timeout: float) -> Any:
+    """A starting child's first message (it is ready, or why it is not), waited for up to `timeout` s; NotReady if
+    none comes. A child that exits first (killed, signalled) is not waited on for the rest of `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return outbox.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+        except queue.Empty:
+            if not process.is_alive():
+                raise NotReady(f"exited with code {process.exitcode}") from None
+            if time.monotonic() >= deadline:
+                raise NotReady(f"did not start within {timeout:.0f}s") from None
 
 
 def stop(process: BaseProcess, inbox: Any, stop_message: Any, reader: threading.Thread | None, timeout: float) -> None:

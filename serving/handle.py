@@ -89,10 +89,10 @@ class WorkerHandle:
         """Start the process and wait until its engine is up (blocking)."""
         self.process.start()
         try:
-            msg = self.outbox.get(timeout=timeout)
-        except queue.Empty as exc:
+            msg = forkserver.first_message(self.process, self.outbox, timeout)
+        except forkserver.NotReady as exc:
             self.close()
-            raise WorkerDiedError(f"worker {self.config.name} did not start within {timeout:.0f}s") from exc
+            raise WorkerDiedError(f"worker {self.config.name} {exc}") from exc
         if not isinstance(msg, messages.Ready):
             self.close()
             reason = msg.reason if isinstance(msg, messages.StartFailed) else msg

@@ -7,6 +7,7 @@ worker the router refuses with QueueFullError (HTTP 429 with Retry-After).
 """
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ class ServingRouter:
         self.workers: dict[str, list[WorkerHandle]] = {}
         self._starting: dict[str, asyncio.Task] = {}
         self._reserved: dict[int, int] = {}
+        self._closed = False
+        self._lock = threading.Lock()  # between close() and a start finishing in its thread
 
     async def workers_for(self, base: str) -> list[WorkerHandle]:
         """The workers of `base`, started (once, off the event loop) by the first request that needs them,
@@ -54,14 +57,23 @@ class ServingRouter:
         if base not in self.workers:
             task = self._starting.get(base)
             if task is None:
-                task = self._starting[base] = asyncio.ensure_future(asyncio.to_thread(self.start_workers, base))
-            try:
-                workers = await asyncio.shield(task)
-            finally:
-                if task.done():
-                    self._starting.pop(base, None)
-            self.workers[base] = workers
+                task = self._starting[base] = asyncio.ensure_future(asyncio.to_thread(self._start, base))
+                task.add_done_callback(lambda _: self._starting.pop(base, None))
+            return await asyncio.shield(task)
         return self.workers[base]
+
+    def _start(self, base: str) -> list[WorkerHandle]:
+        """Start the workers of `base` and keep them, in the start's thread: they are kept even when every
+        request that waited for them has gone, and stopped at once when the router closed while they started
+        (they were left running, unreachable, holding their devices)."""
+        workers = self.start_workers(base)
+        with self._lock:
+            if not self._closed:
+                self.workers[base] = workers
+                return workers
+        for worker in workers:
+            worker.close()
+        raise WorkerDiedError(f"the service stopped while the workers of {base!r} started")
 
     def _load(self, worker: WorkerHandle) -> int:
         return worker.inflight + self._reserved.get(id(worker), 0)
@@ -105,7 +117,10 @@ class ServingRouter:
         return {**{base: [] for base in self._starting}, **self.workers}
 
     def close(self) -> None:
-        for workers in self.workers.values():
-            for worker in workers:
-                worker.close()
-        self.workers.clear()
+        """Stop every worker, and those still starting once they have started."""
+        with self._lock:
+            self._closed = True
+            workers = [w for ws in self.workers.values() for w in ws]
+            self.workers.clear()
+        for worker in workers:
+            worker.close()

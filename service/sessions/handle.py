@@ -4,7 +4,6 @@ from a reader thread, and fail every pending future (retryably) if the process d
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,38 +44,22 @@ class SessionHandle:
                 raise SessionStartError("session_closed", "the session was closed before its worker started")
             self.process.start()
         try:
-            msg = self._first_message(timeout)
-        except SessionStartError:
-            self.close()
-            raise
+            msg = forkserver.first_message(self.process, self.outbox, timeout)
+        except forkserver.NotReady as exc:
+            msg = exc
         if self._closing:  # close() stopped the worker while it started
             raise SessionStartError("session_closed", "the session was closed while its worker started")
         if not isinstance(msg, messages.Ready):
             self.close()
             if isinstance(msg, messages.StartFailed):
                 raise SessionStartError(msg.code, msg.message)
+            if isinstance(msg, forkserver.NotReady):
+                raise SessionStartError("session_start_failed", f"the session worker {msg}") from msg
             raise SessionStartError("session_start_failed", f"unexpected first message {msg!r}")
         self.info = msg.info
         self._reader = threading.Thread(target=self._read, name=f"{self.process.name}-reader", daemon=True)
         self._reader.start()
         return self.info
-
-    def _first_message(self, timeout: float) -> object:
-        """The worker's first message; a worker that exits first (killed, or stopped by a close) is not waited on
-        for the rest of `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self.outbox.get(timeout=1.0)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise SessionStartError(
-                        "session_start_failed", f"the session worker exited with code {self.process.exitcode}"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise SessionStartError(
-                        "session_start_failed", f"the session worker did not start in {timeout:.0f}s"
-                    ) from None
 
     @property
     def alive(self) -> bool:

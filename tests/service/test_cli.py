@@ -6,9 +6,12 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from inkwell import cli, sdk
@@ -86,3 +89,69 @@ def test_serve_on_a_taken_port_exits_before_starting_anything(tmp_path):
     said = log.read_text()
     assert f"cannot listen on 127.0.0.1:{port}" in said and "pass another --port" in said, said[-2000:]
     assert not (tmp_path / "data").exists()  # no database, object store, job worker or key was made
+
+
+def _session_processes(sid: int) -> dict[int, tuple[int, str]]:
+    """The live processes of session `sid` (what a `start_serve` started, and what they started): pid -> (parent,
+    command line)."""
+    out = subprocess.run(["ps", "-ww", "-s", str(sid), "-o", "pid=,ppid=,stat=,args="], capture_output=True, text=True)
+    found = {}
+    for line in out.stdout.splitlines():
+        pid, ppid, stat, args = line.split(None, 3)
+        if not stat.startswith("Z"):
+            found[int(pid)] = (int(ppid), args)
+    return found
+
+
+def _forked_worker(serve: subprocess.Popen, log: Path) -> int:
+    """The first child of the fork server (which `serve` starts with itself): a starting worker."""
+    deadline = time.monotonic() + 120
+    while True:
+        found = _session_processes(serve.pid)
+        assert time.monotonic() < deadline and serve.poll() is None, (found, log.read_text()[-2000:])
+        servers = {pid for pid, (ppid, args) in found.items() if ppid == serve.pid and "forkserver" in args}
+        children = [pid for pid, (ppid, _) in found.items() if ppid in servers]
+        if children:
+            return children[0]
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm-to-serve", "sigterm-to-its-group"])
+def test_sigterm_while_the_first_request_starts_its_serving_worker(tmp_path, to_group):
+    """SIGTERM while the first request for a base model waits for its serving worker to start: the request is
+    cancelled after the grace, and the worker is stopped with the rest, whether it got the signal too (Ctrl+C
+    reaches the whole group) and died, or not (a `kill` of the service, a container's stop) and went on starting.
+    `inkwell serve` waited 300 s for the dead one's start; the other, once started, was kept by no one, and the
+    service's exit waited on it forever."""
+    port, grace, log = free_port(), 1, tmp_path / "serve.log"
+    proc = start_serve(serve_env(tmp_path / "data", INKWELL_SHUTDOWN_GRACE_SECONDS=str(grace)), port, log, workers=0)
+    try:
+        wait_healthy(proc, port, log)
+        key = re.search(r"(ink_[A-Za-z0-9_-]{20,})", log.read_text()).group(1)
+
+        def first_request() -> None:
+            body = {"model": "inkling-tiny", "prompt": "hi", "max_tokens": 2}
+            headers = {"Authorization": f"Bearer {key}"}
+            with contextlib.suppress(httpx.HTTPError):  # cut off by the shutdown
+                httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=60)
+
+        threading.Thread(target=first_request, daemon=True).start()
+        worker = _forked_worker(proc, log)
+        os.kill(worker, signal.SIGSTOP)  # injected: the worker is still starting when the SIGTERM comes
+        (os.killpg if to_group else os.kill)(proc.pid, signal.SIGTERM)
+        time.sleep(grace + 2)  # the request is cancelled, the service's lifespan has ended
+        os.kill(worker, signal.SIGCONT)
+        stopping = time.monotonic()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"inkwell serve did not exit; its processes: {_session_processes(proc.pid)}")
+        assert time.monotonic() - stopping < 20
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    deadline = time.monotonic() + 10  # the fork server and its children end on the service's exit, not before it
+    while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == {}
