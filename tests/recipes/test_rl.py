@@ -39,17 +39,21 @@ def tokenizer(sqlite_service):
 
 
 class Traced:
-    """A session whose forward_backward calls note how many of their datums carried a routing trace, and whose
-    samplers note, per sampler step, each request's prompt and seed and the tokens it drew."""
+    """A session whose forward_backward calls note how many of their datums carried a routing trace (and the
+    datums, `trained`), and whose samplers note, per sampler step, each request's prompt and seed and the tokens it
+    drew. Given `train_on`, its first forward_backward calls train on those datums instead of the step's own."""
 
-    def __init__(self, session) -> None:
-        self.session, self.calls, self.draws = session, [], {}
+    def __init__(self, session, train_on: list | None = None) -> None:
+        self.session, self.calls, self.draws, self.trained = session, [], {}, []
+        self.train_on = list(train_on or [])
 
     def __getattr__(self, name: str):
         return getattr(self.session, name)
 
     def forward_backward(self, data, *args):
         self.calls.append((len(data), sum(d.get("routing") is not None for d in data)))
+        data = self.train_on.pop(0) if self.train_on else data
+        self.trained.append(data)
         return self.session.forward_backward(data, *args)
 
     def sampling_client(self, weights) -> "Drawn":
@@ -108,12 +112,14 @@ def test_a_run_resumes_from_a_saved_state(run, traced, client, tokenizer):
     """From the state saved after 4 steps a new session takes steps 4 and 5 with the same prompts and seeds, and the
     same adapter draws what the first run drew. Not every token: the CPU engine's GEMMs round a row differently as
     the batch around it changes (how the requests happened to arrive), which can move a draw that sat at a
-    boundary (CI saw step 5's mean reward move by 2 / 128). Another adapter agrees on almost none: 4 of 128 with
-    the state saved after 8 steps, 0 with a fresh adapter."""
+    boundary (CI saw step 5's mean reward move by 2 / 128). Step 4 trains on the first run's step-4 datums, so
+    step 5's draws test the resumed optimizer; with its own, a draw that moved at step 4 changed that step's update
+    (54 of step 5's 128 draws agreed once). Another adapter agrees on almost none: 4 of 128 with the state saved
+    after 8 steps, 0 with a fresh adapter."""
     saved = run[3].state
     config = dataclasses.replace(CONFIG, steps=6, save_every=0)
     with client.sessions.create("inkling-tiny", lora=TASK.lora, seed=CONFIG.seed) as session:
-        spy = Traced(session)
+        spy = Traced(session, train_on=traced.trained[4:5])
         resumed = grpo(spy, tokenizer, PROBLEMS, REWARD, config, resume_from=saved, progress=False)
     assert [r.step for r in resumed] == [4, 5] and sorted(spy.draws) == [4, 5]
     for report, step in zip(resumed, (4, 5), strict=True):
