@@ -48,6 +48,7 @@ class Call:
     sink: "FileSink | None" = None
     auth: bool = True
     timeout: httpx.Timeout | None = None
+    max_retries: int | None = None  # None: the client's
 
     @property
     def idempotent(self) -> bool:

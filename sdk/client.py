@@ -14,7 +14,7 @@ from inkwell.sdk.calls import Op
 from inkwell.sdk.errors import ConfigurationError, InkwellError
 from inkwell.sdk.jobs import AsyncJob, Job
 from inkwell.sdk.resources import DATASET_ID, Adapters, Datasets, DatasetSource, Jobs, Models
-from inkwell.sdk.sessions import SamplingClient, Sessions, TrainingSession
+from inkwell.sdk.sessions import LEFT_OPEN_CLOSE_SECONDS, SamplingClient, Sessions, TrainingSession
 from inkwell.sdk.transport import AsyncTransport, SyncTransport
 from inkwell.service.schemas import Job as JobInfo
 
@@ -139,7 +139,7 @@ class Client(_ClientBase):
         """Close the sessions this client opened and left open (their heartbeats stop here), then the connection."""
         for session in list(self._open_sessions):
             with contextlib.suppress(InkwellError):  # already closed, or the service is gone
-                session.close()
+                session.close(timeout=LEFT_OPEN_CLOSE_SECONDS)
         self._transport.close()
 
     def __enter__(self) -> "Client":
@@ -178,7 +178,7 @@ class AsyncClient(_ClientBase):
         """Close the sessions this client opened and left open (their heartbeats stop here), then the connection."""
         for session in list(self._open_sessions):
             with contextlib.suppress(InkwellError):  # already closed, or the service is gone
-                await session.close()
+                await session.close(timeout=LEFT_OPEN_CLOSE_SECONDS)
         await self._transport.close()
 
     async def __aenter__(self) -> "AsyncClient":

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 type DatumLike = DatumIn | Mapping[str, Any]
 POLL_SECONDS = 30.0  # one long-poll of a future
+# a session left open is closed by its client's close and its program's exit in one try of at most this long: a
+# service that does not answer does not hold the program's end for the client's retries (minutes)
+LEFT_OPEN_CLOSE_SECONDS = 5.0
 
 
 def _plain(values: Any) -> list:
@@ -233,12 +236,15 @@ class TrainingSession(_Primitives):
     def heartbeat(self):
         return self._run(self._get_op(Call("POST", self._path("heartbeat"), parse=parse_model(Session))))
 
-    def close(self):
-        """End the session and free its device (pending requests fail)."""
+    def close(self, timeout: float | None = None):
+        """End the session and free its device (pending requests fail). With `timeout`, one try of at most that
+        many seconds (the service goes on closing it once the request has arrived); without, the client's timeout
+        and retries."""
         self._stop.set()
         atexit.unregister(self._close_at_exit)
         self._client._open_sessions.discard(self)
-        call = Call("DELETE", f"/v1/sessions/{segment(self.id)}", parse=parse_model(Session))
+        bound = {} if timeout is None else {"timeout": httpx.Timeout(timeout), "max_retries": 0}
+        call = Call("DELETE", f"/v1/sessions/{segment(self.id)}", parse=parse_model(Session), **bound)
         return self._run(self._get_op(call))
 
     def __enter__(self) -> "TrainingSession":
@@ -284,7 +290,7 @@ class TrainingSession(_Primitives):
         """The program ends (or is interrupted) with the session open: close it. Its heartbeats stop there, and the
         session would hold its device until the service's idle timeout."""
         with contextlib.suppress(InkwellError):  # already closed, or the service is gone: it holds nothing then
-            self.close()
+            self.close(timeout=LEFT_OPEN_CLOSE_SECONDS)
 
     def __repr__(self) -> str:
         return f"<TrainingSession {self.id} {self.info.state} step={self.info.step}>"

@@ -59,7 +59,7 @@ class _Policy:
 
     def retry_delay(self, call: Call, attempt: int, exc: Exception) -> float | None:
         """Seconds to wait before resending `call`, or None to give up and raise."""
-        if attempt >= self.max_retries:
+        if attempt >= (self.max_retries if call.max_retries is None else call.max_retries):
             return None
         if isinstance(exc, InkwellError):
             if not exc.retryable:

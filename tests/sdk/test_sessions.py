@@ -20,7 +20,9 @@ import torch
 from inkwell import sdk
 from inkwell.models import load_base_model
 from inkwell.sdk.errors import RequestFailedError, SessionClosedError
+from inkwell.sdk.sessions import LEFT_OPEN_CLOSE_SECONDS
 from inkwell.service.sessions.handle import SessionHandle
+from inkwell.service.sessions.manager import SessionManager
 from inkwell.trainer import TrainCallbacks, TrainEvent, train
 from inkwell.trainer.config import parse_config
 from inkwell.trainer.dataset import RowStream
@@ -318,6 +320,31 @@ def test_a_session_left_open_closes_with_its_client_and_at_its_programs_exit(ser
         ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert ended.returncode == 0, ended.stderr
         assert closed_code(ended.stdout.strip()) == "closed_by_owner"
+
+
+def test_a_service_slow_to_answer_does_not_hold_a_programs_exit(service, tenant, monkeypatch):
+    """A program that ends with a session open closes it in one try of at most LEFT_OPEN_CLOSE_SECONDS: the
+    service has it once the request arrives. Here the service answers the close 15 s late (an injected fault),
+    which the program's end waited for; a service that never answered held it for the client's four 60 s reads."""
+    real_close = SessionManager.close
+
+    async def late_answer(manager: SessionManager, live, code: str, reason: str) -> None:
+        await real_close(manager, live, code, reason)
+        await asyncio.sleep(15)
+
+    monkeypatch.setattr(SessionManager, "close", late_answer)
+    script = (
+        "from inkwell import sdk\n"
+        f"client = sdk.Client({service.url!r}, {tenant[1]!r})\n"
+        f"print(client.sessions.create('inkling-tiny', lora={LORA!r}).id, flush=True)\n"
+    )
+    program = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    session_id = program.stdout.readline().strip()
+    ending = time.monotonic()
+    assert program.wait(120) == 0
+    assert time.monotonic() - ending < LEFT_OPEN_CLOSE_SECONDS + 3
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {tenant[1]}"}) as raw:
+        assert raw.get(f"/v1/sessions/{session_id}").json()["closed_code"] == "closed_by_owner"
 
 
 def test_a_session_closed_before_its_worker_launched_leaves_no_worker(service, tenant, monkeypatch):
