@@ -13,7 +13,7 @@ from inkwell.adapters.spec import LoraSpec
 from inkwell.sdk.calls import Op
 from inkwell.sdk.errors import ConfigurationError, InkwellError
 from inkwell.sdk.jobs import AsyncJob, Job
-from inkwell.sdk.resources import DATASET_ID, Adapters, Datasets, DatasetSource, Jobs, Models
+from inkwell.sdk.resources import DATASET_ID, Adapters, Datasets, DatasetSource, Jobs, Models, job_body
 from inkwell.sdk.sessions import LEFT_OPEN_CLOSE_SECONDS, SamplingClient, Sessions, TrainingSession
 from inkwell.sdk.transport import AsyncTransport, SyncTransport
 from inkwell.service.schemas import Job as JobInfo
@@ -89,11 +89,11 @@ class _ClientBase:
         eval_dataset: DatasetSource | None,
         hparams: Mapping[str, Any],
     ) -> Op[Job | AsyncJob]:
-        """Upload what needs uploading, then create the job."""
+        """Check the job, upload what needs uploading, then create the job."""
+        body = job_body(base_model, adapter_name or default_adapter_name(base_model, method), lora, method, hparams)
         dataset_id = yield from self._dataset_id(dataset)
         eval_id = (yield from self._dataset_id(eval_dataset)) if eval_dataset is not None else None
-        name = adapter_name or default_adapter_name(base_model, method)
-        return (yield from self.jobs.create_op(base_model, dataset_id, name, lora, method, eval_id, hparams))
+        return (yield from self.jobs.create_op(body, dataset_id, eval_id))
 
     def _dataset_id(self, dataset: DatasetSource) -> Op[str]:
         if isinstance(dataset, str) and DATASET_ID.match(dataset) and not Path(dataset).exists():

@@ -170,6 +170,25 @@ def _jsonl(records: Iterable[Mapping[str, Any]]) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
+def job_body(
+    base_model: str,
+    adapter_name: str,
+    lora: LoraSpec | Mapping[str, Any] | None,
+    method: str,
+    hparams: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A job's fields but its datasets, checked here: `train()` checks them before it uploads a dataset, so a job
+    refused for a misspelt hyperparameter leaves no upload behind."""
+    _check_name("adapter name", adapter_name)
+    return {
+        "base_model": base_model,
+        "adapter_name": adapter_name,
+        "method": method,
+        "lora": lora_spec(lora).model_dump(mode="json"),
+        "hyperparameters": hyperparameters(hparams, method),
+    }
+
+
 class Jobs(_Resource):
     def create(
         self,
@@ -182,21 +201,12 @@ class Jobs(_Resource):
         eval_dataset_id: str | None = None,
         hyperparameters: Mapping[str, Any] | None = None,
     ) -> "Job":
-        return self._t.run(
-            self.create_op(base_model, dataset_id, adapter_name, lora, method, eval_dataset_id, hyperparameters or {})
-        )
+        body = job_body(base_model, adapter_name, lora, method, hyperparameters or {})
+        return self._t.run(self.create_op(body, dataset_id, eval_dataset_id))
 
-    def create_op(self, base_model, dataset_id, adapter_name, lora, method, eval_dataset_id, hparams) -> Op["Job"]:
-        _check_name("adapter name", adapter_name)
-        body = {
-            "base_model": base_model,
-            "dataset_id": dataset_id,
-            "eval_dataset_id": eval_dataset_id,
-            "adapter_name": adapter_name,
-            "method": method,
-            "lora": lora_spec(lora).model_dump(mode="json"),
-            "hyperparameters": hyperparameters(hparams, method),
-        }
+    def create_op(self, body: dict[str, Any], dataset_id: str, eval_dataset_id: str | None) -> Op["Job"]:
+        """Create the job `body` (from `job_body`) on the given datasets."""
+        body = {**body, "dataset_id": dataset_id, "eval_dataset_id": eval_dataset_id}
         return (yield Call("POST", "/v1/jobs", json=body, parse=self._parse_job))
 
     def list(

@@ -197,6 +197,8 @@ def test_client_side_validation_fails_before_sending_anything(tmp_path):
     with client(handler) as c:
         with pytest.raises(sdk.ValidationError, match="unknown hyperparameter 'lr'"):
             c.train("inkling-tiny", "ds_" + "0" * 24, adapter_name="a", lr=0.1, wait=False)
+        with pytest.raises(sdk.ValidationError, match="unknown hyperparameter 'lr'"):  # before the upload
+            c.train("inkling-tiny", [{"prompt": "a", "completion": "b"}], adapter_name="a", lr=0.1, wait=False)
         with pytest.raises(sdk.ValidationError, match="learning_rate"):
             c.train("inkling-tiny", "ds_" + "0" * 24, adapter_name="a", learning_rate=-1, wait=False)
         with pytest.raises(sdk.ValidationError, match="rank"):
