@@ -1,4 +1,4 @@
-"""`inkwell jobs ...`, `inkwell adapters ...` and `inkwell sessions ...`: the SDK on the command line.
+"""`inkwell jobs`, `datasets`, `adapters` and `sessions ...`: the SDK on the command line.
 
 Every command takes `--url` / `--api-key` (or INKWELL_URL / INKWELL_API_KEY) and `--json` where
 it prints objects. Errors print the service's code and message and exit with status 1.
@@ -27,6 +27,7 @@ from inkwell.service.sessions.schemas import Session
 jobs_app = typer.Typer(help="Fine-tuning jobs: create, list, follow, wait for, cancel.", no_args_is_help=True)
 adapters_app = typer.Typer(help="The adapter registry: list, download, import, alias, delete.", no_args_is_help=True)
 sessions_app = typer.Typer(help="Training sessions: list, show, close.", no_args_is_help=True)
+datasets_app = typer.Typer(help="Uploaded datasets: list, upload, delete.", no_args_is_help=True)
 out = terminal.console()
 err = terminal.console(stderr=True)
 
@@ -397,6 +398,42 @@ def adapters_delete(name: str, version: int, url: Url = None, api_key: ApiKey = 
     """Soft-delete a version (audited; refused while an alias points at it)."""
     v = Client(url, api_key).adapters.delete_version(name, version)
     out.print(f"deleted {v.name}@{v.version}", highlight=False)
+
+
+# ---- datasets ---------------------------------------------------------------------------------
+
+DATASET_COLUMNS = ["id", "name", "format", "examples", "bytes", "created"]
+
+
+@datasets_app.command("list")
+@_reports_errors
+def datasets_list(as_json: AsJson = False, url: Url = None, api_key: ApiKey = None) -> None:
+    """List the tenant's datasets, newest first."""
+    datasets = list(Client(url, api_key).datasets.iter())
+    if as_json:
+        return _print_json(datasets)
+    rows = [[d.id, d.name, d.format, d.num_examples, d.size_bytes, _when(d.created_at)] for d in datasets]
+    _table(DATASET_COLUMNS, rows)
+
+
+@datasets_app.command("upload")
+@_reports_errors
+def datasets_upload(
+    path: Path, name: str | None = None, as_json: AsJson = False, url: Url = None, api_key: ApiKey = None
+) -> None:
+    """Upload a JSONL file (chat `messages` or `prompt`/`completion` lines); prints its id."""
+    dataset = Client(url, api_key).datasets.upload(path, name=name)
+    if as_json:
+        return _print_json(dataset)
+    out.print(f"{dataset.id} {dataset.name}: {dataset.num_examples} {dataset.format} examples", highlight=False)
+
+
+@datasets_app.command("delete")
+@_reports_errors
+def datasets_delete(dataset_id: str, url: Url = None, api_key: ApiKey = None) -> None:
+    """Delete a dataset's data (refused while a queued or running job uses it)."""
+    Client(url, api_key).datasets.delete(dataset_id)
+    out.print(f"deleted {dataset_id}", highlight=False)
 
 
 # ---- sessions ---------------------------------------------------------------------------------

@@ -155,6 +155,11 @@ class Datasets(_Resource):
     def get(self, dataset_id: str) -> Dataset:
         return self._t.run(Call("GET", f"/v1/datasets/{segment(dataset_id)}", parse=parse_model(Dataset)))
 
+    def delete(self, dataset_id: str) -> None:
+        """Delete a dataset's data (jobs that trained on it keep its id); ConflictError while a queued or running
+        job uses it."""
+        return self._t.run(Call("DELETE", f"/v1/datasets/{segment(dataset_id)}"))
+
     def _list_call(self, limit: int | None, cursor: str | None) -> Call:
         return Call("GET", "/v1/datasets", params={"limit": limit, "cursor": cursor}, parse=_page(Dataset))
 

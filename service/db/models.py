@@ -82,6 +82,7 @@ class DatasetRow(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     s3_key: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None]  # set by a delete: the row stays for the jobs that name it, the data goes
 
 
 class JobRow(Base):

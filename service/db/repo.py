@@ -120,12 +120,17 @@ def insert_dataset(s: Session, **fields: Any) -> DatasetRow:
     return row
 
 
-def get_dataset(s: Session, tenant_id: str, dataset_id: str) -> DatasetRow | None:
-    return s.scalar(select(DatasetRow).where(DatasetRow.id == dataset_id, DatasetRow.tenant_id == tenant_id))
+def get_dataset(s: Session, tenant_id: str, dataset_id: str, lock: bool = False) -> DatasetRow | None:
+    """The tenant's dataset, unless deleted; `lock` holds its row (PostgreSQL) until the commit, so that a delete
+    and a job created on it go one after the other."""
+    q = select(DatasetRow).where(
+        DatasetRow.id == dataset_id, DatasetRow.tenant_id == tenant_id, DatasetRow.deleted_at.is_(None)
+    )
+    return s.scalar(q.with_for_update() if lock else q)
 
 
 def list_datasets(s: Session, tenant_id: str, limit: int, cursor: int | None) -> tuple[list[DatasetRow], str | None]:
-    q = select(DatasetRow).where(DatasetRow.tenant_id == tenant_id)
+    q = select(DatasetRow).where(DatasetRow.tenant_id == tenant_id, DatasetRow.deleted_at.is_(None))
     if cursor is not None:
         q = q.where(DatasetRow.seq < cursor)
     rows = list(s.scalars(q.order_by(DatasetRow.seq.desc()).limit(limit + 1)))
@@ -427,7 +432,18 @@ def touch(row: AdapterRow, when: datetime | None = None) -> None:
 
 
 def all_dataset_keys(s: Session) -> set[str]:
-    return set(s.scalars(select(DatasetRow.s3_key)))
+    """The objects of the datasets not deleted (a deleted one's object is an orphan, if its delete did not go)."""
+    return set(s.scalars(select(DatasetRow.s3_key).where(DatasetRow.deleted_at.is_(None))))
+
+
+def jobs_using_dataset(s: Session, tenant_id: str, dataset_id: str) -> list[str]:
+    """The ids of the tenant's queued or running jobs that train or evaluate on the dataset."""
+    q = select(JobRow.id).where(
+        JobRow.tenant_id == tenant_id,
+        JobRow.state.in_(("queued", "running")),
+        or_(JobRow.dataset_id == dataset_id, JobRow.eval_dataset_id == dataset_id),
+    )
+    return list(s.scalars(q.order_by(JobRow.seq)))
 
 
 def finished_job_ids(s: Session) -> set[str]:

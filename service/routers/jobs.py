@@ -95,7 +95,7 @@ def create_job(
         dataset_id = getattr(body, field)
         if not dataset_id:
             continue
-        dataset = repo.get_dataset(s, who.tenant_id, dataset_id)
+        dataset = repo.get_dataset(s, who.tenant_id, dataset_id, lock=True)  # a delete of it waits for this job
         if dataset is None:
             raise not_found("dataset", dataset_id)
         # refused now, not on a worker mid-run: the method's data (completions to learn, answers to verify)

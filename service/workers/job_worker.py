@@ -301,6 +301,9 @@ class JobWorker:
             base = repo.get_base_model(s, row.base_model)
             dataset = repo.get_dataset(s, row.tenant_id, row.dataset_id)
             eval_ds = repo.get_dataset(s, row.tenant_id, row.eval_dataset_id) if row.eval_dataset_id else None
+        if dataset is None or (row.eval_dataset_id and eval_ds is None):
+            gone = row.dataset_id if dataset is None else row.eval_dataset_id
+            raise TrainConfigError(f"dataset {gone} was deleted before the job started")
         checkpoint = row.last_checkpoint_key
         resume_from = work / "resume" / checkpoint.rstrip("/").rsplit("/", 1)[-1] if checkpoint else None
         config = train_config(row, Path(base.path), work, self.settings, resume_from)

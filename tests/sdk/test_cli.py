@@ -146,3 +146,20 @@ def test_sessions_commands(api, sqlite_service):
     assert "closed_by_owner" in shown and "closed by its owner" in shown
     assert json.loads(run(env, "sessions", "get", opened["id"], "--json").output)["state"] == "closed"
     assert "not_found" in run(env, "sessions", "close", "sess_" + "0" * 24, code=1).output
+
+
+def test_datasets_commands(api, sqlite_service, tmp_path):
+    _, key = api
+    env = {"INKWELL_URL": sqlite_service.url, "INKWELL_API_KEY": key}
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT * 3))
+    uploaded = run(env, "datasets", "upload", str(data), "--name", "greetings").output
+    dataset_id = uploaded.split()[0]
+    assert dataset_id.startswith("ds_") and "greetings: 3 chat examples" in uploaded
+    listed = json.loads(run(env, "datasets", "list", "--json").output)
+    assert [d["id"] for d in listed if d["name"] == "greetings"] == [dataset_id]
+    assert dataset_id in run(env, "datasets", "list").output
+    assert f"deleted {dataset_id}" in run(env, "datasets", "delete", dataset_id).output
+    assert dataset_id not in run(env, "datasets", "list").output
+    assert "not_found" in run(env, "datasets", "delete", dataset_id, code=1).output
+    assert "does not exist" in run(env, "datasets", "upload", str(tmp_path / "nope.jsonl"), code=1).output

@@ -195,3 +195,30 @@ def test_metrics_and_openapi(service, tenant):
         assert body["title"] == title and "$ref" not in json.dumps(body), body
     step = paths["/api/v1/optim_step"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "learning_rate" in json.dumps(step["properties"]["optim_params"])
+
+
+def test_a_dataset_is_deleted_unless_a_job_still_needs_it(service, tenant):
+    """A dataset's data can be deleted (its row stays, named by the jobs that trained on it); refused while a queued
+    or running job trains or evaluates on it; another tenant's is a 404, like a missing one."""
+    tenant_id, client = tenant
+    ds = upload(client, jsonl(CHAT)).json()["id"]
+    held = upload(client, jsonl(CHAT)).json()["id"]
+    body = {"base_model": "inkling-tiny", "dataset_id": held, "eval_dataset_id": ds, "adapter_name": "del"}
+    job = client.post("/v1/jobs", json=body).json()
+    err = assert_error(client.delete(f"/v1/datasets/{ds}"), 409, "dataset_in_use")
+    assert err["details"]["jobs"] == [job["id"]] and "cancel" in err["message"]
+    with service.client(service.new_tenant()[1]) as other:
+        assert_error(other.delete(f"/v1/datasets/{ds}"), 404, "not_found")
+    assert client.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "cancelled"
+    key = f"datasets/{tenant_id}/{ds}.jsonl"
+    assert service.app.state.store.get_bytes(key) == jsonl(CHAT)
+    deleted = client.delete(f"/v1/datasets/{ds}")
+    assert deleted.status_code == 204 and deleted.content == b""
+    assert not service.app.state.store.list_objects(key)  # the data is gone
+    assert_error(client.get(f"/v1/datasets/{ds}"), 404, "not_found")
+    assert ds not in [d["id"] for d in client.get("/v1/datasets").json()["data"]]
+    assert_error(client.delete(f"/v1/datasets/{ds}"), 404, "not_found")
+    assert_error(client.post("/v1/jobs", json=body), 404, "not_found")  # no new job on it
+    assert client.get(f"/v1/jobs/{job['id']}").json()["eval_dataset_id"] == ds  # the old one still names it
+    audit = client.get("/v1/audit").json()["data"][0]
+    assert (audit["action"], audit["target"]) == ("dataset.delete", ds)

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from inkwell.models import BaseModelIdentity
 from inkwell.service.db import repo
 from inkwell.service.registry import Publication, VersionExists, cleanup_orphans, publish, version_prefix
+from inkwell.service.storage import StorageUnavailable
 from tests.service.helpers import assert_error, import_dir, make_adapter_dir
 
 
@@ -258,3 +259,23 @@ def test_crash_between_objects_and_row_leaves_nothing_visible_and_is_cleaned(ser
     assert publish(service.sm, service.store, pub).version == 1  # the number is free again
     cleanup_orphans(service.sm, service.store, grace_seconds=0)  # published objects stay
     assert len(service.store.list_objects(prefix)) == 4
+
+
+def test_a_deleted_datasets_object_that_an_outage_kept_is_swept(service, monkeypatch):
+    """The delete of a dataset is done once its row says so; an object the store could not delete then (an
+    injected outage) is an orphan, and the sweep removes it."""
+    tenant_id, key = service.new_tenant()
+    with service.client(key) as c:
+        ds = c.post("/v1/datasets", files={"file": ("d.jsonl", b'{"prompt": "a", "completion": "b"}\n')}).json()["id"]
+
+        def outage(keys: list[str]) -> None:
+            raise StorageUnavailable("injected: the object store is down")
+
+        with monkeypatch.context() as m:
+            m.setattr(service.store, "delete", outage)
+            assert c.delete(f"/v1/datasets/{ds}").status_code == 204
+        assert_error(c.get(f"/v1/datasets/{ds}"), 404, "not_found")
+    kept = f"datasets/{tenant_id}/{ds}.jsonl"
+    assert [o.key for o in service.store.list_objects(kept)] == [kept]
+    cleanup_orphans(service.sm, service.store, grace_seconds=0)
+    assert service.store.list_objects(kept) == []
