@@ -114,14 +114,6 @@ class SessionManager:
         from_state: str | None,
         with_optimizer: bool,
     ) -> LiveSession:
-        if self.open_count() >= self.settings.max_sessions:
-            raise APIError(
-                429,
-                "too_many_sessions",
-                f"all {self.settings.max_sessions} session slots are in use; close a session or retry later",
-                retryable=True,
-                retry_after_seconds=10,
-            )
         initial = None
         if from_state is not None:
             initial, meta = await asyncio.to_thread(self._state_meta, tenant_id, from_state)
@@ -138,6 +130,16 @@ class SessionManager:
         if row is None:
             raise APIError(404, "not_found", f"base model {base_model!r} is not registered (see GET /v1/models)")
         hf = await asyncio.to_thread(load_base_config, row.path)
+        # after the request's own checks (a bad one is told so, not to retry), and after the last await: two
+        # creates that both passed the count before either took its slot would both have started
+        if self.open_count() >= self.settings.max_sessions:
+            raise APIError(
+                429,
+                "too_many_sessions",
+                f"all {self.settings.max_sessions} session slots are in use; close a session or retry later",
+                retryable=True,
+                retry_after_seconds=10,
+            )
         session_id = f"sess_{secrets.token_hex(12)}"
         live = LiveSession(
             id=session_id,

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -320,6 +321,25 @@ def test_a_session_left_open_closes_with_its_client_and_at_its_programs_exit(ser
         ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert ended.returncode == 0, ended.stderr
         assert closed_code(ended.stdout.strip()) == "closed_by_owner"
+
+
+def test_creates_at_once_never_overfill_the_slots_and_a_bad_one_is_told_so(service, tenant):
+    """Four creates at once take the free slots and no more; with every slot taken, a create for an unknown base
+    model is a 404 (it was a 429, which the Tinker client retried for 100 s before it gave up on a typo)."""
+    headers = {"Authorization": f"Bearer {tenant[1]}"}
+    body = {"base_model": "inkling-tiny", "lora": LORA}
+    with httpx.Client(base_url=service.url, headers=headers, timeout=60) as raw:
+        free = 2 - sum(s["state"] != "closed" for s in raw.get("/v1/sessions").json()["data"])
+        with ThreadPoolExecutor(4) as pool:
+            created = list(pool.map(lambda _: raw.post("/v1/sessions", json=body), range(4)))
+        try:
+            assert sorted(r.status_code for r in created) == [201] * free + [429] * (4 - free)
+            unknown = raw.post("/v1/sessions", json={**body, "base_model": "llama-3"})
+            assert unknown.status_code == 404 and "llama-3" in unknown.json()["error"]["message"]
+        finally:
+            for r in created:
+                if r.status_code == 201:
+                    raw.delete(f"/v1/sessions/{r.json()['id']}")
 
 
 def test_a_service_slow_to_answer_does_not_hold_a_programs_exit(service, tenant, monkeypatch):
