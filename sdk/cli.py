@@ -37,7 +37,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of a ta
 
 
 def _reports_errors[**P, R](command: Callable[P, R]) -> Callable[P, R]:
-    """Turn SDK errors into one red line (code, message, details) and exit status 1."""
+    """Turn SDK errors into one red line (code, message, details) and exit status 1; Ctrl+C into its notes and 130."""
 
     @functools.wraps(command)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -52,6 +52,10 @@ def _reports_errors[**P, R](command: Callable[P, R]) -> Callable[P, R]:
         except (FileNotFoundError, TypeError) as exc:
             err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from exc
+        except KeyboardInterrupt as exc:  # Ctrl+C: what it left behind, if anything (a job still running)
+            for note in getattr(exc, "__notes__", ()):
+                terminal.print_plain(err, note)
+            raise typer.Exit(130) from exc
 
     return wrapper
 

@@ -170,7 +170,8 @@ class Job(_JobBase):
 
     def wait(self, timeout: float | None = None, progress: bool = True) -> Self:
         """Block until the job ends; returns it when it succeeded (with `.adapter` set), raises
-        JobFailedError / JobCancelledError otherwise and JobTimeoutError after `timeout` seconds."""
+        JobFailedError / JobCancelledError otherwise and JobTimeoutError after `timeout` seconds. Ctrl+C stops the
+        wait, not the job (its KeyboardInterrupt says how to cancel it)."""
         self.refresh()
         if not self.done:
             history = list(self._client.jobs.history(self.id)) if progress else []
@@ -179,6 +180,12 @@ class Job(_JobBase):
                 if not _ended(history):
                     for event in self.events(after=_last_id(history), timeout=timeout):
                         bar.update(event)
+            except KeyboardInterrupt as exc:  # the wait stops here, the job does not
+                exc.add_note(
+                    f"job {self.id} goes on running on the service: job.cancel() or `inkwell jobs cancel {self.id}` "
+                    "stops it"
+                )
+                raise
             finally:
                 bar.close()
             self.refresh()

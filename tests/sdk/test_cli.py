@@ -2,10 +2,17 @@
 
 import hashlib
 import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 from typer.testing import CliRunner
 
+from inkwell import sdk
 from inkwell.cli import app
 
 CHAT = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
@@ -121,9 +128,6 @@ def test_adapters_commands(api, sqlite_service, adapter_dir, tmp_path):
 def test_the_command_line_starts_without_torch():
     """Every `inkwell` command loads every sub-app's module: none may import torch (seconds) until a command that
     needs it runs, so `inkwell jobs list` answers at once."""
-    import subprocess
-    import sys
-
     code = "import sys, inkwell.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -163,3 +167,31 @@ def test_datasets_commands(api, sqlite_service, tmp_path):
     assert dataset_id not in run(env, "datasets", "list").output
     assert "not_found" in run(env, "datasets", "delete", dataset_id, code=1).output
     assert "does not exist" in run(env, "datasets", "upload", str(tmp_path / "nope.jsonl"), code=1).output
+
+
+def test_ctrl_c_in_jobs_wait_says_the_job_goes_on(api, sqlite_service, tmp_path):
+    """Ctrl+C while `inkwell jobs wait` follows a job stops the wait, not the job, and says so (it said nothing)."""
+    _, key = api
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    with sdk.Client(sqlite_service.url, key) as client:
+        job = client.train("inkling-tiny", data, adapter_name="ctrl-c", wait=False)  # no job worker: it stays queued
+    env = {**os.environ, "INKWELL_URL": sqlite_service.url, "INKWELL_API_KEY": key}
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "inkwell.cli", "jobs", "wait", job.id],
+        env=env,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's foreground command has it
+    )
+    said, deadline = b"", time.monotonic() + 60
+    while b"[queued]" not in said:  # its progress bar: it follows the job's events
+        assert time.monotonic() < deadline and waiting.poll() is None, said
+        if select.select([waiting.stderr], [], [], 1)[0]:
+            said += os.read(waiting.stderr.fileno(), 4096)
+    waiting.send_signal(signal.SIGINT)
+    said += waiting.communicate(timeout=30)[1]
+    assert waiting.returncode == 130
+    assert f"job {job.id} goes on running on the service" in said.decode()
+    assert f"inkwell jobs cancel {job.id}" in said.decode()
+    with sdk.Client(sqlite_service.url, key) as client:
+        assert client.jobs.get(job.id).info.state == "queued"
