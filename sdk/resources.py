@@ -327,9 +327,14 @@ class Adapters(_Resource):
 
     def _download_op(self, name, ref, layout, dest: Path, presigned: bool) -> Op[DownloadedAdapter]:
         _check_layout(layout)
+        if dest.exists() and not dest.is_dir():
+            raise ValidationError(f"dest {str(dest)!r} is a file: give a directory for its files", code="bad_dest")
         path = f"/v1/adapters/{segment(name)}/versions/{segment(ref)}/download"
         info = yield Call("GET", path, params={"layout": layout}, parse=parse_model(Download))
-        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file on its path, no permission
+            raise ValidationError(f"cannot make the directory {str(dest)!r}: {exc.strerror}", code="bad_dest") from exc
         sinks = []
         try:
             for f in info.files:

@@ -198,6 +198,8 @@ def test_registry_import_download_alias_delete(api, adapter_dir, sqlite_service,
     recorded = {f.path: f.sha256 for f in v2.files if f.layout == "peft"}
     on_disk = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in got.path.iterdir()}
     assert on_disk == recorded and "adapter_model.safetensors" in on_disk
+    with pytest.raises(sdk.ValidationError, match="cannot make the directory .*: Not a directory"):
+        client.adapters.download("imported", dest=tmp_path / "latest" / "adapter_config.json" / "under")
 
     alias = client.adapters.set_alias("imported", "prod", 1)
     assert (alias.alias, alias.version) == ("prod", 1)

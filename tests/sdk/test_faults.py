@@ -209,6 +209,9 @@ def test_client_side_validation_fails_before_sending_anything(tmp_path):
             c.train("inkling-tiny", str(tmp_path / "nope.jsonl"), adapter_name="a", wait=False)
         with pytest.raises(sdk.ValidationError, match="layout"):
             c.adapters.download("a", 1, layout="onnx", dest=tmp_path)
+        (tmp_path / "a-file").write_text("")
+        with pytest.raises(sdk.ValidationError, match="is a file: give a directory"):
+            c.adapters.download("a", 1, dest=tmp_path / "a-file")
     assert seen == []
 
 
