@@ -29,6 +29,9 @@ def init(
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:  # a checkpoint there would be replaced
         terminal.print_error(console, f"{out_dir} is not empty; choose another directory or pass --overwrite")
         raise typer.Exit(2)
+    if out_dir.exists() and not out_dir.is_dir():
+        terminal.print_error(console, f"{out_dir} is a file; give a directory")
+        raise typer.Exit(2)
     from inkwell.models import init_base_model
 
     path = init_base_model(preset, out_dir, seed=seed, name=name)

@@ -67,6 +67,8 @@ def test_cli_models_init_writes_a_loadable_checkpoint(tmp_path):
     assert again.exit_code == 2 and "--overwrite" in again.output and (out / WEIGHTS_FILE).read_bytes() == weights
     replaced = CliRunner().invoke(cli.app, ["models", "init", "inkling-tiny", str(out), "--seed", "4", "--overwrite"])
     assert replaced.exit_code == 0 and (out / WEIGHTS_FILE).read_bytes() != weights
+    onto_a_file = CliRunner().invoke(cli.app, ["models", "init", "inkling-tiny", str(out / "config.json")])
+    assert onto_a_file.exit_code == 2 and "is a file; give a directory" in onto_a_file.output, onto_a_file.output
 
 
 def test_missing_corrupt_or_foreign_checkpoints_are_refused(tiny_model_dir, tmp_path):
