@@ -8,10 +8,19 @@ A job's training knobs are defined once, in `TrainingHyperparameters`: `TrainJob
 import json
 import re
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from inkwell.adapters.spec import LoraSpec
 from inkwell.trainer.records import SFT_FORMATS, DatasetFormat
@@ -103,13 +112,24 @@ def one_process_compile_mode(device: str, dtype: str) -> str | None:
     return "reduce-overhead" if layers_compile(device, dtype) else None
 
 
+def _a_directory(path: Path) -> Path:
+    """An output directory is made if missing; a file on its path is refused here, not after training has run."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{existing} is a file; give a directory (made if missing)")
+    return path
+
+
+OutputDir = Annotated[Path, AfterValidator(_a_directory)]
+
+
 class TrainJobConfig(TrainingHyperparameters):
     """One SFT job: the training knobs plus data and output paths, LoRA, resume point and parallel layout."""
 
     base_model_dir: Path
     dataset_path: Path = Field(description='JSONL; each line {"messages": [...]} or {"prompt": ..., "completion": ...}')
     eval_dataset_path: Path | None = None
-    output_dir: Path
+    output_dir: OutputDir
     lora: LoraSpec = Field(default_factory=LoraSpec)
     method: Literal["sft"] = "sft"
     resume_from: Path | None = None
@@ -243,7 +263,7 @@ class GrpoJobConfig(GrpoHyperparameters):
 
     base_model_dir: Path
     dataset_path: Path
-    output_dir: Path
+    output_dir: OutputDir
     lora: LoraSpec = Field(default_factory=LoraSpec)
     method: Literal["grpo"] = "grpo"
     resume_from: Path | None = None
@@ -324,7 +344,8 @@ def load_job_config(path: str | Path) -> TrainJobConfig:
     """A job config from a .json or .yaml file."""
     path = Path(path)
     if not path.is_file():
-        raise TrainConfigError(f"config: {path} does not exist", field="config")
+        what = "is a directory: give the job file" if path.is_dir() else "does not exist"
+        raise TrainConfigError(f"config: {path} {what}", field="config")
     text = path.read_text()
     try:
         data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)

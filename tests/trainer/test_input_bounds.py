@@ -52,3 +52,14 @@ def test_the_seed_bound_is_in_the_schema():
     """The API's OpenAPI and a config file's schema both show it: it is one Field of TrainingHyperparameters."""
     schema = TrainingHyperparameters.model_json_schema()["properties"]["seed"]
     assert (schema["minimum"], schema["maximum"]) == (0, MAX_SEED)
+
+
+def test_an_output_dir_on_a_file_is_refused_before_training(tmp_path):
+    """It was found when the adapter was written, after the training had run."""
+    (tmp_path / "taken").write_text("")
+    for output in (tmp_path / "taken", tmp_path / "taken" / "sub"):
+        with pytest.raises(TrainConfigError, match=f"{tmp_path / 'taken'} is a file; give a directory") as info:
+            load_job_config(config_file(tmp_path, f'"output_dir": "{output}"'))
+        assert info.value.field == "output_dir"
+    with pytest.raises(TrainConfigError, match="is a directory: give the job file"):
+        load_job_config(tmp_path)
