@@ -133,8 +133,9 @@ class Datasets(_Resource):
         if isinstance(source, str | Path):
             path = Path(source)
             if not path.is_file():
+                what = "is a directory" if path.is_dir() else "does not exist"
                 raise FileNotFoundError(
-                    f"dataset file {str(path)!r} does not exist (give a JSONL path, a list of dicts or a 'ds_...' id)"
+                    f"dataset file {str(path)!r} {what} (give a JSONL path, a list of dicts or a 'ds_...' id)"
                 )
             upload = Upload("file", name or path.name, path, "application/jsonl")
         elif isinstance(source, Iterable) and not isinstance(source, bytes | Mapping):
@@ -362,6 +363,10 @@ class Adapters(_Resource):
     def _import_op(self, path: Path, name, base_model, layout, version) -> Op[AdapterVersion]:
         _check_name("adapter name", name)
         _check_layout(layout)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{path} {'is a file' if path.exists() else 'does not exist'}: give the adapter's directory"
+            )
         missing = [f for f in ADAPTER_FILES if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"{path} is not an adapter directory: missing {', '.join(missing)}")

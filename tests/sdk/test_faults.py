@@ -205,8 +205,12 @@ def test_client_side_validation_fails_before_sending_anything(tmp_path):
             c.train("inkling-tiny", "ds_" + "0" * 24, adapter_name="a", lora={"rank": 0}, wait=False)
         with pytest.raises(sdk.ValidationError, match="not allowed"):
             c.train("inkling-tiny", "ds_" + "0" * 24, adapter_name="../etc", wait=False)
-        with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        with pytest.raises(FileNotFoundError, match="nope.jsonl' does not exist"):
             c.train("inkling-tiny", str(tmp_path / "nope.jsonl"), adapter_name="a", wait=False)
+        with pytest.raises(FileNotFoundError, match="is a directory"):
+            c.datasets.upload(tmp_path)
+        with pytest.raises(FileNotFoundError, match="nope does not exist: give the adapter's directory"):
+            c.adapters.import_(tmp_path / "nope", name="a", base_model="inkling-tiny", layout="peft")
         with pytest.raises(sdk.ValidationError, match="layout"):
             c.adapters.download("a", 1, layout="onnx", dest=tmp_path)
         (tmp_path / "a-file").write_text("")
