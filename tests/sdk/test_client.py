@@ -232,7 +232,7 @@ def test_registry_import_download_alias_delete(api, adapter_dir, sqlite_service,
     with pytest.raises(sdk.ValidationError) as err:
         client.adapters.import_(broken, name="broken", base_model="inkling-tiny", layout="sglang")
     assert err.value.code == "invalid_adapter"
-    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="prod-missing does not exist"):
         client.adapters.import_(tmp_path / "prod-missing", name="x", base_model="inkling-tiny", layout="sglang")
 
     _, other_key = sqlite_service.new_tenant("other")
