@@ -89,19 +89,25 @@ class _ClientBase:
         eval_dataset: DatasetSource | None,
         hparams: Mapping[str, Any],
     ) -> Op[Job | AsyncJob]:
-        """Check the job, upload what needs uploading, then create the job."""
+        """Check the job (and, before an upload, its base model), upload what needs uploading, then create the
+        job: a job refused for a typo leaves no upload behind."""
         body = job_body(base_model, adapter_name or default_adapter_name(base_model, method), lora, method, hparams)
-        dataset_id = yield from self._dataset_id(dataset)
-        eval_id = (yield from self._dataset_id(eval_dataset)) if eval_dataset is not None else None
-        return (yield from self.jobs.create_op(body, dataset_id, eval_id))
-
-    def _dataset_id(self, dataset: DatasetSource) -> Op[str]:
-        if isinstance(dataset, str) and DATASET_ID.match(dataset) and not Path(dataset).exists():
-            return dataset
-        return (yield from self.datasets.upload_op(dataset)).id
+        sources = (dataset, eval_dataset)
+        uploads = [None if s is None or _is_dataset_id(s) else self.datasets.upload_op(s) for s in sources]
+        if any(uploads):
+            yield self.models.get_call(base_model)
+        ids = []
+        for source, upload in zip(sources, uploads, strict=True):
+            ids.append(source if upload is None else (yield from upload).id)
+        return (yield from self.jobs.create_op(body, *ids))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+def _is_dataset_id(dataset: DatasetSource) -> bool:
+    """A 'ds_...' id of an uploaded dataset (a file of that name wins: it is uploaded)."""
+    return isinstance(dataset, str) and DATASET_ID.match(dataset) is not None and not Path(dataset).exists()
 
 
 class Client(_ClientBase):

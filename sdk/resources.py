@@ -121,7 +121,10 @@ class Models(_Resource):
         return self._t.run(Call("GET", "/v1/models", parse=lambda r: ModelList.model_validate_json(r.content).data))
 
     def get(self, name: str) -> BaseModelInfo:
-        return self._t.run(Call("GET", f"/v1/models/{segment(name)}", parse=parse_model(BaseModelInfo)))
+        return self._t.run(self.get_call(name))
+
+    def get_call(self, name: str) -> Call:
+        return Call("GET", f"/v1/models/{segment(name)}", parse=parse_model(BaseModelInfo))
 
 
 class Datasets(_Resource):
@@ -130,6 +133,7 @@ class Datasets(_Resource):
         return self._t.run(self.upload_op(source, name))
 
     def upload_op(self, source: DatasetSource, name: str | None = None) -> Op[Dataset]:
+        """The upload's Op; the source is read and checked here, before the Op sends anything."""
         if isinstance(source, str | Path):
             path = Path(source)
             if not path.is_file():
@@ -143,7 +147,11 @@ class Datasets(_Resource):
         else:
             raise TypeError(f"dataset must be a path, a list of dicts or a 'ds_...' id, not {type(source).__name__}")
         form = {"name": name} if name else None
-        return (yield Call("POST", "/v1/datasets", data=form, uploads=[upload], parse=parse_model(Dataset)))
+        return self._post(Call("POST", "/v1/datasets", data=form, uploads=[upload], parse=parse_model(Dataset)))
+
+    @staticmethod
+    def _post(call: Call) -> Op[Dataset]:
+        return (yield call)
 
     def list(self, limit: int | None = None, cursor: str | None = None) -> Page[Dataset]:
         return self._t.run(self._list_call(limit, cursor))

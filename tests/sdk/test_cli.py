@@ -65,12 +65,12 @@ def test_jobs_commands(api, sqlite_service, tmp_path):
     assert "job queued" in run(env, "jobs", "logs", job_id).output
     assert "job_cancelled" in run(env, "jobs", "wait", job_id, code=1).output
 
+    uploads = httpx.get(f"{sqlite_service.url}/v1/datasets", headers={"Authorization": f"Bearer {key}"}).json()
     bad = run(env, "jobs", "create", "--base-model", "gpt-9", "--dataset", str(data), code=1)
     assert "unknown_base_model" in bad.output and "inkling-tiny" in bad.output
-    uploads = httpx.get(f"{sqlite_service.url}/v1/datasets", headers={"Authorization": f"Bearer {key}"}).json()
     typo = run(env, "jobs", "create", "--base-model", "inkling-tiny", "--dataset", str(data), "--set", "lr=1", code=1)
     assert "unknown hyperparameter 'lr'" in typo.output
-    # refused before its dataset was uploaded: nothing was left behind
+    # both refused before their dataset was uploaded: nothing was left behind
     assert httpx.get(f"{sqlite_service.url}/v1/datasets", headers={"Authorization": f"Bearer {key}"}).json() == uploads
     missing = run({"INKWELL_URL": sqlite_service.url}, "jobs", "list", code=1)
     assert "INKWELL_API_KEY" in missing.output
