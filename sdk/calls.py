@@ -62,6 +62,11 @@ class Call:
         return {k: v for k, v in self.params.items() if v is not None}
 
 
+def single[T](call: Call) -> Op[T]:
+    """The Op of one Call (its parsed answer): for an operation whose arguments are checked before it is run."""
+    return (yield call)
+
+
 def segment(value: str | int) -> str:
     """One URL path segment, percent-encoded so a stray '/' cannot reach another route."""
     return quote(str(value), safe="")

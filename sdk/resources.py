@@ -17,7 +17,7 @@ import pydantic
 
 from inkwell.adapters.layouts import LAYOUTS
 from inkwell.adapters.spec import LoraSpec
-from inkwell.sdk.calls import Call, FileSink, Op, Upload, parse_model, segment
+from inkwell.sdk.calls import Call, FileSink, Op, Upload, parse_model, segment, single
 from inkwell.sdk.errors import ValidationError
 from inkwell.sdk.events import EventFollower, Page
 from inkwell.service.schemas import (
@@ -147,11 +147,7 @@ class Datasets(_Resource):
         else:
             raise TypeError(f"dataset must be a path, a list of dicts or a 'ds_...' id, not {type(source).__name__}")
         form = {"name": name} if name else None
-        return self._post(Call("POST", "/v1/datasets", data=form, uploads=[upload], parse=parse_model(Dataset)))
-
-    @staticmethod
-    def _post(call: Call) -> Op[Dataset]:
-        return (yield call)
+        return single(Call("POST", "/v1/datasets", data=form, uploads=[upload], parse=parse_model(Dataset)))
 
     def list(self, limit: int | None = None, cursor: str | None = None) -> Page[Dataset]:
         return self._t.run(self._list_call(limit, cursor))
