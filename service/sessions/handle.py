@@ -46,15 +46,14 @@ class SessionHandle:
         try:
             msg = forkserver.first_message(self.process, self.outbox, timeout)
         except forkserver.NotReady as exc:
-            msg = exc
+            self.close()
+            raise SessionStartError("session_start_failed", f"the session worker {exc}") from exc
         if self._closing:  # close() stopped the worker while it started
             raise SessionStartError("session_closed", "the session was closed while its worker started")
         if not isinstance(msg, messages.Ready):
             self.close()
             if isinstance(msg, messages.StartFailed):
                 raise SessionStartError(msg.code, msg.message)
-            if isinstance(msg, forkserver.NotReady):
-                raise SessionStartError("session_start_failed", f"the session worker {msg}") from msg
             raise SessionStartError("session_start_failed", f"unexpected first message {msg!r}")
         self.info = msg.info
         self._reader = threading.Thread(target=self._read, name=f"{self.process.name}-reader", daemon=True)
