@@ -183,11 +183,32 @@ def _combine_kernel(
     tl.store(result_ptr + t * stride_rt + c, acc.to(result_ptr.dtype.element_ty), mask=in_c)
 
 
+# The experts' expand as wide dots (`_slot_deltas`, `_combine_down_kernel`): the widest reduction (slots x rank
+# block) ptxas (sm_90a) keeps in registers beside each program shape without spilling, bf16 (tests/kernels/
+# test_compile_sm90.py checks it). expert_matmul by (rows, columns): 8 rank-16 slots at 16 x 128 spilled 112 bytes a
+# thread, 4 at 64 x 128 224; the combine by columns (16 tokens, two groups' sums): 4 slots at 256 spilled 7.7 KB.
+WIDE_RANKS = {(16, 64): 128, (16, 128): 64, (32, 64): 64, (32, 128): 32, (64, 128): 32}
+COMBINE_WIDE_RANKS = {64: 64, 128: 32, 256: 16}
+slot_group_override: int | None = None  # for benchmarks and tests
+
+
+def slot_group(wide_ranks: int, block_r: int) -> int:
+    """How many slots' rank blocks of BLOCK_R one dot of the experts' expand reduces over, `wide_ranks` in all."""
+    return slot_group_override or max(1, wide_ranks // block_r)
+
+
 @triton.jit
-def _group_expand(acc, z, sel, scale, b_ptrs, b_mask, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += (the `sel` tokens' z [T, R] * scale) @ the B tile at b_ptrs [R, H]."""
+def _widen(z, BLOCK_T: tl.constexpr, SLOT_GROUP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """z [T, R] repeated SLOT_GROUP times along its columns: [T, SLOT_GROUP * R], one copy per slot's rank block."""
+    return tl.reshape(tl.broadcast_to(z[:, None, :], (BLOCK_T, SLOT_GROUP, BLOCK_R)), (BLOCK_T, SLOT_GROUP * BLOCK_R))
+
+
+@triton.jit
+def _group_expand(acc, z, mine, b_ptrs, b_mask, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += z [T, SLOT_GROUP * R], kept where `mine` (a token's own slot's rank block), @ the B blocks at b_ptrs
+    [SLOT_GROUP * R, H]."""
     bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
-    z = tl.where(sel, z * scale, 0.0)
+    z = tl.where(mine, z, 0.0)
     if DOT_FP32:
         return tl.dot(z, bt.to(tl.float32), acc, input_precision=PRECISION)
     return tl.dot(z.to(bt.dtype), bt, acc, input_precision=PRECISION)
@@ -198,11 +219,13 @@ def _combine_down_kernel(
     out_ptr, w_ptr, places_ptr, result_ptr, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr, T, H, R, first, count,
     split, stride_om, stride_rt, stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ss, stride_sg,
     K: tl.constexpr, GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, CHAINED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_GROUP: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """`_combine_kernel` over a tile of tokens, with the experts' down LoRA: B is shared by a group's experts, so
     sum_j w_j (down_j + s_g y_j @ B_g^T) = sum_j w_j down_j + s_g (sum_j w_j y_j) @ B_g^T: each token's rows' shrunk
-    y, weighted and summed per group in fp32, then one dot per (slot in the tile, group) adds the expand."""
+    y, weighted and summed per group in fp32 and scaled, then expanded by one dot per group and SLOT_GROUP slots of
+    the tile's (as `_slot_deltas`: a token's sum in its slot's rank block, the slots' B stacked along the
+    reduction)."""
     chain_start(CHAINED)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
@@ -227,20 +250,26 @@ def _combine_down_kernel(
         z_first += tl.where(second, 0.0, wy)
         z_second += tl.where(second, wy, 0.0)
     token_slots = tl.load(slot_ptr + tl.load(places_ptr + rt.to(tl.int64) * K, mask=in_t, other=0), mask=in_t, other=-1)
-    keys = tl.where(in_t & (token_slots >= 0), token_slots, SENTINEL)
-    key = tl.min(keys, 0)
-    while key < SENTINEL:  # each slot among the tile's tokens (one in a prefill chunk's tile)
-        sel = (keys == key)[:, None]
-        b_slot = b_ptr + key.to(tl.int64) * stride_bs
-        b_tile = rr[:, None] * stride_br + c[None, :] * stride_bn
-        b_mask = in_r[:, None] & in_c[None, :]
-        scale = tl.load(scale_ptr + key * stride_ss).to(tl.float32)
-        acc = _group_expand(acc, z_first, sel, scale, b_slot + b_tile, b_mask, DOT_FP32, PRECISION)
+    adapted = token_slots >= 0
+    scales = scale_ptr + token_slots * stride_ss
+    z_first = _widen(
+        z_first * tl.load(scales, mask=adapted, other=0.0).to(tl.float32)[:, None], BLOCK_T, SLOT_GROUP, BLOCK_R
+    )
+    if GROUPS == 2:
+        scale = tl.load(scales + stride_sg, mask=adapted, other=0.0).to(tl.float32)[:, None]
+        z_second = _widen(z_second * scale, BLOCK_T, SLOT_GROUP, BLOCK_R)
+    wide = tl.arange(0, SLOT_GROUP * BLOCK_R)  # slot offset wide // BLOCK_R, rank wide % BLOCK_R
+    b_tile = (wide % BLOCK_R)[:, None] * stride_br + c[None, :] * stride_bn
+    in_b = (wide % BLOCK_R < R)[:, None] & in_c[None, :]
+    least = tl.min(tl.where(adapted, token_slots, SENTINEL), 0)  # SENTINEL: no token of the tile has a slot
+    for group_first in range(least, tl.max(token_slots, 0) + 1, SLOT_GROUP):
+        slot_of = group_first + wide // BLOCK_R
+        mine = token_slots[:, None] == slot_of[None, :]
+        held = tl.max(mine.to(tl.int32), 0) > 0
+        b_ptrs = b_ptr + slot_of.to(tl.int64)[:, None] * stride_bs + b_tile
+        acc = _group_expand(acc, z_first, mine, b_ptrs, in_b & held[:, None], DOT_FP32, PRECISION)
         if GROUPS == 2:
-            scale = tl.load(scale_ptr + key * stride_ss + stride_sg).to(tl.float32)
-            acc = _group_expand(acc, z_second, sel, scale, b_slot + stride_bg + b_tile, b_mask, DOT_FP32, PRECISION)
-        keys = tl.where(keys == key, SENTINEL, keys)
-        key = tl.min(keys, 0)
+            acc = _group_expand(acc, z_second, mine, b_ptrs + stride_bg, in_b & held[:, None], DOT_FP32, PRECISION)
     tl.store(
         result_ptr + rt.to(tl.int64)[:, None] * stride_rt + c[None, :],
         acc.to(result_ptr.dtype.element_ty),
@@ -277,7 +306,7 @@ def _combine_down(
         down.groups.first, down.groups.count, local_split(down.groups), out.stride(0), result.stride(0),
         down.y.stride(0), *down.b.stride(), ss, sg, K=rows // tokens, GROUPS=groups,
         **dot_operands(down.y.dtype, down.b.dtype), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_R=pow2(rank),
-        **chain_launch(out),
+        SLOT_GROUP=slot_group(COMBINE_WIDE_RANKS.get(block_h, 0), pow2(rank)), **chain_launch(out),
     )  # fmt: skip
 
 
@@ -333,40 +362,40 @@ def _slot_deltas(
     e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols, first, count, split,
     groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     PER_EXPERT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, SLOT_GROUP: tl.constexpr,
 ):  # fmt: skip
-    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e:
-    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot from the tile's least slot to its greatest (the tile is one
-    expert's, so a slot's B is one [R, BLOCK_N] block; B's load masked off for a slot between them that no row
-    holds), so a tile of one adapter's rows does one dot however many slots the pool has. Each row gets its own
-    slot's product only, so the rows' scalings apply once, after the loop."""
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e.
+
+    The tile is one expert's, so a slot's B is one [R, BLOCK_N] block. From the tile's least slot to its greatest,
+    SLOT_GROUP slots at a time, one [BLOCK_M, SLOT_GROUP * BLOCK_R] x [SLOT_GROUP * BLOCK_R, BLOCK_N] dot: row m's y
+    sits in its own slot's rank block of the wide operand (zeros in the others), the B blocks of the group's slots
+    are stacked along the reduction (a slot no row holds is masked off, not read). A tile of eight adapters' rows
+    then issues its B loads together and does one dot, not eight dependent ones; a tile of one adapter's rows does
+    one. Each row gets its own slot's product only, so the rows' scalings apply once, after the loop."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
     block = part * groups + (local >= split).to(tl.int32)
     which = local if PER_EXPERT else (local >= split).to(tl.int32)
-    j = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, SLOT_GROUP * BLOCK_R)  # the wide reduction: slot offset c // BLOCK_R, rank c % BLOCK_R
+    j = c % BLOCK_R
     in_j = j < R
-    y = tl.load(
-        y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :],
-        mask=(slots >= 0)[:, None] & in_j[None, :],
-        other=0.0,
-    )
+    y_rows = y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :]
     b_block = (
         b_ptr + part * stride_bp + which.to(tl.int64) * stride_be
         + (n - part * part_cols)[None, :] * stride_bn + j[:, None] * stride_br
     )  # fmt: skip
-    b_mask = in_j[:, None] & in_n[None, :]
     delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     least = tl.min(tl.where(slots >= 0, slots, num_slots), 0)  # num_slots: the tile holds no slot
-    b_block += least.to(tl.int64) * stride_bs
-    for slot in range(least, tl.max(slots, 0) + 1):  # the slots from the tile's least to its greatest
-        rows_of_slot = slots == slot
-        held = tl.max(rows_of_slot.to(tl.int32), 0) > 0
-        b = tl.load(b_block, mask=b_mask & held, other=0.0)
-        y_slot = tl.where(rows_of_slot[:, None], y, tl.zeros_like(y))
-        delta = tl.dot(y_slot, b, delta, input_precision="ieee" if IEEE else None)
-        b_block += stride_bs
+    for group_first in range(least, tl.max(slots, 0) + 1, SLOT_GROUP):
+        slot_of_c = group_first + c // BLOCK_R
+        mine = (slots[:, None] == slot_of_c[None, :]) & in_j[None, :]
+        held = tl.max(mine.to(tl.int32), 0) > 0
+        y = tl.load(y_rows, mask=mine, other=0.0)
+        b = tl.load(
+            b_block + slot_of_c.to(tl.int64)[:, None] * stride_bs, mask=held[:, None] & in_n[None, :], other=0.0
+        )
+        delta = tl.dot(y, b, delta, input_precision="ieee" if IEEE else None)
     scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=slots >= 0, other=0.0).to(tl.float32)
     return delta * scale[:, None]
 
@@ -378,12 +407,12 @@ def _expert_matmul_kernel(
     stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
     WAIT_FOR_Y: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_GROUP: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
-    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per slot
-    (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per
+    SLOT_GROUP slots (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
     before this one, which waited for the kernels before it) the delta follows the loop and the wait, which is when
     the next kernel may launch.
 
@@ -427,7 +456,7 @@ def _expert_matmul_kernel(
         delta = _slot_deltas(
             e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols,
             first, count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
-            stride_ss, stride_sb, PER_EXPERT, IEEE, BLOCK_M, BLOCK_N, BLOCK_R,
+            stride_ss, stride_sb, PER_EXPERT, IEEE, BLOCK_M, BLOCK_N, BLOCK_R, SLOT_GROUP,
         )  # fmt: skip
         out = (out.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
     tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
@@ -510,11 +539,13 @@ def expert_matmul(
         consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
     else:
         lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
+    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
+    wide_ranks = WIDE_RANKS.get((block_m, consts["BLOCK_N"]), 0) if expand is not None else 0
+    consts["SLOT_GROUP"] = slot_group(wide_ranks, consts["BLOCK_R"])
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
-    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),

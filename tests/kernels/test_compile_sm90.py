@@ -10,6 +10,10 @@ modules must compile at least once: a new kernel needs a call here. The kernels 
 (programmatic dependent launch) are compiled too, and their PTX read for the order the chain needs.
 """
 
+import re
+import subprocess
+import tempfile
+
 import torch
 
 from tests.kernels.helpers import run_in_child
@@ -49,6 +53,22 @@ def compile_only() -> list[tuple[str, dict, object]]:
     JITFunction.run = compile_launch
     torch.Tensor.is_cuda = property(lambda self: True)  # the launchers' branch for CUDA tensors
     return compiled
+
+
+def spill_bytes(kernel) -> int:
+    """The bytes a thread of the compiled kernel spills to local memory, as ptxas (sm_90a) reports them."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run(
+            [knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
 
 
 def run_compile_cases() -> None:
@@ -112,6 +132,18 @@ def run_compile_cases() -> None:
     }
     missing = sorted(kernels - {name for name, _, _ in compiled})
     assert not missing, f"kernels no call here compiled: {missing}"
+    # the experts' expand reduces over several slots' rank blocks at once (`triton_moe.slot_group`), as wide as fits
+    wide = {
+        (
+            name,
+            kw.get("BLOCK_M", kw.get("BLOCK_T")),
+            kw.get("BLOCK_N", kw.get("BLOCK_H")),
+            kw["SLOT_GROUP"],
+        ): spill_bytes(k)
+        for name, kw, k in compiled
+        if kw.get("EXPAND") or name == "_combine_down_kernel"
+    }
+    assert len(wide) >= 6 and not any(wide.values()), f"(kernel, rows, columns, slots): bytes a thread spills {wide}"
     print(f"compiled for sm_90: {len(kernels)} kernels")
 
 
