@@ -490,7 +490,8 @@ def _launch_linear(
         BLOCK_R=16 if not one_slice else pow2(rank, 16),
         SLOT_GROUP=max(1, LINEAR_WIDE_RANKS // pow2(rank, 16)),
         num_stages=4 if x.element_size() <= 2 else 2,
-        num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
+        num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: with each token's gather of B 4 warps spilled
+        # ~3.9 KB a thread, 8 warps 856 B
         **(chain_launch(x) if lora is None else pair_launch(x)),
     )
     return out
