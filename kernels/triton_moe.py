@@ -183,32 +183,11 @@ def _combine_kernel(
     tl.store(result_ptr + t * stride_rt + c, acc.to(result_ptr.dtype.element_ty), mask=in_c)
 
 
-# The experts' expand as wide dots (`_slot_deltas`, `_combine_down_kernel`): the widest reduction (slots x rank
-# block) ptxas (sm_90a) keeps in registers beside each program shape without spilling, bf16 (tests/kernels/
-# test_compile_sm90.py checks it). expert_matmul by (rows, columns): 8 rank-16 slots at 16 x 128 spilled 112 bytes a
-# thread, 4 at 64 x 128 224; the combine by columns (16 tokens, two groups' sums): 4 slots at 256 spilled 7.7 KB.
-WIDE_RANKS = {(16, 64): 128, (16, 128): 64, (32, 64): 64, (32, 128): 32, (64, 128): 32}
-COMBINE_WIDE_RANKS = {64: 64, 128: 32, 256: 16}
-slot_group_override: int | None = None  # for benchmarks and tests
-
-
-def slot_group(wide_ranks: int, block_r: int) -> int:
-    """How many slots' rank blocks of BLOCK_R one dot of the experts' expand reduces over, `wide_ranks` in all."""
-    return slot_group_override or max(1, wide_ranks // block_r)
-
-
 @triton.jit
-def _widen(z, BLOCK_T: tl.constexpr, SLOT_GROUP: tl.constexpr, BLOCK_R: tl.constexpr):
-    """z [T, R] repeated SLOT_GROUP times along its columns: [T, SLOT_GROUP * R], one copy per slot's rank block."""
-    return tl.reshape(tl.broadcast_to(z[:, None, :], (BLOCK_T, SLOT_GROUP, BLOCK_R)), (BLOCK_T, SLOT_GROUP * BLOCK_R))
-
-
-@triton.jit
-def _group_expand(acc, z, mine, b_ptrs, b_mask, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += z [T, SLOT_GROUP * R], kept where `mine` (a token's own slot's rank block), @ the B blocks at b_ptrs
-    [SLOT_GROUP * R, H]."""
+def _group_expand(acc, z, sel, scale, b_ptrs, b_mask, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += (the `sel` tokens' z [T, R] * scale) @ the B tile at b_ptrs [R, H]."""
     bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
-    z = tl.where(mine, z, 0.0)
+    z = tl.where(sel, z * scale, 0.0)
     if DOT_FP32:
         return tl.dot(z, bt.to(tl.float32), acc, input_precision=PRECISION)
     return tl.dot(z.to(bt.dtype), bt, acc, input_precision=PRECISION)
@@ -219,13 +198,11 @@ def _combine_down_kernel(
     out_ptr, w_ptr, places_ptr, result_ptr, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr, T, H, R, first, count,
     split, stride_om, stride_rt, stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ss, stride_sg,
     K: tl.constexpr, GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_GROUP: tl.constexpr, CHAINED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """`_combine_kernel` over a tile of tokens, with the experts' down LoRA: B is shared by a group's experts, so
     sum_j w_j (down_j + s_g y_j @ B_g^T) = sum_j w_j down_j + s_g (sum_j w_j y_j) @ B_g^T: each token's rows' shrunk
-    y, weighted and summed per group in fp32 and scaled, then expanded by one dot per group and SLOT_GROUP slots of
-    the tile's (as `_slot_deltas`: a token's sum in its slot's rank block, the slots' B stacked along the
-    reduction)."""
+    y, weighted and summed per group in fp32, then one dot per (slot in the tile, group) adds the expand."""
     chain_start(CHAINED)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
@@ -250,26 +227,20 @@ def _combine_down_kernel(
         z_first += tl.where(second, 0.0, wy)
         z_second += tl.where(second, wy, 0.0)
     token_slots = tl.load(slot_ptr + tl.load(places_ptr + rt.to(tl.int64) * K, mask=in_t, other=0), mask=in_t, other=-1)
-    adapted = token_slots >= 0
-    scales = scale_ptr + token_slots * stride_ss
-    z_first = _widen(
-        z_first * tl.load(scales, mask=adapted, other=0.0).to(tl.float32)[:, None], BLOCK_T, SLOT_GROUP, BLOCK_R
-    )
-    if GROUPS == 2:
-        scale = tl.load(scales + stride_sg, mask=adapted, other=0.0).to(tl.float32)[:, None]
-        z_second = _widen(z_second * scale, BLOCK_T, SLOT_GROUP, BLOCK_R)
-    wide = tl.arange(0, SLOT_GROUP * BLOCK_R)  # slot offset wide // BLOCK_R, rank wide % BLOCK_R
-    b_tile = (wide % BLOCK_R)[:, None] * stride_br + c[None, :] * stride_bn
-    in_b = (wide % BLOCK_R < R)[:, None] & in_c[None, :]
-    least = tl.min(tl.where(adapted, token_slots, SENTINEL), 0)  # SENTINEL: no token of the tile has a slot
-    for group_first in range(least, tl.max(token_slots, 0) + 1, SLOT_GROUP):
-        slot_of = group_first + wide // BLOCK_R
-        mine = token_slots[:, None] == slot_of[None, :]
-        held = tl.max(mine.to(tl.int32), 0) > 0
-        b_ptrs = b_ptr + slot_of.to(tl.int64)[:, None] * stride_bs + b_tile
-        acc = _group_expand(acc, z_first, mine, b_ptrs, in_b & held[:, None], DOT_FP32, PRECISION)
+    keys = tl.where(in_t & (token_slots >= 0), token_slots, SENTINEL)
+    key = tl.min(keys, 0)
+    while key < SENTINEL:  # each slot among the tile's tokens (one in a prefill chunk's tile)
+        sel = (keys == key)[:, None]
+        b_slot = b_ptr + key.to(tl.int64) * stride_bs
+        b_tile = rr[:, None] * stride_br + c[None, :] * stride_bn
+        b_mask = in_r[:, None] & in_c[None, :]
+        scale = tl.load(scale_ptr + key * stride_ss).to(tl.float32)
+        acc = _group_expand(acc, z_first, sel, scale, b_slot + b_tile, b_mask, DOT_FP32, PRECISION)
         if GROUPS == 2:
-            acc = _group_expand(acc, z_second, mine, b_ptrs + stride_bg, in_b & held[:, None], DOT_FP32, PRECISION)
+            scale = tl.load(scale_ptr + key * stride_ss + stride_sg).to(tl.float32)
+            acc = _group_expand(acc, z_second, sel, scale, b_slot + stride_bg + b_tile, b_mask, DOT_FP32, PRECISION)
+        keys = tl.where(keys == key, SENTINEL, keys)
+        key = tl.min(keys, 0)
     tl.store(
         result_ptr + rt.to(tl.int64)[:, None] * stride_rt + c[None, :],
         acc.to(result_ptr.dtype.element_ty),
@@ -306,7 +277,7 @@ def _combine_down(
         down.groups.first, down.groups.count, local_split(down.groups), out.stride(0), result.stride(0),
         down.y.stride(0), *down.b.stride(), ss, sg, K=rows // tokens, GROUPS=groups,
         **dot_operands(down.y.dtype, down.b.dtype), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_R=pow2(rank),
-        SLOT_GROUP=slot_group(COMBINE_WIDE_RANKS.get(block_h, 0), pow2(rank)), **chain_launch(out),
+        **chain_launch(out),
     )  # fmt: skip
 
 
@@ -355,6 +326,18 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
     if tile_override is not None:
         return tile_override
     return WIDE_TILES if depth <= 1024 or max_rows >= 64 else DEEP_TILES
+
+
+# The experts' expand as wide dots (`_slot_deltas`): the widest reduction (slots x rank block) that ptxas (sm_90a) keeps
+# in registers beside each program shape (rows, columns) without spilling, bf16 (tests/kernels/test_compile_sm90.py
+# checks it): 8 rank-16 slots at 16 x 128 spilled 112 bytes a thread, 4 at 64 x 128 224.
+WIDE_RANKS = {(16, 64): 128, (16, 128): 64, (32, 64): 64, (32, 128): 32, (64, 128): 32}
+slot_group_override: int | None = None  # for benchmarks and tests
+
+
+def slot_group(wide_ranks: int, block_r: int) -> int:
+    """How many slots' rank blocks of BLOCK_R one dot of the experts' expand reduces over, `wide_ranks` in all."""
+    return slot_group_override or max(1, wide_ranks // block_r)
 
 
 @triton.jit
