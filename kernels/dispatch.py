@@ -31,7 +31,7 @@ CHAINED_GEMM_MAX_N = 64
 # batch-8 step against 837). Measured through decode batches of 128; prefill steps of more tokens (the engine's
 # default is 256) keep the grouped GEMM until a measurement says otherwise. There the experts' LoRA rides in those
 # GEMMs (a `RowExpand`), in their epilogues: one dot over the rank blocks of up to 8 of a tile's slots
-# (`triton_moe.slot_group`).
+# (`triton_moe.WIDE_RANKS`).
 EXPERT_MATMUL_MAX_TOKENS = 128
 
 

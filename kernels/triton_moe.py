@@ -30,6 +30,7 @@ from inkwell.kernels.triton_lora.common import (
     row_keys,
     row_slots,
     scale_strides,
+    slot_group,
 )
 from inkwell.kernels.triton_lora.dense import lora_shrink
 from inkwell.kernels.triton_math import exp
@@ -332,12 +333,6 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
 # in registers beside each program shape (rows, columns) without spilling, bf16 (tests/kernels/test_compile_sm90.py
 # checks it): 8 rank-16 slots at 16 x 128 spilled 112 bytes a thread, 4 at 64 x 128 224.
 WIDE_RANKS = {(16, 64): 128, (16, 128): 64, (32, 64): 64, (32, 128): 32, (64, 128): 32}
-slot_group_override: int | None = None  # for benchmarks and tests
-
-
-def slot_group(wide_ranks: int, block_r: int) -> int:
-    """How many slots' rank blocks of BLOCK_R one dot of the experts' expand reduces over, `wide_ranks` in all."""
-    return slot_group_override or max(1, wide_ranks // block_r)
 
 
 @triton.jit

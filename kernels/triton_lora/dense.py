@@ -23,6 +23,7 @@ from inkwell.kernels.triton_lora.common import (
     require,
     scale_strides,
     slice_of,
+    slot_group,
     token_block,
 )
 from inkwell.kernels.triton_lora.expand import launch_expand
@@ -187,9 +188,10 @@ def _linear_kernel(
             part = slice_of(n0, o1, o2, o3)
             scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
             wide = tl.arange(0, SLOT_GROUP * BLOCK_R)
-            in_rank = wide % BLOCK_R < R
-            y_cols = y_ptr + rt[:, None] * stride_yt + (part * R + wide % BLOCK_R)[None, :] * stride_yr
-            b_cols = b_ptr + rn[None, :] * stride_bn + (wide % BLOCK_R)[:, None] * stride_br  # [SLOT_GROUP * R, N]
+            rank = wide % BLOCK_R
+            in_rank = rank < R
+            y_cols = y_ptr + rt[:, None] * stride_yt + (part * R + rank)[None, :] * stride_yr
+            b_cols = b_ptr + rn[None, :] * stride_bn + rank[:, None] * stride_br  # [SLOT_GROUP * R, N]
             in_b = in_rank[:, None] & in_n[None, :]
             least = tl.min(tl.where(slots >= 0, slots, SENTINEL), 0)  # SENTINEL: no token of the tile has a slot
             slot_of = least + wide // BLOCK_R
@@ -456,6 +458,7 @@ def _launch_linear(
         parts, o1, o2, o3 = parse_slices(slice_offsets, n)
         ss, sp = scale_strides(scalings, lora_b.shape[0], parts)
     one_slice = all(start % block_n == 0 for start in (o1, o2, o3) if start < n)
+    block_r = pow2(rank, 16) if one_slice else 16  # one slice: the wide dot's rank blocks; else the gather's
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -487,8 +490,8 @@ def _launch_linear(
         BLOCK_N=block_n,
         BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
         PREFETCH_B=0 < rank <= 16,  # a larger block of B would not fit in registers beside the K loop
-        BLOCK_R=16 if not one_slice else pow2(rank, 16),
-        SLOT_GROUP=max(1, LINEAR_WIDE_RANKS // pow2(rank, 16)),
+        BLOCK_R=block_r,
+        SLOT_GROUP=slot_group(LINEAR_WIDE_RANKS, block_r) if one_slice else 1,
         num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: with each token's gather of B 4 warps spilled
         # ~3.9 KB a thread, 8 warps 856 B
