@@ -93,6 +93,14 @@ def _table(columns: list[str], rows: list[list[Any]]) -> None:
     (out if out.is_terminal else Console(file=out.file, width=PIPE_WIDTH)).print(table)
 
 
+def _listing(columns: list[str], rows: list[list[Any]], empty: str) -> None:
+    """A list command's table; with no rows, `empty` on stderr (what to do next) instead of a bare header."""
+    if rows:
+        _table(columns, rows)
+    else:
+        terminal.print_plain(err, empty)
+
+
 def _value(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -148,7 +156,9 @@ def jobs_list(
     if as_json:
         _print_json(jobs)
     else:
-        _table(JOB_COLUMNS, [_job_row(j) for j in jobs])
+        filtered = state or adapter_name or base_model
+        empty = "no job matches these filters" if filtered else "no jobs yet: start one with `inkwell jobs create`"
+        _listing(JOB_COLUMNS, [_job_row(j) for j in jobs], empty)
 
 
 @jobs_app.command("get")
@@ -289,7 +299,9 @@ def adapters_list(
         [a.name, a.base_model, a.latest_version, a.num_versions, _aliases(a.aliases), _when(a.updated_at)]
         for a in adapters
     ]
-    _table(["name", "base", "latest", "versions", "aliases", "updated"], rows)
+    empty = f"no adapters of {base_model}" if base_model else "no adapters yet"
+    empty += ": a job publishes one, or `inkwell adapters import` brings one in"
+    _listing(["name", "base", "latest", "versions", "aliases", "updated"], rows, empty)
 
 
 def _aliases(aliases: dict[str, int]) -> str:
@@ -417,7 +429,7 @@ def datasets_list(as_json: AsJson = False, url: Url = None, api_key: ApiKey = No
     if as_json:
         return _print_json(datasets)
     rows = [[d.id, d.name, d.format, d.num_examples, d.size_bytes, _when(d.created_at)] for d in datasets]
-    _table(DATASET_COLUMNS, rows)
+    _listing(DATASET_COLUMNS, rows, "no datasets yet: upload one with `inkwell datasets upload FILE.jsonl`")
 
 
 @datasets_app.command("upload")
@@ -465,7 +477,7 @@ def sessions_list(as_json: AsJson = False, url: Url = None, api_key: ApiKey = No
     sessions = Client(url, api_key).sessions.list()
     if as_json:
         return _print_json(sessions)
-    _table(SESSION_COLUMNS, [_session_row(s) for s in sessions])
+    _listing(SESSION_COLUMNS, [_session_row(s) for s in sessions], "no training sessions open or recently closed")
 
 
 @sessions_app.command("get")

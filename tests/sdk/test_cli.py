@@ -169,6 +169,23 @@ def test_datasets_commands(api, sqlite_service, tmp_path):
     assert "does not exist" in run(env, "datasets", "upload", str(tmp_path / "nope.jsonl"), code=1).output
 
 
+def test_empty_lists_say_so_on_stderr(api, sqlite_service):
+    """A fresh tenant's lists print no table (a bare header said nothing) but a line on stderr: what to do next,
+    or that the filters matched nothing; stdout stays empty for a script reading it."""
+    _, key = api
+    env = {"INKWELL_URL": sqlite_service.url, "INKWELL_API_KEY": key}
+    expected = {
+        ("datasets", "list"): "no datasets yet: upload one with `inkwell datasets upload",
+        ("jobs", "list"): "no jobs yet: start one with `inkwell jobs create`",
+        ("jobs", "list", "--state", "failed"): "no job matches these filters",
+        ("sessions", "list"): "no training sessions",
+        ("adapters", "list", "--base-model", "inkling-none"): "no adapters of inkling-none: a job publishes one",
+    }
+    for args, said in expected.items():
+        result = run(env, *args)
+        assert result.stdout == "" and said in result.stderr, (args, result.stdout, result.stderr)
+
+
 def test_ctrl_c_in_jobs_wait_says_the_job_goes_on(api, sqlite_service, tmp_path):
     """Ctrl+C while `inkwell jobs wait` follows a job stops the wait, not the job, and says so (it said nothing)."""
     _, key = api
