@@ -35,12 +35,17 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab: int, max_
     prompt_len, max_tokens = len(prompt_ids), params.max_tokens
     if prompt_len + (1 if max_tokens is None else max_tokens) <= max_context:
         return
-    prompt_alone = prompt_len + (0 if max_tokens == 0 else 1) > max_context
+    least = 0 if max_tokens == 0 else 1  # tokens the request must generate
+    room = max_context - prompt_len  # the most max_tokens this prompt leaves
+    if room < least:
+        fix, param = f"shorten the prompt to at most {max_context - least} tokens", "prompt"
+    else:
+        fix, param = f"lower max_tokens to at most {room}", "max_tokens"
     raise EngineError(
         "context_length_exceeded",
         f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}; together they must fit the "
-        f"model's context of {max_context} tokens (shorten the prompt or lower max_tokens)",
-        "prompt" if prompt_alone else "max_tokens",
+        f"model's context of {max_context} tokens ({fix})",
+        param,
     )
 
 
