@@ -30,8 +30,8 @@ CHAINED_GEMM_MAX_N = 64
 # per expert, where a grouped GEMM's 128-row tiles read the weights at half the memory's speed (H200: 499 µs a
 # batch-8 step against 837). Measured through decode batches of 128; prefill steps of more tokens (the engine's
 # default is 256) keep the grouped GEMM until a measurement says otherwise. There the experts' LoRA rides in those
-# GEMMs (a `RowExpand`), in their epilogues: one dot over the rank blocks of up to 8 of a tile's slots
-# (`triton_moe.WIDE_RANKS`).
+# GEMMs (a `RowExpand`), one dot per adapter slot in a tile (docs/benchmarks.md, "The experts' expand as one dot
+# per slot").
 EXPERT_MATMUL_MAX_TOKENS = 128
 
 

@@ -30,7 +30,6 @@ from inkwell.kernels.triton_lora.common import (
     row_keys,
     row_slots,
     scale_strides,
-    slot_group,
 )
 from inkwell.kernels.triton_lora.dense import lora_shrink
 from inkwell.kernels.triton_math import exp
@@ -329,51 +328,45 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
     return WIDE_TILES if depth <= 1024 or max_rows >= 64 else DEEP_TILES
 
 
-# The experts' expand as wide dots (`_slot_deltas`): the widest reduction (slots x rank block) that ptxas (sm_90a) keeps
-# in registers beside each program shape (rows, columns) without spilling, bf16 (tests/kernels/test_compile_sm90.py
-# checks it): 8 rank-16 slots at 16 x 128 spilled 112 bytes a thread, 4 at 64 x 128 224.
-WIDE_RANKS = {(16, 64): 128, (16, 128): 64, (32, 64): 64, (32, 128): 32, (64, 128): 32}
-
-
 @triton.jit
 def _slot_deltas(
     e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols, first, count, split,
     groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     PER_EXPERT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, SLOT_GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e.
-
-    The tile is one expert's, so a slot's B is one [R, BLOCK_N] block. From the tile's least slot to its greatest,
-    SLOT_GROUP slots at a time, one [BLOCK_M, SLOT_GROUP * BLOCK_R] x [SLOT_GROUP * BLOCK_R, BLOCK_N] dot: row m's y
-    sits in its own slot's rank block of the wide operand (zeros in the others), the B blocks of the group's slots
-    are stacked along the reduction (a slot no row holds is masked off, not read). A tile of eight adapters' rows
-    then issues its B loads together and does one dot, not eight dependent ones; a tile of one adapter's rows does
-    one. Each row gets its own slot's product only, so the rows' scalings apply once, after the loop."""
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e:
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot from the tile's least slot to its greatest (the tile is one
+    expert's, so a slot's B is one [R, BLOCK_N] block; B's load masked off for a slot between them that no row
+    holds), so a tile of one adapter's rows does one dot however many slots the pool has. Each row gets its own
+    slot's product only, so the rows' scalings apply once, after the loop."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
     block = part * groups + (local >= split).to(tl.int32)
     which = local if PER_EXPERT else (local >= split).to(tl.int32)
-    c = tl.arange(0, SLOT_GROUP * BLOCK_R)  # the wide reduction: slot offset c // BLOCK_R, rank c % BLOCK_R
-    j = c % BLOCK_R
+    j = tl.arange(0, BLOCK_R)
     in_j = j < R
-    y_rows = y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :]
+    y = tl.load(
+        y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :],
+        mask=(slots >= 0)[:, None] & in_j[None, :],
+        other=0.0,
+    )
     b_block = (
         b_ptr + part * stride_bp + which.to(tl.int64) * stride_be
         + (n - part * part_cols)[None, :] * stride_bn + j[:, None] * stride_br
     )  # fmt: skip
+    b_mask = in_j[:, None] & in_n[None, :]
     delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     least = tl.min(tl.where(slots >= 0, slots, num_slots), 0)  # num_slots: the tile holds no slot
-    for group_first in range(least, tl.max(slots, 0) + 1, SLOT_GROUP):
-        slot_of_c = group_first + c // BLOCK_R
-        mine = (slots[:, None] == slot_of_c[None, :]) & in_j[None, :]
-        held = tl.max(mine.to(tl.int32), 0) > 0
-        y = tl.load(y_rows, mask=mine, other=0.0)
-        b = tl.load(
-            b_block + slot_of_c.to(tl.int64)[:, None] * stride_bs, mask=held[:, None] & in_n[None, :], other=0.0
-        )
-        delta = tl.dot(y, b, delta, input_precision="ieee" if IEEE else None)
+    b_block += least.to(tl.int64) * stride_bs
+    for slot in range(least, tl.max(slots, 0) + 1):  # the slots from the tile's least to its greatest
+        rows_of_slot = slots == slot
+        held = tl.max(rows_of_slot.to(tl.int32), 0) > 0
+        b = tl.load(b_block, mask=b_mask & held, other=0.0)
+        y_slot = tl.where(rows_of_slot[:, None], y, tl.zeros_like(y))
+        delta = tl.dot(y_slot, b, delta, input_precision="ieee" if IEEE else None)
+        b_block += stride_bs
     scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=slots >= 0, other=0.0).to(tl.float32)
     return delta * scale[:, None]
 
@@ -385,12 +378,12 @@ def _expert_matmul_kernel(
     stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
     WAIT_FOR_Y: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
-    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per
-    SLOT_GROUP slots (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per slot
+    (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
     before this one, which waited for the kernels before it) the delta follows the loop and the wait, which is when
     the next kernel may launch.
 
@@ -434,7 +427,7 @@ def _expert_matmul_kernel(
         delta = _slot_deltas(
             e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols,
             first, count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
-            stride_ss, stride_sb, PER_EXPERT, IEEE, BLOCK_M, BLOCK_N, BLOCK_R, SLOT_GROUP,
+            stride_ss, stride_sb, PER_EXPERT, IEEE, BLOCK_M, BLOCK_N, BLOCK_R,
         )  # fmt: skip
         out = (out.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
     tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
@@ -517,13 +510,11 @@ def expert_matmul(
         consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
     else:
         lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
-    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
-    wide_ranks = WIDE_RANKS.get((block_m, consts["BLOCK_N"]), 0) if expand is not None else 0
-    consts["SLOT_GROUP"] = slot_group(wide_ranks, consts["BLOCK_R"])
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
+    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),

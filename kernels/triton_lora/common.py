@@ -126,16 +126,6 @@ def dot_operands(a_dtype: torch.dtype, b_dtype: torch.dtype) -> dict[str, bool |
     return {"DOT_FP32": fp32, "PRECISION": "ieee" if fp32 else "tf32"}
 
 
-# A LoRA expand reduces over several slots' rank blocks in one dot (the experts' `_slot_deltas`, the decode GEMM's
-# epilogue), as many as its launcher's register budget allows; the override is for benchmarks and tests.
-slot_group_override: int | None = None
-
-
-def slot_group(wide_ranks: int, block_r: int) -> int:
-    """How many slots' rank blocks of `block_r` one dot of a LoRA expand reduces over, `wide_ranks` in all."""
-    return slot_group_override or max(1, wide_ranks // block_r)
-
-
 def token_block(tokens: int) -> int:
     return pow2(tokens, 16, 64)
 

@@ -23,7 +23,6 @@ from inkwell.kernels.triton_lora.common import (
     require,
     scale_strides,
     slice_of,
-    slot_group,
     token_block,
 )
 from inkwell.kernels.triton_lora.expand import launch_expand
@@ -491,7 +490,7 @@ def _launch_linear(
         BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
         PREFETCH_B=0 < rank <= 16,  # a larger block of B would not fit in registers beside the K loop
         BLOCK_R=block_r,
-        SLOT_GROUP=slot_group(LINEAR_WIDE_RANKS, block_r) if one_slice else 1,
+        SLOT_GROUP=max(1, LINEAR_WIDE_RANKS // block_r) if one_slice else 1,
         num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: with each token's gather of B 4 warps spilled
         # ~3.9 KB a thread, 8 warps 856 B

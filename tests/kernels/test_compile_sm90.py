@@ -132,11 +132,11 @@ def run_compile_cases() -> None:
     }
     missing = sorted(kernels - {name for name, _, _ in compiled})
     assert not missing, f"kernels no call here compiled: {missing}"
-    # the LoRA expands that reduce over several slots' rank blocks at once, as wide as fits in registers
+    # every LoRA epilogue in registers: the experts' dots per slot, the decode GEMM's wide dot over slots
     wide = {}
     for name, kw, kernel in compiled:
         if kw.get("EXPAND") or kw.get("HAS_LORA"):
-            wide[name, kw.get("BLOCK_M") or kw["BLOCK_T"], kw["BLOCK_N"], kw["SLOT_GROUP"]] = spill_bytes(kernel)
+            wide[name, kw.get("BLOCK_M") or kw["BLOCK_T"], kw["BLOCK_N"], kw.get("SLOT_GROUP", 1)] = spill_bytes(kernel)
     assert len(wide) >= 6 and not any(wide.values()), f"(kernel, rows, columns, slots): bytes a thread spills {wide}"
     print(f"compiled for sm_90: {len(kernels)} kernels")
 
