@@ -13,7 +13,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS, fused_linear
 from inkwell.kernels.torch_ops import check_token_slots
 from inkwell.kernels.triton_lora.common import (
-    SENTINEL,
     add_delta,
     dot_operands,
     dot_precision,
@@ -28,11 +27,6 @@ from inkwell.kernels.triton_lora.common import (
 from inkwell.kernels.triton_lora.expand import launch_expand
 from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, launch_shrink
 from inkwell.kernels.triton_pdl import chain_launch, pair_launch, prefetch_rows_l2, rows_prefetchable, wait_then_trigger
-
-# The decode GEMM's expand as a wide dot (`_linear_kernel`, one slice a tile): its reduction spans at most this many
-# ranks (8 rank-16 slots). ptxas (sm_90a), q/k/v/r at rank 16: 168 / 255 / 189 registers a thread at 8 / 32 / 64
-# tokens, no spill (tests/kernels/test_compile_sm90.py checks it), where each token's gather of B took 168 / 239 / 239.
-LINEAR_WIDE_RANKS = 128
 
 
 @triton.jit
@@ -154,22 +148,17 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    SLOT_GROUP: tl.constexpr,
 ):
     """out[:, tile] = x @ W[tile]^T, with HAS_LORA plus each token's (sliced) LoRA expand of y as the tile's epilogue.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch, asks L2 for its rows of W (PREFETCH_W: W's rows
     contiguous) while the kernel before it still runs, then waits for that kernel before reading x. The LoRA pair
     instead launches once the chained shrink that writes y has waited (WAIT_FOR_SHRINK): x is written by then, the K
-    loop runs while the shrink does, and the epilogue waits for y, after which the next kernel may launch. One
-    program serves every adapter in the batch, and the slots and scalings are loaded before the K loop.
-
-    Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE: the tile's columns read one rank block of y) the
-    expand is one dot over SLOT_GROUP slots' rank blocks at a time, from the tile's least slot to its greatest: a
-    token's y sits in its own slot's block of the wide operand (zeros elsewhere), the slots' [R, BLOCK_N] blocks of B
-    stacked along the reduction; the first group's B (a slot no token holds masked off) is loaded before the K loop.
-    Otherwise each token gathers its own slot's B for each column, up to rank BLOCK_R before the K loop too
-    (PREFETCH_B), and sums the products.
+    loop runs while the shrink does, and the epilogue waits for y, after which the next kernel may launch. Each
+    token gathers its own slot's B, so one program serves every adapter in the batch. The slots and scalings, and up
+    to rank BLOCK_R the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind
+    it. Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per
+    token, not one per column.
     """
     rt = tl.arange(0, BLOCK_T)
     in_t = rt < T
@@ -183,29 +172,20 @@ def _linear_kernel(
         gdc_wait()
     if HAS_LORA:
         slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
-        if ONE_SLICE_PER_TILE:  # the wide dot's operands: rank `wide % BLOCK_R` of slot `least + wide // BLOCK_R`
+        adapted = (slots >= 0)[:, None] & in_n[None, :]
+        if ONE_SLICE_PER_TILE:
             part = slice_of(n0, o1, o2, o3)
             scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
-            wide = tl.arange(0, SLOT_GROUP * BLOCK_R)
-            rank = wide % BLOCK_R
-            in_rank = rank < R
-            y_cols = y_ptr + rt[:, None] * stride_yt + (part * R + rank)[None, :] * stride_yr
-            b_cols = b_ptr + rn[None, :] * stride_bn + rank[:, None] * stride_br  # [SLOT_GROUP * R, N]
-            in_b = in_rank[:, None] & in_n[None, :]
-            least = tl.min(tl.where(slots >= 0, slots, SENTINEL), 0)  # SENTINEL: no token of the tile has a slot
-            slot_of = least + wide // BLOCK_R
-            held = tl.max((slots[:, None] == slot_of[None, :]).to(tl.int32), 0) > 0
-            b_first = tl.load(b_cols + slot_of.to(tl.int64)[:, None] * stride_bs, mask=in_b & held[:, None], other=0.0)
+            y_rows = y_ptr + rt[:, None] * stride_yt + (part * R) * stride_yr  # [BLOCK_T, 1]
         else:
-            adapted = (slots >= 0)[:, None] & in_n[None, :]
             part = slice_of(rn, o1, o2, o3)
             scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
             y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr  # [T, N, 1]
-            b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
-            if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
-                rr = tl.arange(0, BLOCK_R)
-                in_b = adapted[:, :, None] & (rr < R)[None, None, :]
-                b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+        b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
+        if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
+            rr = tl.arange(0, BLOCK_R)
+            in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+            b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -223,24 +203,16 @@ def _linear_kernel(
         if WAIT_FOR_SHRINK:
             wait_then_trigger()  # triggering before the K loop instead made the step slower
         delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        if ONE_SLICE_PER_TILE:  # y[t, its slot's rank block] @ the group's B blocks stacked along the reduction
-            bt = b_first
-            for group_first in range(least, tl.max(slots, 0) + 1, SLOT_GROUP):
-                slot_of = group_first + wide // BLOCK_R
-                mine = (slots[:, None] == slot_of[None, :]) & in_rank[None, :]
-                if group_first > least:  # the tile's slots span more than one group: this group's B now
-                    held = tl.max(mine.to(tl.int32), 0) > 0
-                    b_group = b_cols + slot_of.to(tl.int64)[:, None] * stride_bs
-                    bt = tl.load(b_group, mask=in_b & held[:, None], other=0.0)
-                yt = tl.load(y_cols, mask=mine, other=0.0)
-                delta = tl.dot(yt, bt.to(yt.dtype), delta, input_precision=PRECISION)
-        else:
-            for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
-                rr = r0 + tl.arange(0, BLOCK_R)
-                in_b = adapted[:, :, None] & (rr < R)[None, None, :]
-                bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+        for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
+            rr = r0 + tl.arange(0, BLOCK_R)
+            in_b = adapted[:, :, None] & (rr < R)[None, None, :]
+            bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
+            if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
+                in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
+                yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
+            else:
                 yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
-                delta += tl.sum(yt * bt.to(tl.float32), axis=2)
+            delta += tl.sum(yt * bt.to(tl.float32), axis=2)
         out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_n[None, :])
@@ -456,8 +428,6 @@ def _launch_linear(
         rank = lora_b.shape[2]
         parts, o1, o2, o3 = parse_slices(slice_offsets, n)
         ss, sp = scale_strides(scalings, lora_b.shape[0], parts)
-    one_slice = all(start % block_n == 0 for start in (o1, o2, o3) if start < n)
-    block_r = pow2(rank, 16) if one_slice else 16  # one slice: the wide dot's rank blocks; else the gather's
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -483,17 +453,15 @@ def _launch_linear(
         HAS_LORA=lora is not None,
         PREFETCH_W=pdl and lora is None and rows_prefetchable(weight),
         WAIT_FOR_SHRINK=pdl and lora is not None,
-        ONE_SLICE_PER_TILE=one_slice,
+        ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
         PREFETCH_B=0 < rank <= 16,  # a larger block of B would not fit in registers beside the K loop
-        BLOCK_R=block_r,
-        SLOT_GROUP=max(1, LINEAR_WIDE_RANKS // block_r) if one_slice else 1,
+        BLOCK_R=16,
         num_stages=4 if x.element_size() <= 2 else 2,
-        num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: with each token's gather of B 4 warps spilled
-        # ~3.9 KB a thread, 8 warps 856 B
+        num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
         **(chain_launch(x) if lora is None else pair_launch(x)),
     )
     return out
