@@ -3,6 +3,7 @@
 The two differ only in how they iterate the event stream; refresh/cancel/outcome are shared ops.
 """
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -87,6 +88,11 @@ class _JobBase:
 def _ended(events: list[JobEvent]) -> bool:
     """Whether the events hold the job's terminal state: it ended as the wait began, nothing is left to follow."""
     return any(event.type == "state" and event.state in TERMINAL_STATES for event in events)
+
+
+def _goes_on(job_id: str) -> str:
+    """The note on an interrupted wait: stopping the wait left the job running."""
+    return f"job {job_id} goes on running on the service: job.cancel() or `inkwell jobs cancel {job_id}` stops it"
 
 
 def _last_id(events: list[JobEvent]) -> int | None:
@@ -181,10 +187,7 @@ class Job(_JobBase):
                     for event in self.events(after=_last_id(history), timeout=timeout):
                         bar.update(event)
             except KeyboardInterrupt as exc:  # the wait stops here, the job does not
-                exc.add_note(
-                    f"job {self.id} goes on running on the service: job.cancel() or `inkwell jobs cancel {self.id}` "
-                    "stops it"
-                )
+                exc.add_note(_goes_on(self.id))
                 raise
             finally:
                 bar.close()
@@ -197,6 +200,8 @@ class AsyncJob(_JobBase):
         return self._client.jobs.events(self.id, after=after, timeout=timeout)
 
     async def wait(self, timeout: float | None = None, progress: bool = True) -> Self:
+        """`Job.wait` awaited. Ctrl+C under `asyncio.run` (or cancelling the task) stops the wait, not the job: the
+        CancelledError says how to cancel it, and asyncio.run's KeyboardInterrupt shows it as its context."""
         await self.refresh()
         if not self.done:
             history = [event async for event in self._client.jobs.history(self.id)] if progress else []
@@ -205,6 +210,9 @@ class AsyncJob(_JobBase):
                 if not _ended(history):
                     async for event in self.events(after=_last_id(history), timeout=timeout):
                         bar.update(event)
+            except asyncio.CancelledError as exc:
+                exc.add_note(_goes_on(self.id))
+                raise
             finally:
                 bar.close()
             await self.refresh()

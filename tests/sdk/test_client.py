@@ -244,6 +244,27 @@ def test_registry_import_download_alias_delete(api, adapter_dir, sqlite_service,
         assert not (tmp_path / "stolen").exists() or not any((tmp_path / "stolen").iterdir())
 
 
+def test_cancelled_async_wait_says_the_job_goes_on(api, sqlite_service):
+    """Cancelling an AsyncJob.wait (Ctrl+C under asyncio.run cancels the main task) stops the wait, not the job, and
+    the CancelledError says so and how to cancel the job; a KeyboardInterrupt's note did this for the sync wait only."""
+    _, key = api
+
+    async def main():
+        async with sdk.AsyncClient(sqlite_service.url, key) as client:
+            job = await client.train("inkling-tiny", CHAT, adapter_name="async-wait", wait=False)  # no worker: queued
+            waiting = asyncio.create_task(job.wait(progress=False))
+            await asyncio.sleep(0.5)  # following the job's events
+            assert not waiting.done()
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError) as err:
+                await waiting
+            assert f"job {job.id} goes on running on the service" in "".join(err.value.__notes__)
+            assert f"inkwell jobs cancel {job.id}" in "".join(err.value.__notes__)
+            assert (await client.jobs.get(job.id)).state == "queued"
+
+    asyncio.run(main())
+
+
 def test_async_client(api, adapter_dir, sqlite_service, tmp_path):
     _, key = api
 
