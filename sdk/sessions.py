@@ -28,6 +28,7 @@ from inkwell.adapters.spec import LoraSpec
 from inkwell.sdk.calls import Call, Op, parse_model, segment
 from inkwell.sdk.errors import InkwellError, RequestFailedError, ValidationError
 from inkwell.sdk.resources import lora_spec, pydantic_error
+from inkwell.sdk.transport import SyncTransport
 from inkwell.service.sessions.schemas import (
     MAX_WAIT_SECONDS,
     AdamParams,
@@ -240,12 +241,18 @@ class TrainingSession(_Primitives):
         """End the session and free its device (pending requests fail). With `timeout`, one try of at most that
         many seconds (the service goes on closing it once the request has arrived); without, the client's timeout
         and retries."""
+        self._forget()
+        return self._run(self._close_op(timeout))
+
+    def _forget(self) -> None:
+        """No longer open here: heartbeats stop, neither the client nor the program's exit closes it again."""
         self._stop.set()
         atexit.unregister(self._close_at_exit)
         self._client._open_sessions.discard(self)
+
+    def _close_op(self, timeout: float | None) -> Op["TrainingSession"]:
         bound = {} if timeout is None else {"timeout": httpx.Timeout(timeout), "max_retries": 0}
-        call = Call("DELETE", f"/v1/sessions/{segment(self.id)}", parse=parse_model(Session), **bound)
-        return self._run(self._get_op(call))
+        return self._get_op(Call("DELETE", f"/v1/sessions/{segment(self.id)}", parse=parse_model(Session), **bound))
 
     def __enter__(self) -> "TrainingSession":
         return self
@@ -262,6 +269,7 @@ class TrainingSession(_Primitives):
     def _start_heartbeats(self) -> None:
         interval = max(1.0, self.info.idle_timeout_seconds / 4)
         self._client._open_sessions.add(self)
+        atexit.register(self._close_at_exit)
         if self._client._is_async:
 
             async def beat() -> None:
@@ -284,13 +292,19 @@ class TrainingSession(_Primitives):
 
         self._beat = threading.Thread(target=beat_sync, name=f"heartbeat-{self.id}", daemon=True)
         self._beat.start()
-        atexit.register(self._close_at_exit)
 
     def _close_at_exit(self) -> None:
         """The program ends (or is interrupted) with the session open: close it. Its heartbeats stop there, and the
-        session would hold its device until the service's idle timeout."""
+        session would hold its device until the service's idle timeout. One synchronous request on a connection of
+        its own: an AsyncClient's event loop is gone by then (asyncio.run ended without `aclose`)."""
+        self._forget()
+        policy = self._client._transport.policy
         with contextlib.suppress(InkwellError):  # already closed, or the service is gone: it holds nothing then
-            self.close(timeout=LEFT_OPEN_CLOSE_SECONDS)
+            transport = SyncTransport(policy.url, policy.api_key)  # the call bounds its own time and tries
+            try:
+                transport.run(self._close_op(LEFT_OPEN_CLOSE_SECONDS))
+            finally:
+                transport.close()
 
     def __repr__(self) -> str:
         return f"<TrainingSession {self.id} {self.info.state} step={self.info.step}>"

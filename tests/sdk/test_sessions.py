@@ -318,9 +318,18 @@ def test_a_session_left_open_closes_with_its_client_and_at_its_programs_exit(ser
             f"client = sdk.Client({service.url!r}, {tenant[1]!r})\n"
             f"print(client.sessions.create('inkling-tiny', lora={LORA!r}).id)\n"
         )
-        ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-        assert ended.returncode == 0, ended.stderr
-        assert closed_code(ended.stdout.strip()) == "closed_by_owner"
+        async_script = (  # asyncio.run ends without aclose: its loop is gone when the program's exit closes it
+            "import asyncio\n"
+            "from inkwell import sdk\n"
+            "async def main():\n"
+            f"    client = sdk.AsyncClient({service.url!r}, {tenant[1]!r})\n"
+            f"    print((await client.sessions.create('inkling-tiny', lora={LORA!r})).id)\n"
+            "asyncio.run(main())\n"
+        )
+        for program in (script, async_script):
+            ended = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+            assert ended.returncode == 0, ended.stderr
+            assert closed_code(ended.stdout.strip()) == "closed_by_owner", program
 
 
 def test_creates_at_once_never_overfill_the_slots_and_a_bad_one_is_told_so(service, tenant):
