@@ -167,6 +167,19 @@ def moe_dispatch(
 
 
 @triton.jit
+def combine_row(out_ptr, w_ptr, places_ptr, t, c, in_c, stride_om, K: tl.constexpr):
+    """Token t's combine over columns c (mask in_c): its K dispatched rows of out (at places t*K ..), each times its
+    weight, summed in fp32 in the token's own order -> fp32 [columns]. `_combine_kernel` and the decode ShortConv
+    step that combines its input (`triton_short_conv`) both sum this way, so they round alike."""
+    acc = tl.zeros(c.shape, tl.float32)
+    for j in tl.static_range(K):
+        place = tl.load(places_ptr + t * K + j)
+        weight = tl.load(w_ptr + place).to(tl.float32)
+        acc += tl.load(out_ptr + place * stride_om + c, mask=in_c, other=0.0).to(tl.float32) * weight
+    return acc
+
+
+@triton.jit
 def _combine_kernel(
     out_ptr, w_ptr, places_ptr, result_ptr, H, stride_om, stride_rt, K: tl.constexpr, BLOCK_H: tl.constexpr,
     CHAINED: tl.constexpr,
@@ -175,11 +188,7 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_c = c < H
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(K):
-        place = tl.load(places_ptr + t * K + j)
-        weight = tl.load(w_ptr + place).to(tl.float32)
-        acc += tl.load(out_ptr + place * stride_om + c, mask=in_c, other=0.0).to(tl.float32) * weight
+    acc = combine_row(out_ptr, w_ptr, places_ptr, t, c, in_c, stride_om, K)
     tl.store(result_ptr + t * stride_rt + c, acc.to(result_ptr.dtype.element_ty), mask=in_c)
 
 

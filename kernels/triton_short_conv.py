@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inkwell.kernels.triton_moe import combine_row
 from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 
@@ -67,6 +68,8 @@ def _short_conv_step_kernel(
     h_ptr,
     h_out_ptr,
     norm_ptr,
+    mix_ptr,
+    places_ptr,
     C,
     eps,
     stride_xb,
@@ -80,21 +83,28 @@ def _short_conv_step_kernel(
     stride_hob,
     KERNEL: tl.constexpr,
     NORM: tl.constexpr,
+    COMBINE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
     CHAINED: tl.constexpr,
 ):
     """Row b: window = [state[seq_b], x_b] (KERNEL taps), conv + x_b -> out (or, with NORM, h_b + that -> h_out
-    and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps."""
+    and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps. With COMBINE (k > 0), x holds the
+    MoE's dispatched rows and x_b is row b's combine of its k rows (`triton_moe.combine_row`), rounded as
+    `moe_combine` rounds it."""
     chain_start(CHAINED)
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     in_c = c < C
     seq = tl.load(seq_ptr + b).to(tl.int64)
-    xf = tl.load(x_ptr + b * stride_xb + c, mask=in_c, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if COMBINE > 0:
+        mixed = combine_row(x_ptr, mix_ptr, places_ptr, b.to(tl.int64), c, in_c, stride_xb, COMBINE)
+        xf = mixed.to(dtype).to(tl.float32)
+    else:
+        xf = tl.load(x_ptr + b * stride_xb + c, mask=in_c, other=0.0).to(tl.float32)
     state_row = state_ptr + seq * stride_ss
     conv = conv_step(xf, c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL, BLOCK_W)
-    dtype = out_ptr.dtype.element_ty
     y = conv.to(dtype)
     if NORM:
         h = tl.load(h_ptr + b * stride_hb + c, mask=in_c, other=0.0).to(tl.float32)
@@ -113,15 +123,28 @@ def short_conv_step(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    combine: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One ShortConv step of rows x [B, C] (rows may be strided), each continuing the fp32 state [S, C, kernel-1]
     of its sequence `seq_slots` [B] (updated in place), with the depthwise conv `weight` [C, 1, kernel].
 
     Returns conv + x in x's dtype; with `residual` h [B, C] and `norm_weight` [C], returns (h + that, its RMSNorm
     with `eps`). Rows sharing a sequence slot (padding) race on its state: give real rows distinct slots.
+    With `combine` (weights [B*k], places [B*k]), x is the MoE's dispatched rows [B*k, C] and row b's input their
+    `moe_combine` (no combine kernel of its own: one launch fewer per MoE layer at decode).
     """
-    rows, channels = x.shape
+    rows, channels = seq_slots.shape[0], x.shape[1]
     kernel = weight.shape[-1]
+    k = 0
+    if combine is not None:
+        k = x.shape[0] // max(rows, 1)
+        if x.shape[0] != rows * k or any(t.shape != (x.shape[0],) for t in combine):
+            raise ValueError(
+                f"a combined input needs x [B*k, C] and weights and places [B*k] for B = {rows} sequence slots; got "
+                f"x {list(x.shape)}, {[list(t.shape) for t in combine]}"
+            )
+    elif x.shape[0] != rows:
+        raise ValueError(f"x has {x.shape[0]} rows for {rows} sequence slots")
     if weight.shape != (channels, 1, kernel) or state.shape[1:] != (channels, kernel - 1) or x.stride(1) != 1:
         raise ValueError(
             f"short_conv_step needs x [B, C] with unit column stride, weight [C, 1, k] and state [S, C, k-1]; got "
@@ -130,11 +153,12 @@ def short_conv_step(
     if state.dtype != torch.float32:
         raise ValueError(f"the ShortConv state is fp32, got {state.dtype}")
     norm = residual is not None
-    if norm and (norm_weight is None or residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError("a residual needs norm_weight [C] and the shape of x, with unit column stride")
+    if norm and (norm_weight is None or residual.shape != (rows, channels) or residual.stride(1) != 1):
+        raise ValueError("a residual needs norm_weight [C] and the shape [B, C] of the output, with unit column stride")
     out = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
     h_out = torch.empty_like(out) if norm else out
-    h = residual if norm else x
+    h = residual if norm else out
+    mix, places = combine if combine is not None else (weight, seq_slots)  # unread without COMBINE
     _short_conv_step_kernel[(rows,)](
         x,
         state,
@@ -144,6 +168,8 @@ def short_conv_step(
         h,
         h_out,
         norm_weight if norm else weight,
+        mix,
+        places,
         channels,
         eps,
         x.stride(0),
@@ -157,6 +183,7 @@ def short_conv_step(
         h_out.stride(0),
         KERNEL=kernel,
         NORM=norm,
+        COMBINE=k,
         BLOCK_C=triton.next_power_of_2(channels),
         BLOCK_W=triton.next_power_of_2(kernel),
         num_warps=8 if channels >= 1024 else 4,

@@ -19,7 +19,8 @@ obey it):
     MoE layer's dispatch, combine, silu * up and expert GEMMs (`kernels.triton_moe`): 239 launches a step for
     inkling-small where the torch ops took 668, rounding where the torch ops round; with adapters the experts'
     LoRA adds one launch per MoE layer (the gate/up shrink, beside the gate/up GEMM), its expands riding in the
-    GEMMs' epilogues.
+    GEMMs' epilogues. The combine runs inside the ShortConv step after the MoE layer (`Uncombined`), summing as
+    the combine kernel of the eager forward sums, so the two round alike.
 Past `few_tokens`, with the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
 input) runs on the side stream while the router and the gate/up GEMM run.
 """
@@ -42,6 +43,20 @@ def grouped_mm_capturable(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+@dataclass(frozen=True)
+class Uncombined:
+    """A MoE layer's down rows [T*k, H] not yet combined per token: on CUDA the ShortConv step after the layer sums
+    each token's rows as it loads its input (`short_conv_step(combine=...)`), one launch fewer per MoE layer."""
+
+    rows: torch.Tensor
+    dispatch: Dispatch
+    tokens: int
+
+    def combined(self) -> torch.Tensor:
+        """The combine itself [T, H], in the rows' dtype (where no kernel takes it in)."""
+        return self.dispatch.combine(self.rows, self.tokens, self.rows.dtype)
 
 
 @dataclass
@@ -73,6 +88,10 @@ class DecodeInputs:
 
 class DecodeForward:
     """The capturable decode forward of `model` over `state`, with `lora` slots (None: base model only)."""
+
+    # the MoE's combine inside the ShortConv step after it (rows without a down LoRA left to the combine); the
+    # chunked forward's ShortConv kernels do not combine
+    combine_in_sconv = True
 
     def __init__(self, model: InklingModel, state: StatePool, lora: LoraSlots | None, grouped_mm: bool | None = None):
         self.model = model
@@ -143,13 +162,18 @@ class DecodeForward:
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, inputs: DecodeInputs, norm: str
+        self, x: torch.Tensor | Uncombined, h: torch.Tensor, layer: int, site: int, inputs: DecodeInputs, norm: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream h plus the site's ShortConv of the block output x, and that sum's RMSNorm by weight
-        `norm` (the next block's input): one kernel on CUDA."""
+        """The residual stream h plus the site's ShortConv of the block output x (or of the combine of `Uncombined`
+        rows), and that sum's RMSNorm by weight `norm` (the next block's input): one kernel on CUDA."""
         m = self.model
+        residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps)
+        if isinstance(x, Uncombined):
+            if x.rows.is_cuda:
+                combine = (x.dispatch.weights, x.dispatch.places)
+                return self._sconv_kernel(x.rows, layer, site, inputs.seq_slots, combine=combine, **residual_norm)
+            x = x.combined()
         if x.is_cuda:
-            residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps)
             return self._sconv_kernel(x, layer, site, inputs.seq_slots, **residual_norm)
         h = h + self._sconv(x, layer, site, inputs)
         return h, rms_norm(h, m.w[norm], m.eps)
@@ -257,9 +281,10 @@ class DecodeForward:
 
     def _moe(
         self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None, routing: list[torch.Tensor]
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | Uncombined:
         """Routed and shared experts (one id space) as one gate/up and one down GEMM over the dispatched rows; the
-        routed ids [B, top_k] are appended to `routing`."""
+        routed ids [B, top_k] are appended to `routing`. Their rows are left `Uncombined` for the ShortConv step
+        after the layer, unless the combine has a down LoRA to add."""
         m = self.model
         experts = lora.experts.get(layer) if lora is not None else None
         few = few_tokens(x)  # then the gate/up shrink runs beside the gate/up GEMM, in `few_experts`
@@ -277,6 +302,8 @@ class DecodeForward:
             down, down_lora = m.few_experts(x, layer, rows, slots, experts)
         else:
             down, down_lora = self._many_experts(x, layer, rows, shrunk, experts, side)
+        if self.combine_in_sconv and down_lora is None and down.dtype == x.dtype:
+            return Uncombined(down, rows, x.shape[0])
         return rows.combine(down, x.shape[0], x.dtype, down_lora)
 
     def _many_experts(

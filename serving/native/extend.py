@@ -94,6 +94,8 @@ class ExtendInputs:
 class ExtendForward(DecodeForward):
     """The capturable chunk forward of `model` over `state`; padding tokens write only to state slot `scratch`."""
 
+    combine_in_sconv = False
+
     def __init__(
         self,
         model: InklingModel,

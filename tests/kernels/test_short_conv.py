@@ -65,6 +65,35 @@ def check_short_conv(device: str, dtype: torch.dtype, rows: int, channels: int, 
         assert got.dtype == dtype
 
 
+def check_short_conv_combined(device: str, dtype: torch.dtype, tokens: int, k: int, channels: int) -> None:
+    """The step whose input is the MoE's combine of each token's k dispatched rows (`combine=`): bitwise the
+    combine kernel and then the step, outputs and state, so a decode graph that fuses them rounds as the eager
+    forward that does not."""
+    from inkwell.kernels.triton_moe import moe_combine
+    from inkwell.kernels.triton_short_conv import short_conv_step
+
+    gen = torch.Generator().manual_seed(tokens * 100 + k + channels)
+    rows = torch.randn(tokens * k, channels, generator=gen).to(dtype)
+    weights = torch.rand(tokens * k, generator=gen)
+    places = torch.randperm(tokens * k, generator=gen)  # each token's rows anywhere among the experts' rows
+    pool = torch.randn(tokens + 2, channels, 3, generator=gen)
+    seq_slots = torch.randperm(tokens + 2, generator=gen)[:tokens]
+    weight = (torch.randn(channels, 1, 4, generator=gen) / 4).to(dtype)
+    residual = torch.randn(tokens, channels, generator=gen).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(channels, generator=gen)).to(dtype)
+    rows, weights, places, seq_slots, weight, residual, norm_weight = (
+        t.to(device) for t in (rows, weights, places, seq_slots, weight, residual, norm_weight)
+    )
+    apart, fused = pool.to(device, copy=True), pool.to(device, copy=True)
+    mixed = moe_combine(rows, weights, places, tokens, dtype)
+    expected = short_conv_step(mixed, apart, seq_slots, weight, residual, norm_weight, 1e-6)
+    got = short_conv_step(rows, fused, seq_slots, weight, residual, norm_weight, 1e-6, combine=(weights, places))
+    assert torch.equal(fused, apart), "the state differs from the combine's and then the step's"
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), "outputs differ"
+    with pytest.raises(ValueError, match="combined input"):
+        short_conv_step(rows[1:], fused, seq_slots, weight, residual, norm_weight, 1e-6, combine=(weights, places))
+
+
 CASES = [  # (rows, channels, kernel): channels off a power of two, kernels of 2-4 taps
     (3, 40, 4),
     (5, 64, 3),
@@ -189,6 +218,7 @@ def run_interpreted_cases() -> None:
         for rows, channels, kernel in CASES:
             for norm in (False, True):
                 check_short_conv("cpu", dtype, rows, channels, kernel, norm)
+        check_short_conv_combined("cpu", dtype, 3, 4, 40)
         for lengths, width, channels, kernel, (tokens, chans, loop), layout in CHUNK_CASES:
             for norm in (False, True):
                 launch = dict(block_tokens=tokens, block_channels=None if norm else chans, token_blocks=loop)
@@ -217,6 +247,15 @@ def test_short_conv_step_on_gpu(dtype, channels, norm):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     check_short_conv("cuda", dtype, 8, channels, 4, norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 8, 128])
+def test_short_conv_step_combining_its_input_on_gpu(dtype, tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    check_short_conv_combined("cuda", dtype, tokens, 6, 2048)  # inkling-small: 4 routed + 2 shared experts a token
 
 
 def test_chunk_reference_matches_the_engine_torch_path():
