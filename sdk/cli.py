@@ -143,7 +143,7 @@ def jobs_list(
     state: Annotated[str | None, typer.Option(help="queued, running, succeeded, failed or cancelled")] = None,
     adapter_name: Annotated[str | None, typer.Option(help="only jobs publishing this adapter")] = None,
     base_model: Annotated[str | None, typer.Option(help="only jobs on this base model")] = None,
-    limit: Annotated[int, typer.Option(help="at most this many jobs, newest first")] = 20,
+    limit: Annotated[int, typer.Option(min=1, help="at most this many jobs, newest first")] = 20,
     as_json: AsJson = False,
     url: Url = None,
     api_key: ApiKey = None,

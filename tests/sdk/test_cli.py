@@ -56,6 +56,8 @@ def test_jobs_commands(api, sqlite_service, tmp_path):
     listed = json.loads(run(env, "jobs", "list", "--state", "queued", "--json").output)
     assert [j["id"] for j in listed] == [job_id]
     assert job_id in run(env, "jobs", "list").output
+    refused = run(env, "jobs", "list", "--limit", "0", code=2).output  # it listed nothing and said "no jobs yet"
+    assert "--limit" in refused and "greater than or equal to 1" in refused
     waited = run(env, "jobs", "wait", job_id, "--timeout", "1", code=1)  # no worker serves this service
     assert "wait_timeout" in waited.output
     assert "cancelled" in run(env, "jobs", "cancel", job_id).output
