@@ -18,6 +18,7 @@ import datetime
 import json
 import statistics
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("per-sequence decode tok/s (speed each user sees)")
     ax.set_ylabel("aggregate decode tok/s")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 72), fontsize=10)  # a GPU's long name would run off the figure
     ax.grid(alpha=0.3, which="both")
     ax.legend(title="points: concurrent sequences")
     fig.tight_layout()
