@@ -101,7 +101,7 @@ def check_route_and_dispatch(device: str, dtype: torch.dtype, tokens: int, shape
         got_index, got_weights, dispatched = triton_router.route_and_dispatch(*args, k, shared, ROUTE_SCALE, slots)
         for name, g, w in zip(names, (got_index, got_weights, *dispatched), want, strict=True):
             assert g.dtype == w.dtype and torch.equal(g.cpu(), w.cpu()), f"{name} differs from route then dispatch"
-        assert int(triton_router._tickets[torch.device(device)].item()) == 0, "the ticket was left set"
+        assert int(triton_router._tickets[slots.device].item()) == 0, "the ticket was left set"
 
 
 def run_interpreted_cases() -> None:
