@@ -33,10 +33,6 @@ CHAINED_GEMM_MAX_N = 64
 # GEMMs (a `RowExpand`), one dot per adapter slot in a tile (docs/benchmarks.md, "The experts' expand as one dot
 # per slot").
 EXPERT_MATMUL_MAX_TOKENS = 128
-# Up to ROUTE_DISPATCH_MAX_TOKENS tokens on CUDA the router's last program also sorts the rows by expert
-# (`route_and_dispatch`: one launch fewer per MoE layer); past it the dispatch's own kernel, four warps over 256-row
-# passes, sorts faster than the router's one warp over 64-row ones.
-ROUTE_DISPATCH_MAX_TOKENS = 32
 
 
 def _triton_dense() -> ModuleType:
@@ -210,23 +206,6 @@ def shared_sink_route(
     matches them)."""
     ops = _triton_router() if logits.is_cuda else torch_ops
     return ops.shared_sink_route(logits, bias, global_scale, top_k, n_shared, route_scale)
-
-
-def route_and_dispatch(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    global_scale: torch.Tensor,
-    top_k: int,
-    n_shared: int,
-    route_scale: float,
-    slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`shared_sink_route`, then `moe_dispatch` of its rows over all E + n experts with the tokens' LoRA `slots`:
-    index, weights and the dispatch's tensors. On CUDA up to ROUTE_DISPATCH_MAX_TOKENS tokens one launch."""
-    if logits.is_cuda and logits.shape[0] <= ROUTE_DISPATCH_MAX_TOKENS:
-        return _triton_router().route_and_dispatch(logits, bias, global_scale, top_k, n_shared, route_scale, slots)
-    index, weights = shared_sink_route(logits, bias, global_scale, top_k, n_shared, route_scale)
-    return index, weights, moe_dispatch(index, weights, slots, logits.shape[1])
 
 
 def moe_dispatch(

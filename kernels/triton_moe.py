@@ -44,54 +44,31 @@ from inkwell.kernels.triton_pdl import (
 
 
 @triton.jit
-def _keys(index_ptr, i, M, E, CACHE: tl.constexpr):
+def _keys(index_ptr, i, M, E):
     """Rows i's sort keys: the expert id, ids past the last expert all as E; -1 past the last row."""
-    return tl.where(i < M, tl.minimum(tl.load(index_ptr + i, mask=i < M, other=0, cache_modifier=CACHE), E), -1)
+    return tl.where(i < M, tl.minimum(tl.load(index_ptr + i, mask=i < M, other=0), E), -1)
 
 
 @triton.jit
 def _place_rows(
     index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, places_ptr, i,
-    first, M, E, K: tl.constexpr, BLOCK_E: tl.constexpr, CACHE: tl.constexpr,
+    first, M, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Place rows i [BLOCK_M] (in order), each key's next free place at `first` [BLOCK_E], and write every output
     there; returns `first` past them."""
     e = tl.arange(0, BLOCK_E)
     valid = i < M
-    hit = (_keys(index_ptr, i, M, E, CACHE)[:, None] == e[None, :]).to(tl.int32)  # [BLOCK_M, BLOCK_E]
+    hit = (_keys(index_ptr, i, M, E)[:, None] == e[None, :]).to(tl.int32)  # [BLOCK_M, BLOCK_E]
     earlier = tl.cumsum(hit, axis=0) - hit  # rows of the same key before row i in this block
     place = tl.sum(hit * (first[None, :] + earlier), axis=1).to(tl.int64)
     token = i // K
     tl.store(places_ptr + i, place, mask=valid)
     tl.store(order_ptr + place, i.to(tl.int64), mask=valid)
     tl.store(tokens_ptr + place, token.to(tl.int64), mask=valid)
-    tl.store(experts_ptr + place, tl.load(index_ptr + i, mask=valid, cache_modifier=CACHE), mask=valid)
-    tl.store(w_out_ptr + place, tl.load(weight_ptr + i, mask=valid, cache_modifier=CACHE), mask=valid)
+    tl.store(experts_ptr + place, tl.load(index_ptr + i, mask=valid), mask=valid)
+    tl.store(w_out_ptr + place, tl.load(weight_ptr + i, mask=valid), mask=valid)
     tl.store(slots_out_ptr + place, tl.load(slot_ptr + token, mask=valid), mask=valid)
     return first + tl.sum(hit, axis=0)
-
-
-@triton.jit
-def dispatch_rows(
-    index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, places_ptr,
-    ends_ptr, M, E, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """The whole dispatch in one program: count each key's rows, then place the rows block after block. Run by
-    `_dispatch_kernel` and by the router's last program (`triton_router`), which reads the other programs' index
-    and weights through L2 (CACHE ".cg")."""
-    e = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for m0 in range(0, M, BLOCK_M):
-        i = m0 + tl.arange(0, BLOCK_M)
-        counts += tl.sum((_keys(index_ptr, i, M, E, CACHE)[:, None] == e[None, :]).to(tl.int32), axis=0)
-    ends = tl.cumsum(counts, axis=0)
-    tl.store(ends_ptr + e, ends, mask=e < E)
-    first = ends - counts  # each key's next free place
-    for m0 in range(0, M, BLOCK_M):
-        first = _place_rows(
-            index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr,
-            places_ptr, m0 + tl.arange(0, BLOCK_M), first, M, E, K, BLOCK_E, CACHE,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -99,11 +76,21 @@ def _dispatch_kernel(
     index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, places_ptr,
     ends_ptr, M, E, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
+    """The whole dispatch in one program: count each key's rows, then place the rows block after block."""
     chain_start(CHAINED)
-    dispatch_rows(
-        index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, places_ptr,
-        ends_ptr, M, E, K, BLOCK_M, BLOCK_E, "",
-    )  # fmt: skip
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for m0 in range(0, M, BLOCK_M):
+        i = m0 + tl.arange(0, BLOCK_M)
+        counts += tl.sum((_keys(index_ptr, i, M, E)[:, None] == e[None, :]).to(tl.int32), axis=0)
+    ends = tl.cumsum(counts, axis=0)
+    tl.store(ends_ptr + e, ends, mask=e < E)
+    first = ends - counts  # each key's next free place
+    for m0 in range(0, M, BLOCK_M):
+        first = _place_rows(
+            index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr,
+            places_ptr, m0 + tl.arange(0, BLOCK_M), first, M, E, K, BLOCK_E,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -112,8 +99,7 @@ def _count_kernel(index_ptr, counts_ptr, M, E, BLOCK_M: tl.constexpr, BLOCK_E: t
     b = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     i = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    keys = _keys(index_ptr, i, M, E, "")
-    tl.store(counts_ptr + b * BLOCK_E + e, tl.sum((keys[:, None] == e[None, :]).to(tl.int32), 0))
+    tl.store(counts_ptr + b * BLOCK_E + e, tl.sum((_keys(index_ptr, i, M, E)[:, None] == e[None, :]).to(tl.int32), 0))
 
 
 @triton.jit
@@ -134,7 +120,7 @@ def _place_kernel(
     first = ends - totals + tl.sum(tl.where((block < b)[:, None], counts, 0), axis=0)
     _place_rows(
         index_ptr, weight_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, places_ptr,
-        b * BLOCK_M + tl.arange(0, BLOCK_M), first, M, E, K, BLOCK_E, "",
+        b * BLOCK_M + tl.arange(0, BLOCK_M), first, M, E, K, BLOCK_E,
     )  # fmt: skip
 
 
@@ -153,10 +139,15 @@ def moe_dispatch(
     tokens, k = index.shape
     rows = tokens * k
     index, weights = index.contiguous(), weights.contiguous()
-    outputs = dispatch_outputs(rows, weights.dtype, slots, num_experts)
+    device = index.device
+    order, row_tokens, experts, places = (torch.empty(rows, dtype=torch.long, device=device) for _ in range(4))
+    row_weights = torch.empty(rows, dtype=weights.dtype, device=device)
+    row_slots = torch.empty(rows, dtype=slots.dtype, device=device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    outputs = (order, row_tokens, experts, row_weights, row_slots, places, ends)
     block_e = triton.next_power_of_2(num_experts + 1)
     if rows == 0:
-        outputs[-1].zero_()
+        ends.zero_()
     elif rows <= ONE_PROGRAM_MAX_ROWS:
         block_m = min(triton.next_power_of_2(rows), 256)
         _dispatch_kernel[(1,)](
@@ -166,31 +157,12 @@ def moe_dispatch(
     else:
         block_m = max(256, triton.next_power_of_2(triton.cdiv(rows, MAX_SORT_BLOCKS)))
         blocks = triton.cdiv(rows, block_m)
-        counts = torch.empty(blocks, block_e, dtype=torch.int32, device=index.device)
+        counts = torch.empty(blocks, block_e, dtype=torch.int32, device=device)
         _count_kernel[(blocks,)](index, counts, rows, num_experts, BLOCK_M=block_m, BLOCK_E=block_e, num_warps=4)
         _place_kernel[(blocks,)](
             index, weights, slots, *outputs, counts, rows, num_experts, blocks, K=k, BLOCK_M=block_m,
             BLOCK_E=block_e, BLOCK_B=triton.next_power_of_2(blocks), num_warps=8,
         )  # fmt: skip
-    return dispatch_result(outputs)
-
-
-def dispatch_outputs(
-    rows: int, weights_dtype: torch.dtype, slots: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, ...]:
-    """The dispatch's outputs, empty, in its kernels' argument order: order, tokens, experts, weights, slots and
-    places [rows], ends [num_experts] (int32)."""
-    device = slots.device
-    order, row_tokens, experts, places = (torch.empty(rows, dtype=torch.long, device=device) for _ in range(4))
-    row_weights = torch.empty(rows, dtype=weights_dtype, device=device)
-    row_slots = torch.empty(rows, dtype=slots.dtype, device=device)
-    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-    return order, row_tokens, experts, row_weights, row_slots, places, ends
-
-
-def dispatch_result(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """`dispatch_outputs` in `torch_ops.moe_dispatch`'s return order (ends before places)."""
-    order, row_tokens, experts, row_weights, row_slots, places, ends = outputs
     return order, row_tokens, experts, row_weights, row_slots, ends, places
 
 

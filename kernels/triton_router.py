@@ -20,13 +20,10 @@ import triton
 import triton.language as tl
 
 from inkwell.kernels.triton_math import exp, log, log1p
-from inkwell.kernels.triton_moe import dispatch_outputs, dispatch_result, dispatch_rows, moe_dispatch
 from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 _NEG_INF = tl.constexpr(float("-inf"))
 SMALL_BLOCK_MAX_TOKENS = 128
-# The fused dispatch's rows per pass: its one warp holds a [rows, experts] table of hits per pass.
-DISPATCH_BLOCK_ROWS = 64
 
 
 @triton.jit
@@ -40,15 +37,10 @@ def _log_sigmoid(x, dtype: tl.constexpr, PRECISE: tl.constexpr):
 def _route_kernel(
     logits_ptr, bias_ptr, scale_ptr, index_ptr, weights_ptr,
     T, route_scale, stride_lt, stride_it, stride_wt,
-    slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, places_ptr, ends_ptr, ticket_ptr,
     ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr,
-    DISPATCH: tl.constexpr, DISPATCH_BLOCK_M: tl.constexpr, DISPATCH_BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """Rows [BLOCK_T] of logits [T, ROUTED + SHARED] -> index [T, TOP_K + SHARED] (contiguous where DISPATCH) and
-    weights (like logits). With DISPATCH the last program to finish (an atomic ticket, acquire-release, after
-    every lane's stores) sorts all rows by expert (`triton_moe.dispatch_rows`) and resets the ticket, so the next
-    launch and every CUDA graph replay find it zero."""
+    """Rows [BLOCK_T] of logits [T, ROUTED + SHARED] -> index [T, TOP_K + SHARED] and weights (like logits)."""
     chain_start(CHAINED)
     dtype = weights_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -102,15 +94,6 @@ def _route_kernel(
     tl.store(weights_ptr + out * stride_wt + slot, w.to(dtype), mask=picked)
     tl.store(index_ptr + out * stride_it + TOP_K + s, (ROUTED + s).to(tl.int64), mask=shared)
     tl.store(weights_ptr + out * stride_wt + TOP_K + s, w_shared.to(dtype), mask=shared)
-    if DISPATCH:
-        tl.debug_barrier()  # the ticket's release covers every lane's stores
-        if tl.atomic_add(ticket_ptr, 1) == tl.num_programs(0) - 1:  # every program's rows are visible now
-            dispatch_rows(
-                index_ptr, weights_ptr, slot_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr,
-                places_ptr, ends_ptr, T * (TOP_K + SHARED), ROUTED + SHARED, TOP_K + SHARED, DISPATCH_BLOCK_M,
-                DISPATCH_BLOCK_E, ".cg",
-            )  # fmt: skip
-            tl.atomic_xchg(ticket_ptr, 0)
 
 
 def shared_sink_route(
@@ -124,50 +107,6 @@ def shared_sink_route(
     """Each token's experts and weights from its router logits [T, E + n] (routed, then shared): index [T, k + n]
     (long; the top-k routed experts as torch.topk picks and orders them, then the shared ids E .. E+n-1) and
     weights [T, k + n] in the logits' dtype, scaled by route_scale * global_scale. bias [E], global_scale [1]."""
-    index, weights, _ = _route(logits, bias, global_scale, top_k, n_shared, route_scale, None)
-    return index, weights
-
-
-def route_and_dispatch(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    global_scale: torch.Tensor,
-    top_k: int,
-    n_shared: int,
-    route_scale: float,
-    slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`shared_sink_route` and `triton_moe.moe_dispatch` of its rows over all E + n experts (the tokens' LoRA
-    `slots` [T] carried to their rows) in one launch: index, weights and the dispatch's tensors in
-    `torch_ops.moe_dispatch`'s order. Its last program sorts every row in one warp, so it is for decode sizes."""
-    if logits.shape[0] == 0:
-        index, weights = shared_sink_route(logits, bias, global_scale, top_k, n_shared, route_scale)
-        return index, weights, moe_dispatch(index, weights, slots, logits.shape[1])
-    return _route(logits, bias, global_scale, top_k, n_shared, route_scale, slots)
-
-
-# The fused dispatch's ticket: zero between launches (the last program resets it). One per device, made on first use
-# outside any graph capture (the decode graphs' warm-up runs first); the engine routes on one stream only, so no two
-# launches that dispatch run at once.
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _ticket(device: torch.device) -> torch.Tensor:
-    if device not in _tickets:
-        _tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _tickets[device]
-
-
-def _route(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    global_scale: torch.Tensor,
-    top_k: int,
-    n_shared: int,
-    route_scale: float,
-    slots: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """The router's launch; with `slots`, its last program dispatches the rows too."""
     tokens, experts = logits.shape
     routed = experts - n_shared
     if logits.stride(1) != 1 or bias.shape != (routed,) or global_scale.numel() != 1 or not 0 < top_k <= routed:
@@ -178,11 +117,6 @@ def _route(
         )
     index = torch.empty(tokens, top_k + n_shared, dtype=torch.long, device=logits.device)
     weights = torch.empty(tokens, top_k + n_shared, dtype=logits.dtype, device=logits.device)
-    rows = index.numel()
-    if slots is None:  # the dispatch's operands are compiled out (DISPATCH): any tensors stand in
-        outputs, ticket, slot_arg = (index,) * 7, index, index
-    else:
-        outputs, ticket, slot_arg = dispatch_outputs(rows, weights.dtype, slots, experts), _ticket(logits.device), slots
     block_e = triton.next_power_of_2(routed)
     # Up to SMALL_BLOCK_MAX_TOKENS (decode) a program routes 2 rows in one warp, so its chain of exps, logs and
     # top-k steps runs once per lane: 2.4-2.6 µs where 64-row programs of 4 warps take 5.8-6.8 (H200, 1-128 tokens,
@@ -199,9 +133,6 @@ def _route(
         logits.stride(0),
         index.stride(0),
         weights.stride(0),
-        slot_arg,
-        *outputs,
-        ticket,
         ROUTED=routed,
         SHARED=n_shared,
         TOP_K=top_k,
@@ -209,10 +140,7 @@ def _route(
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_S=triton.next_power_of_2(n_shared),
-        DISPATCH=slots is not None,
-        DISPATCH_BLOCK_M=min(triton.next_power_of_2(max(rows, 1)), DISPATCH_BLOCK_ROWS),
-        DISPATCH_BLOCK_E=triton.next_power_of_2(experts + 1),
         num_warps=warps,
         **chain_launch(logits),
     )
-    return index, weights, None if slots is None else dispatch_result(outputs)
+    return index, weights

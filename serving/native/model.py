@@ -33,7 +33,6 @@ from inkwell.kernels import (
     moe_combine,
     moe_dispatch,
     one_launch_projection,
-    route_and_dispatch,
     shared_sink_route,
     silu_mul,
     silu_mul_shrink,
@@ -661,21 +660,11 @@ class InklingModel:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
         sink) weighted by their gammas. On CUDA at decode sizes the gate GEMM and the routing are two Triton kernels
         chained into the step (`kernels.triton_pdl`); past them the routing alone (`kernels.triton_router`)."""
-        return shared_sink_route(*self._router(x, layer))
-
-    def route_rows(self, x: torch.Tensor, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, Dispatch]:
-        """`route`'s routed ids [T, top_k] and its (token, expert) rows grouped by expert (`Dispatch.of`), the
-        tokens' LoRA `slots` carried to them; at decode sizes on CUDA the router's launch dispatches too."""
-        index, _, rows = route_and_dispatch(*self._router(x, layer), slots)
-        return index[:, : self.config.num_experts_per_tok], Dispatch(*rows)
-
-    def _router(self, x: torch.Tensor, layer: int) -> tuple:
-        """The router's gate logits [T, E + n] and the routing's other arguments, in `shared_sink_route`'s order."""
         cfg = self.config
         p = f"model.layers.{layer}.mlp.gate"
         logits = linear(x, self.w[f"{p}.weight"])
         bias, scale = self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"]
-        return logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale
+        return shared_sink_route(logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale)
 
     def routing_table(self, ids: list[torch.Tensor], rows: int) -> torch.Tensor:
         """The routed ids [rows, top_k] of each MoE layer (as `forward` appends them) as one [rows, layers, top_k]."""
@@ -688,8 +677,9 @@ class InklingModel:
     ) -> torch.Tensor:
         """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`."""
         experts = lora.experts.get(layer) if lora is not None else None
-        routed, rows = self.route_rows(x, layer, slots)
-        routing.append(routed)
+        index, weights = self.route(x, layer)
+        routing.append(index[:, : self.config.num_experts_per_tok])
+        rows = Dispatch.of(index, weights, slots, self.num_experts)  # grouped by expert
         down, down_lora = self.run_experts(x, layer, slots, rows, experts)
         return rows.combine(down, x.shape[0], x.dtype, down_lora)
 

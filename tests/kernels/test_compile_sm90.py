@@ -120,8 +120,6 @@ def run_compile_cases() -> None:
         dense.lora_expand_sliced(dense.lora_shrink(x, a, token_slots), b, token_slots, torch.ones(S, 4), out, qkvr)
         logits, bias, scale = torch.zeros(tokens, ROUTED + SHARED, **bf), torch.zeros(ROUTED, **bf), torch.ones(1, **bf)
         triton_router.shared_sink_route(logits, bias, scale, TOP_K, SHARED, 2.5)
-        if tokens <= 64:  # decode: the router's last program dispatches the rows too
-            triton_router.route_and_dispatch(logits, bias, scale, TOP_K, SHARED, 2.5, token_slots)
     kernels = {
         name
         for module in (
@@ -165,7 +163,7 @@ def run_chain_cases() -> None:
     from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
     from inkwell.kernels.triton_decode_attention import decode_attention
     from inkwell.kernels.triton_lora import dense
-    from inkwell.kernels.triton_router import route_and_dispatch, shared_sink_route
+    from inkwell.kernels.triton_router import shared_sink_route
     from inkwell.kernels.triton_short_conv import short_conv_step
 
     bf, rows, seqs, entries, heads, kv, d, d_rel = dict(dtype=torch.bfloat16), 8, 4, 512, 16, 4, 128, 16
@@ -180,7 +178,6 @@ def run_chain_cases() -> None:
     decode_attention(q, r, keys, values, torch.zeros(d_rel, 1024, **bf), seq, pos, entries, True)
     logits = dense.linear(x, torch.zeros(ROUTED + SHARED, H, **bf))
     index, weights = shared_sink_route(logits, torch.zeros(ROUTED, **bf), torch.ones(1, **bf), TOP_K, SHARED, 2.5)
-    route_and_dispatch(logits, torch.zeros(ROUTED, **bf), torch.ones(1, **bf), TOP_K, SHARED, 2.5, seq)
     experts, slots = ROUTED + SHARED, torch.zeros(rows, dtype=torch.long)
     _, row_tokens, row_experts, row_w, row_slots, ends, places = triton_moe.moe_dispatch(index, weights, slots, experts)
     gate_up = triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, None, ROUTED)
