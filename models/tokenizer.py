@@ -14,12 +14,24 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, SYSTEM, USER, ASSISTANT, END]
 ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
+# Other names for a turn: OpenAI's chat API now calls the system turn "developer", so a client written for it sends
+# those; they open the system turn, in training data as in requests.
+ROLE_ALIASES = {"developer": "system"}
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 CHAT_TEMPLATE = (
-    "{{ '<bos>' }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    f"{{% set aliases = {ROLE_ALIASES!r} %}}{{{{ '<bos>' }}}}{{% for m in messages %}}"
+    "{{ '<|' + aliases.get(m['role'], m['role']) + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+
+
+def chat_role(role: object) -> str:
+    """The turn a message's role opens (an alias read as the role it names); ValueError naming the roles known."""
+    turn = ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
+    if turn not in ROLE_TOKENS:
+        raise ValueError(f"role must be one of {', '.join(sorted([*ROLE_TOKENS, *ROLE_ALIASES]))}, got {role!r}")
+    return turn
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -59,9 +71,11 @@ def encode_chat(
     mask = [0]
     end_id = tokenizer.convert_tokens_to_ids(END)
     for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLE_TOKENS:
-            raise ValueError(f"message {i}: role must be one of {sorted(ROLE_TOKENS)}, got {role!r}")
+        content = message.get("content")
+        try:
+            role = chat_role(message.get("role"))
+        except ValueError as e:
+            raise ValueError(f"message {i}: {e}") from None
         if not isinstance(content, str):
             raise ValueError(f"message {i}: content must be a string")
         body = _text_ids(tokenizer, content) + [end_id]

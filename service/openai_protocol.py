@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 from transformers import PreTrainedTokenizerBase
 
+from inkwell.models.tokenizer import chat_role
 from inkwell.serving.contract import SamplingParams, TokenLogprob
 from inkwell.serving.limits import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
@@ -106,8 +107,14 @@ class CompletionRequest(OpenAIRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: str
     content: str | list[dict[str, Any]]
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        """A turn Inkling's chat format has ("developer", OpenAI's newer name for the system turn, opens it)."""
+        return chat_role(role)
 
     @field_validator("content")
     @classmethod

@@ -74,7 +74,7 @@ class Line(NamedTuple):
 
 def _chat(messages: object) -> Chat:
     # On use: the API schemas import DatasetFormat from here, and the SDK reads them without loading transformers.
-    from inkwell.models.tokenizer import ROLE_TOKENS
+    from inkwell.models.tokenizer import chat_role
 
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
@@ -82,9 +82,11 @@ def _chat(messages: object) -> Chat:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a {{role, content}} object")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or role not in ROLE_TOKENS:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(sorted(ROLE_TOKENS))}")
+        content = message.get("content")
+        try:
+            role = chat_role(message.get("role"))
+        except ValueError as e:
+            raise ValueError(f"messages[{i}].{e}") from None
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string")
         parsed.append(Message(role=role, content=content))

@@ -188,6 +188,21 @@ def test_chat_versions_aliases_n_and_logprobs(served, reference):
     assert all(len(top) <= 3 for top in lp.top_logprobs)
 
 
+def test_a_developer_message_is_the_system_turn(served):
+    """Clients written for OpenAI's newer chat API send the system turn as "developer": the same prompt, the same
+    answer as with "system"."""
+    client = served.client()
+    answers = {}
+    for role in ("developer", "system"):
+        messages = [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}]
+        resp = client.chat.completions.create(
+            model="inkling-tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True
+        )
+        steps = [step.logprob for step in resp.choices[0].logprobs.content]
+        answers[role] = (resp.usage.prompt_tokens, resp.choices[0].message.content, steps)
+    assert answers["developer"] == answers["system"]
+
+
 def test_echo_scores_the_prompt(served, reference):
     """echo + logprobs + max_tokens 0, as evaluation harnesses ask: the prompt's own logprobs."""
     client = served.client()
@@ -330,6 +345,11 @@ def test_raw_http_errors(served):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
         resp = http.post("/v1/chat/completions", json={"model": "inkling-tiny", "messages": [{"role": "x"}]})
         assert resp.status_code == 400
+        tool_turn = {"role": "tool", "content": "42", "tool_call_id": "c1"}
+        resp = http.post("/v1/chat/completions", json={"model": "inkling-tiny", "messages": [tool_turn]})
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == "messages.0.role"
+        assert "role must be one of assistant, developer, system, user, got 'tool'" in error["message"]
     resp = httpx.post(f"{served.url}/v1/completions", json={"model": "inkling-tiny", "prompt": "x"})
     assert resp.status_code == 401
 

@@ -35,6 +35,11 @@ TABLE = [
         ),
         ("accept", "chat", 2),
     ),
+    (
+        "chat-developer-role",  # OpenAI's newer name for the system turn
+        lines(chat({"role": "developer", "content": "be brief"}, *CHAT["messages"])),
+        ("accept", "chat", 1),
+    ),
     ("prompt-completion", lines(PC, PC, PC), ("accept", "prompt_completion", 3)),
     ("empty-prompt", lines({"prompt": "", "completion": "x"}), ("accept", "prompt_completion", 1)),
     (
@@ -101,3 +106,16 @@ def test_upload_and_trainer_apply_the_same_rules(tmp_path, tokenizer, data, expe
     assert words in upload.value.reason
     assert str(training.value) == f"d.jsonl line {line}: {upload.value.reason}"
     assert training.value.field == "dataset_path"
+
+
+def test_a_developer_turn_trains_as_the_system_turn(tmp_path, tokenizer):
+    """OpenAI's "developer" role opens the system turn: the trainer's tokens and the saved chat template's agree."""
+    tokens = {}
+    for role in ("developer", "system"):
+        messages = [{"role": role, "content": "be brief"}, *CHAT["messages"]]
+        path = tmp_path / f"{role}.jsonl"
+        path.write_bytes(lines(chat(*messages)))
+        (example,) = load_examples(path, tokenizer, field="dataset_path", seq_len=1024, max_positions=1024)
+        assert tokenizer.apply_chat_template(messages, tokenize=False).startswith("<bos><|system|>be brief<|end|>")
+        tokens[role] = (example.ids, example.mask)
+    assert tokens["developer"] == tokens["system"]
