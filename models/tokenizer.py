@@ -30,7 +30,8 @@ def chat_role(role: object) -> str:
     """The turn a message's role opens (an alias read as the role it names); ValueError naming the roles known."""
     turn = ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
     if turn not in ROLE_TOKENS:
-        raise ValueError(f"role must be one of {', '.join(sorted([*ROLE_TOKENS, *ROLE_ALIASES]))}, got {role!r}")
+        known = ", ".join(sorted([*ROLE_TOKENS, *ROLE_ALIASES]))
+        raise ValueError(f"role must be one of {known}, got {role!r:.40}")  # a role's text is the client's: cut short
     return turn
 
 

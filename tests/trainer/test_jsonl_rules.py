@@ -119,3 +119,11 @@ def test_a_developer_turn_trains_as_the_system_turn(tmp_path, tokenizer):
         assert tokenizer.apply_chat_template(messages, tokenize=False).startswith("<bos><|system|>be brief<|end|>")
         tokens[role] = (example.ids, example.mask)
     assert tokens["developer"] == tokens["system"]
+
+
+def test_an_unknown_role_is_named_cut_short():
+    """The refusal quotes the role the file gave, but not a whole line's worth of it."""
+    with pytest.raises(JsonlError) as refused:
+        validate_jsonl(lines(chat({"role": "x" * 100_000, "content": "q"}, {"role": "assistant", "content": "a"})))
+    assert refused.value.reason.startswith("messages[0].role must be one of assistant, developer, system, user, got")
+    assert len(refused.value.reason) < 200
