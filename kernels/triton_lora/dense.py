@@ -25,13 +25,7 @@ from inkwell.kernels.triton_lora.common import (
     token_block,
 )
 from inkwell.kernels.triton_lora.expand import launch_expand
-from inkwell.kernels.triton_lora.shrink import (
-    SHRINK_SPLIT_K,
-    SplitShrink,
-    launch_shrink,
-    split_shrink,
-    split_shrink_program,
-)
+from inkwell.kernels.triton_lora.shrink import SHRINK_SPLIT_K, launch_shrink
 from inkwell.kernels.triton_pdl import chain_launch, pair_launch, prefetch_rows_l2, rows_prefetchable, wait_then_trigger
 
 
@@ -143,15 +137,6 @@ def _linear_kernel(
     stride_on,
     stride_ss,
     stride_sp,
-    a_ptr,
-    part_ptr,
-    count_ptr,
-    done_ptr,
-    RS,
-    K_PER_SPLIT,
-    stride_as,
-    stride_ar,
-    stride_ak,
     HAS_LORA: tl.constexpr,
     CHAINED: tl.constexpr,
     PREFETCH_W: tl.constexpr,
@@ -163,14 +148,6 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    SHRINK_PROGRAMS: tl.constexpr = 0,
-    S1: tl.constexpr = 1,
-    S2: tl.constexpr = 1,
-    S_SPLIT_K: tl.constexpr = 1,
-    S_BLOCK_T: tl.constexpr = 16,
-    S_BLOCK_K: tl.constexpr = 16,
-    S_BLOCK_R: tl.constexpr = 16,
-    Y_CACHE: tl.constexpr = "",
 ):
     """out[:, tile] = x @ W[tile]^T, with HAS_LORA plus each token's (sliced) LoRA expand of y as the tile's epilogue.
 
@@ -182,37 +159,14 @@ def _linear_kernel(
     to rank BLOCK_R the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind
     it. Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per
     token, not one per column.
-
-    With SHRINK_PROGRAMS the pair is one launch: its first programs are the split shrink's (`split_shrink_program`
-    over a [tiles, S1, S2] grid of A's rank RS), each ticking done_ptr[0] once its y or partial is written; the
-    tiles, chained, prefetch and wait for the kernel before, run their K loops, wait for every tick, let the next
-    kernel launch and read y through L2 (Y_CACHE); the last tile past the wait (done_ptr[1]) zeroes both counts.
-    Programs are dispatched in order, so the shrink's run before any tile that waits for them.
     """
-    pid = tl.program_id(0)
-    if SHRINK_PROGRAMS > 0:
-        if pid < SHRINK_PROGRAMS:  # one of the split shrink's programs ahead of the tiles: y, then a tick
-            if CHAINED:
-                wait_then_trigger()
-            split_shrink_program(
-                pid // (S1 * S2), (pid // S2) % S1, pid % S2, S1, S2, x_ptr, a_ptr, part_ptr, y_ptr, slot_ptr,
-                count_ptr, T, K, RS, K_PER_SPLIT, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt,
-                stride_yr, S_SPLIT_K, PRECISION, S_BLOCK_T, S_BLOCK_K, S_BLOCK_R,
-            )  # fmt: skip
-            tl.atomic_add(done_ptr, 1)  # release: this program's y (or partial) is written
-            return
-        pid -= SHRINK_PROGRAMS
     rt = tl.arange(0, BLOCK_T)
     in_t = rt < T
-    n0 = pid * BLOCK_N
+    n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     in_n = rn < N
-    if CHAINED and SHRINK_PROGRAMS == 0:
+    if CHAINED:
         gdc_launch_dependents()
-        if PREFETCH_W:
-            prefetch_rows_l2(w_ptr, n0, N, K, stride_wn, BLOCK_N)
-        gdc_wait()
-    if CHAINED and SHRINK_PROGRAMS > 0:  # x is the kernel before's; the next launches once y is read
         if PREFETCH_W:
             prefetch_rows_l2(w_ptr, n0, N, K, stride_wn, BLOCK_N)
         gdc_wait()
@@ -248,14 +202,6 @@ def _linear_kernel(
     if HAS_LORA:
         if WAIT_FOR_SHRINK:
             wait_then_trigger()  # triggering before the K loop instead made the step slower
-        if SHRINK_PROGRAMS > 0:  # every shrink program has ticked: y is whole (the acquire makes it visible)
-            while tl.atomic_add(done_ptr, 0) < SHRINK_PROGRAMS:
-                pass
-            if CHAINED:
-                gdc_launch_dependents()
-            if tl.atomic_add(done_ptr + 1, 1) == tl.num_programs(0) - SHRINK_PROGRAMS - 1:  # the last tile to pass
-                tl.atomic_xchg(done_ptr, 0)  # both counts zero again for the next launch and every graph replay
-                tl.atomic_xchg(done_ptr + 1, 0)
         delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
             rr = r0 + tl.arange(0, BLOCK_R)
@@ -263,11 +209,9 @@ def _linear_kernel(
             bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
             if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
                 in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
-                yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0, cache_modifier=Y_CACHE)
-                yt = yt.to(tl.float32)[:, None, :]
+                yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
             else:
-                yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0, cache_modifier=Y_CACHE)
-                yt = yt.to(tl.float32)
+                yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
             delta += tl.sum(yt * bt.to(tl.float32), axis=2)
         out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
     out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
@@ -427,10 +371,10 @@ def lora_linear(
 ) -> torch.Tensor:
     """x @ W^T plus each token's (sliced) LoRA delta: `F.linear` then `lora_shrink_expand`.
 
-    Where `fused_linear` holds (decode sizes) with one dtype throughout, the LoRA hides behind the base GEMM in one
-    launch chained into the step (`triton_pdl`): the split shrink's programs come first in its grid, the GEMM's
-    tiles run their K loops beside them and wait for all of them (a count each ticks) before the expand, their
-    epilogue. Otherwise the base GEMM, then `lora_shrink_expand`.
+    Where `fused_linear` holds (decode sizes) with one dtype throughout, the LoRA hides behind the base GEMM: the
+    shrink, chained into the step (`triton_pdl`), waits for the kernel before it and lets the GEMM kernel start, the
+    GEMM's K loop runs beside it, and the expand is the GEMM tiles' epilogue. Otherwise the base GEMM, then
+    `lora_shrink_expand`.
     """
     require(x.dim() == 2 and weight.dim() == 2, "lora_linear needs x [T,K] and weight [N,K]")
     require(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
@@ -446,14 +390,9 @@ def lora_linear(
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens == 0 or n == 0:
         return out
-    # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it;
-    # they run ahead of the GEMM's tiles in its own launch
-    y = torch.empty((tokens, lora_a.shape[1]), dtype=x.dtype, device=x.device)
-    # (K blocks of 128: sharing the GEMM's registers, 256 spilled at 32 tokens, sm_90a)
-    split = split_shrink(x, lora_a.unsqueeze(1), token_slots, y, SHRINK_SPLIT_K, max_block_k=128)
-    if split is None:
-        y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, chained=True, split_k=SHRINK_SPLIT_K)
-    return _launch_linear(x, weight, out, (y, lora_b, token_slots, scalings, slice_offsets), split)
+    # the shrink's K loop split over programs: one program streaming a slot's whole A outlasts the GEMM beside it
+    y = launch_shrink(x, lora_a.unsqueeze(1), token_slots, None, chained=True, split_k=SHRINK_SPLIT_K)
+    return _launch_linear(x, weight, out, (y, lora_b, token_slots, scalings, slice_offsets))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -468,29 +407,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _launch_linear(x, weight, out, None)
 
 
-# The GEMM with its shrink in one launch: [shrink programs ticked, tiles past the wait for them], zero between
-# launches (the last tile resets both). One per device, made on first use outside any graph capture (the decode
-# graphs' warm-up runs first); launches on one stream run in turn, and each waits for the one before.
-_pair_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def _pair_count(device: torch.device) -> torch.Tensor:
-    if device not in _pair_counts:
-        _pair_counts[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _pair_counts[device]
-
-
 def _launch_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     out: torch.Tensor,
     lora: tuple | None,
-    split: SplitShrink | None = None,
 ) -> torch.Tensor:
     """`_linear_kernel` over every token in one tile; `lora` = (y, B, slots, scalings, slice offsets) or None. On
-    CUDA the GEMM alone is chained into the step; with the LoRA its `split` shrink's programs run ahead of its
-    tiles in its launch, chained into the step, and the tiles wait for them in their epilogue (without `split` it
-    launches beside the chained shrink that writes y)."""
+    CUDA the GEMM alone is chained into the step; with the LoRA it launches beside the chained shrink that writes y."""
     (tokens, k), n = x.shape, weight.shape[0]
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     block_t = token_block(tokens)
@@ -504,17 +428,7 @@ def _launch_linear(
         rank = lora_b.shape[2]
         parts, o1, o2, o3 = parse_slices(slice_offsets, n)
         ss, sp = scale_strides(scalings, lora_b.shape[0], parts)
-    if split is None:  # the shrink's operands are compiled out (SHRINK_PROGRAMS 0)
-        shrink, pair = (out, out, out, out, 0, 0, 0, 0, 0), {}
-        launch = chain_launch(x) if lora is None else pair_launch(x)
-    else:
-        a, partials, counts, rank_a, k_per_split, *a_strides = split.operands()
-        shrink = (a, partials, counts, _pair_count(x.device), rank_a, k_per_split, *a_strides)
-        pair = {f"S_{name}": value for name, value in split.meta.items() if name != "PRECISION"}
-        pair.update(SHRINK_PROGRAMS=split.programs, S1=split.grid[1], S2=split.grid[2], Y_CACHE=".cg")
-        launch = chain_launch(x)
-    programs = triton.cdiv(n, block_n) + (0 if split is None else split.programs)
-    _linear_kernel[(programs,)](
+    _linear_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         y,
@@ -536,10 +450,9 @@ def _launch_linear(
         *out.stride(),
         ss,
         sp,
-        *shrink,
         HAS_LORA=lora is not None,
-        PREFETCH_W=pdl and (lora is None or split is not None) and rows_prefetchable(weight),
-        WAIT_FOR_SHRINK=pdl and lora is not None and split is None,
+        PREFETCH_W=pdl and lora is None and rows_prefetchable(weight),
+        WAIT_FOR_SHRINK=pdl and lora is not None,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
@@ -549,7 +462,6 @@ def _launch_linear(
         BLOCK_R=16,
         num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
-        **pair,
-        **launch,
+        **(chain_launch(x) if lora is None else pair_launch(x)),
     )
     return out

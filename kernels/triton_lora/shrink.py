@@ -1,15 +1,13 @@
 """The shrink y = x @ A[slot, expert]^T over token tiles, for the dense projections and the experts' rows alike.
 
-Its launcher can put it in the decode step's chain (`triton_pdl`) ahead of the GEMM that reads y: the experts'
-gate/up GEMM after a `TokenShrink` runs its K loop beside the shrink and waits for y only in its epilogue; at decode
-`lora_linear` runs the split shrink's programs in its GEMM's own launch (`split_shrink_program`). Where each slot
-has its own programs (decode, and steps up to SLOT_LOOP_MIN_TOKENS tokens) the shrink splits its K loop over several
-programs (`split_k`): one program streaming a slot's whole A is latency, not bandwidth, and the GEMM beside it
-waits for all of it.
+Its launcher can put it in the decode step's chain (`triton_pdl`) ahead of the GEMM that reads y: `lora_linear`'s
+base GEMM, and the experts' gate/up GEMM after a `TokenShrink`, run their K loops beside the shrink and wait for y
+only in their epilogues. Where each slot has its own programs (decode, and steps up to SLOT_LOOP_MIN_TOKENS tokens)
+the shrink splits its K loop over several programs (`split_k`): one program streaming a slot's whole A is latency, not
+bandwidth, and the GEMM beside it waits for all of it.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -122,67 +120,52 @@ def _split_shrink_kernel(
 ):
     """y[t, r-block] = x[t] @ A[slot]^T with the K loop split over SPLIT_K programs per (token tile, slot, rank
     block); slot -1 rows get zeros. CHAINED as in `_shrink_kernel` (a dependent's wait is for the whole grid, the
-    programs that sum the partials included). One program's work is `split_shrink_program`."""
-    if CHAINED:
-        wait_then_trigger()
-    split_shrink_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), tl.num_programs(2),
-        x_ptr, a_ptr, part_ptr, y_ptr, slot_ptr, count_ptr, T, K, R, K_PER_SPLIT, stride_xt, stride_xk, stride_as,
-        stride_ar, stride_ak, stride_yt, stride_yr, SPLIT_K, PRECISION, BLOCK_T, BLOCK_K, BLOCK_R,
-    )  # fmt: skip
-
-
-@triton.jit
-def split_shrink_program(
-    tile, p1, p2, n1, n2, x_ptr, a_ptr, part_ptr, y_ptr, slot_ptr, count_ptr, T, K, R, K_PER_SPLIT, stride_xt,
-    stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """Program (tile, p1, p2) of the split shrink's grid [tiles, n1 = slots + 1, n2 = rank blocks x SPLIT_K]; also
-    the leading programs of `dense._linear_kernel` with its shrink in the same launch.
+    programs that sum the partials included).
 
     Each program adds its K range into an fp32 partial ([SPLIT_K, T, R]); the last of a group to finish (an
     atomic count, acquire-release) sums the partials in split order, writes y and resets the count, so the next
-    launch and every CUDA graph replay find it zero. Programs of slots absent from their tile do nothing."""
-    slot = p1 - 1
-    split = p2 % SPLIT_K
-    rt = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    rr = (p2 // SPLIT_K) * BLOCK_R + tl.arange(0, BLOCK_R)
+    launch and every CUDA graph replay find it zero. Programs of slots absent from their tile exit at once.
+    """
+    if CHAINED:
+        wait_then_trigger()
+    slot = tl.program_id(1) - 1
+    split = tl.program_id(2) % SPLIT_K
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rr = (tl.program_id(2) // SPLIT_K) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_t = rt < T
     in_r = rr[None, :] < R
     slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
     y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
-    rows = in_t & (slots == slot)
     if slot < 0:
         if split == 0:
             zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
             tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
-    elif tl.max(rows.to(tl.int32), 0) > 0:
-        a_base = a_ptr + slot.to(tl.int64) * stride_as
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        k_first = split * K_PER_SPLIT
-        for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            in_k = rk < K
-            xt = tl.load(
-                x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk,
-                mask=rows[:, None] & in_k[None, :],
-                other=0.0,
-            )
-            at = tl.load(
-                a_base + rk[:, None] * stride_ak + rr[None, :] * stride_ar, mask=in_k[:, None] & in_r, other=0.0
-            )
-            acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
-        written = rows[:, None] & in_r
-        part_rows = part_ptr + rt[:, None] * R + rr[None, :]
-        tl.store(part_rows + split * T * R, acc, mask=written)
-        group = (tile * n1 + p1) * (n2 // SPLIT_K) + p2 // SPLIT_K
-        if tl.atomic_add(count_ptr + group, 1) == SPLIT_K - 1:  # the other splits' partials are visible now
-            total = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part_rows + s * T * R, mask=written, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=written)
-            tl.atomic_xchg(count_ptr + group, 0)
+        return
+    rows = in_t & (slots == slot)
+    if tl.max(rows.to(tl.int32), 0) == 0:
+        return
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    k_first = split * K_PER_SPLIT
+    for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        in_k = rk < K
+        xt = tl.load(
+            x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=rows[:, None] & in_k[None, :], other=0.0
+        )
+        at = tl.load(a_base + rk[:, None] * stride_ak + rr[None, :] * stride_ar, mask=in_k[:, None] & in_r, other=0.0)
+        acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
+    written = rows[:, None] & in_r
+    part_rows = part_ptr + rt[:, None] * R + rr[None, :]
+    tl.store(part_rows + split * T * R, acc, mask=written)
+    group = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // SPLIT_K)
+    group += tl.program_id(2) // SPLIT_K
+    if tl.atomic_add(count_ptr + group, 1) == SPLIT_K - 1:  # the other splits' partials are visible now
+        total = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(part_rows + s * T * R, mask=written, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=written)
+        tl.atomic_xchg(count_ptr + group, 0)
 
 
 SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for `lora_shrink` (2048 / 256 at bf16)
@@ -222,14 +205,15 @@ def launch_shrink(
     y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
     if tokens == 0 or rank == 0:
         return y
+    block_t, block_r = pow2(tokens, 16, 32), pow2(rank, 16, 64)
+    block_k = pow2(k, 16, 256 if x.element_size() <= 2 else 128)
     chain = chain_launch(x) if chained else {"CHAINED": False}
-    split = split_shrink(x, a, slots, y, split_k) if experts is None else None
-    if split is not None:
-        split.launch(x, y, slots, chain)
-        return y
-    block_t, block_r, block_k = _blocks(x, rank)
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
+    split_k = min(split_k, triton.cdiv(k, block_k))
+    splittable = experts is None and not slot_loop and math.prod(grid) <= SPLIT_COUNTS
+    if split_k > 1 and splittable:
+        return _split_shrink(x, a, slots, y, grid, split_k, block_t, block_k, block_r, chain)
     _shrink_kernel[grid](
         x,
         a,
@@ -255,56 +239,44 @@ def launch_shrink(
     return y
 
 
-def _blocks(x: torch.Tensor, rank: int) -> tuple[int, int, int]:
-    """The shrink's token, rank and K blocks."""
-    return pow2(x.shape[0], 16, 32), pow2(rank, 16, 64), pow2(x.shape[1], 16, 256 if x.element_size() <= 2 else 128)
-
-
-@dataclass(frozen=True)
-class SplitShrink:
-    """A split shrink's programs, to launch alone (`_split_shrink_kernel`) or ahead of a GEMM in its launch: the
-    grid [tiles, slots + 1, rank blocks x SPLIT_K], the operands beside x, y and the slots, and its constexprs."""
-
-    grid: tuple[int, int, int]
-    a: torch.Tensor
-    partials: torch.Tensor
-    counts: torch.Tensor
-    k_per_split: int
-    meta: dict
-
-    @property
-    def programs(self) -> int:
-        return math.prod(self.grid)
-
-    def operands(self) -> tuple:
-        """A, the partials, the counts, the rank, K per split and A's strides, in `split_shrink_program`'s order."""
-        a = self.a
-        return a, self.partials, self.counts, a.shape[2], self.k_per_split, a.stride(0), a.stride(2), a.stride(3)
-
-    def launch(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, chain: dict) -> None:
-        a, partials, counts, rank, k_per_split, *a_strides = self.operands()
-        _split_shrink_kernel[self.grid](
-            x, a, partials, y, slots, counts, x.shape[0], x.shape[1], rank, k_per_split, *x.stride(), *a_strides,
-            *y.stride(), **self.meta, **chain,
-        )  # fmt: skip
-
-
-def split_shrink(
-    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, y: torch.Tensor, split_k: int, max_block_k: int = 256
-) -> SplitShrink | None:
-    """The split shrink of x [T, K] by a [S, 1, R, K] into y [T, R], one program per (token tile, slot, rank block,
-    K range), K blocks of at most `max_block_k`; None where it does not apply (split_k 1, the slot loop's sizes, more
-    groups than SPLIT_COUNTS)."""
+def _split_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    slots: torch.Tensor,
+    y: torch.Tensor,
+    grid: tuple[int, int, int],
+    split_k: int,
+    block_t: int,
+    block_k: int,
+    block_r: int,
+    chain: dict,
+) -> torch.Tensor:
     tokens, k = x.shape
-    num_slots, rank = a.shape[0], a.shape[2]
-    block_t, block_r, block_k = _blocks(x, rank)
-    block_k = min(block_k, max_block_k)
-    grid = (triton.cdiv(tokens, block_t), num_slots + 1, triton.cdiv(rank, block_r))
-    split_k = min(split_k, triton.cdiv(k, block_k))
-    if split_k <= 1 or tokens > SLOT_LOOP_MIN_TOKENS or math.prod(grid) > SPLIT_COUNTS:
-        return None
+    rank = a.shape[2]
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no split left without a K range
     partials = torch.empty((split_k, tokens, rank), dtype=torch.float32, device=x.device)
-    meta = dict(SPLIT_K=split_k, PRECISION=dot_precision(x.dtype), BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=block_r)
-    return SplitShrink((grid[0], grid[1], grid[2] * split_k), a, partials, _counts(x.device), k_per_split, meta)
+    _split_shrink_kernel[(grid[0], grid[1], grid[2] * split_k)](
+        x,
+        a,
+        partials,
+        y,
+        slots,
+        _counts(x.device),
+        tokens,
+        k,
+        rank,
+        k_per_split,
+        *x.stride(),
+        a.stride(0),
+        a.stride(2),
+        a.stride(3),
+        *y.stride(),
+        SPLIT_K=split_k,
+        PRECISION=dot_precision(x.dtype),
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        BLOCK_R=block_r,
+        **chain,
+    )
+    return y

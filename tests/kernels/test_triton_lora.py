@@ -195,18 +195,22 @@ torch.cuda.synchronize()
 """
 
 
-def test_decode_shrink_runs_in_its_gemms_launch(tmp_path):
-    """`lora_linear` at decode sizes is one launch: the split shrink's programs ahead of the GEMM's tiles. Each
-    program waits for the kernel before it (x is its output) before it lets the next kernel launch, and the tiles
-    wait for every shrink program's tick before their epilogue reads y: read from the PTX Triton compiled."""
+def test_decode_shrink_lets_the_gemm_beside_it_start(tmp_path):
+    """`lora_linear` at decode sizes runs its GEMM beside the split shrink only if the shrink triggers its
+    dependent launch (without the trigger the GEMM starts once every shrink program has exited: the two in
+    series, ~265 µs a step on inkling-small), after its own wait (the GEMM reads x unwaited), and the GEMM waits for
+    it, then lets the next kernel launch: read from the PTX Triton compiled."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", LINEAR_AT_DECODE], env=env, check=True, timeout=300)
-    assert not list(tmp_path.rglob("_split_shrink_kernel.ptx")), "the decode shrink ran as a launch of its own"
-    gemms = [p.read_text() for p in tmp_path.rglob("_linear_kernel.ptx")]
-    assert gemms, f"no PTX cached for the decode GEMM under {tmp_path}"
-    for text in gemms:
+
+    def ptx(kernel: str) -> list[str]:
+        return [p.read_text() for p in tmp_path.rglob(f"{kernel}.ptx")]
+
+    shrinks, gemms = ptx("_split_shrink_kernel"), ptx("_linear_kernel")
+    assert shrinks and gemms, f"no PTX cached for the decode shrink or GEMM under {tmp_path}"
+    for text in shrinks + gemms:
         wait, trigger = text.find("griddepcontrol.wait"), text.find("griddepcontrol.launch_dependents")
-        assert -1 < wait < trigger and "atom.global" in text, (wait, trigger)
+        assert -1 < wait < trigger, (wait, trigger)
 
 
 GEMM_IN_CHAIN = """
