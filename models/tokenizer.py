@@ -20,7 +20,8 @@ ROLE_ALIASES = {"developer": "system"}
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 CHAT_TEMPLATE = (
-    f"{{% set aliases = {ROLE_ALIASES!r} %}}{{{{ '<bos>' }}}}{{% for m in messages %}}"
+    "{% set aliases = " + repr(ROLE_ALIASES) + " %}"
+    "{{ '<bos>' }}{% for m in messages %}"
     "{{ '<|' + aliases.get(m['role'], m['role']) + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
