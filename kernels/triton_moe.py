@@ -193,69 +193,6 @@ def _combine_kernel(
 
 
 @triton.jit
-def group_y_sums(
-    w_ptr, places_ptr, y_ptr, slot_ptr, expert_ptr, rt, in_t, R, first, count, split, stride_ym, K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """Tokens rt's (mask in_t) down-LoRA shrinks y of their K dispatched rows, each times its weight, summed in fp32
-    per group in the token's own order -> (first group's, second's) fp32 [T, BLOCK_R]; rows of slot -1 or of an
-    expert the groups do not cover add nothing. With B shared by a group's experts, s_g z_g @ B_g^T is the token's
-    down LoRA (`_combine_down_kernel`, `add_token_down_lora`)."""
-    rr = tl.arange(0, BLOCK_R)
-    in_r = rr < R
-    z_first = tl.zeros([rt.shape[0], BLOCK_R], tl.float32)
-    z_second = tl.zeros([rt.shape[0], BLOCK_R], tl.float32)
-    for j in tl.static_range(K):
-        place = tl.load(places_ptr + rt.to(tl.int64) * K + j, mask=in_t, other=0)
-        weight = tl.load(w_ptr + place, mask=in_t, other=0.0).to(tl.float32)
-        slot = tl.load(slot_ptr + place, mask=in_t, other=-1)
-        local = tl.load(expert_ptr + place, mask=in_t, other=0).to(tl.int32) - first
-        covered = (slot >= 0) & (local >= 0) & (local < count)
-        y = tl.load(y_ptr + place[:, None] * stride_ym + rr[None, :], mask=covered[:, None] & in_r[None, :], other=0.0)
-        wy = y.to(tl.float32) * weight[:, None]
-        second = (local >= split)[:, None]
-        z_first += tl.where(second, 0.0, wy)
-        z_second += tl.where(second, wy, 0.0)
-    return z_first, z_second
-
-
-@triton.jit
-def add_token_down_lora(
-    acc, t, c, in_c, w_ptr, places_ptr, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr, R, first, count, split,
-    stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ss, stride_sg, K: tl.constexpr,
-    GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """acc (fp32 [columns]) plus token t's experts' down LoRA over columns c (mask in_c): s_g z_g @ B_g[slot]^T
-    (`group_y_sums`) of each group in turn, z_g * s_g rounded to B's dtype, as `_combine_down_kernel` adds them."""
-    rt = t + tl.arange(0, 1)
-    z_first, z_second = group_y_sums(
-        w_ptr, places_ptr, y_ptr, slot_ptr, expert_ptr, rt, rt >= 0, R, first, count, split, stride_ym, K, BLOCK_R
-    )
-    slot = tl.load(slot_ptr + tl.load(places_ptr + t * K))  # every row of a token has the token's slot
-    if slot >= 0:
-        rr = tl.arange(0, BLOCK_R)
-        b_rows = b_ptr + slot.to(tl.int64) * stride_bs + c[:, None] * stride_bn + rr[None, :] * stride_br
-        b_mask = in_c[:, None] & (rr < R)[None, :]
-        scale = tl.load(scale_ptr + slot * stride_ss).to(tl.float32)
-        acc = _token_group_expand(acc, tl.reshape(z_first, (BLOCK_R,)), scale, b_rows, b_mask, DOT_FP32)
-        if GROUPS == 2:
-            scale = tl.load(scale_ptr + slot * stride_ss + stride_sg).to(tl.float32)
-            z = tl.reshape(z_second, (BLOCK_R,))
-            acc = _token_group_expand(acc, z, scale, b_rows + stride_bg, b_mask, DOT_FP32)
-    return acc
-
-
-@triton.jit
-def _token_group_expand(acc, z, scale, b_ptrs, b_mask, DOT_FP32: tl.constexpr):
-    """acc [C] + (z [R] * scale) @ the B rows at b_ptrs [C, R], rounded as `_group_expand`'s dot rounds it."""
-    bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
-    zs = z * scale
-    if not DOT_FP32:
-        zs = zs.to(bt.dtype).to(tl.float32)
-    return acc + tl.sum(bt.to(tl.float32) * zs[None, :], axis=1)
-
-
-@triton.jit
 def _group_expand(acc, z, sel, scale, b_ptrs, b_mask, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """acc += (the `sel` tokens' z [T, R] * scale) @ the B tile at b_ptrs [R, H]."""
     bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
@@ -267,8 +204,8 @@ def _group_expand(acc, z, sel, scale, b_ptrs, b_mask, DOT_FP32: tl.constexpr, PR
 
 @triton.jit
 def _combine_down_kernel(
-    out_ptr, w_ptr, places_ptr, result_ptr, T, H, stride_om, stride_rt, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr,
-    R, first, count, split, stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ss, stride_sg,
+    out_ptr, w_ptr, places_ptr, result_ptr, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr, T, H, R, first, count,
+    split, stride_om, stride_rt, stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ss, stride_sg,
     K: tl.constexpr, GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
@@ -283,14 +220,21 @@ def _combine_down_kernel(
     rr = tl.arange(0, BLOCK_R)
     in_r = rr < R
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    z_first = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+    z_second = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
     for j in tl.static_range(K):
         place = tl.load(places_ptr + rt.to(tl.int64) * K + j, mask=in_t, other=0)
         weight = tl.load(w_ptr + place, mask=in_t, other=0.0).to(tl.float32)
         rows = tl.load(out_ptr + place[:, None] * stride_om + c[None, :], mask=in_t[:, None] & in_c[None, :], other=0.0)
         acc += rows.to(tl.float32) * weight[:, None]
-    z_first, z_second = group_y_sums(
-        w_ptr, places_ptr, y_ptr, slot_ptr, expert_ptr, rt, in_t, R, first, count, split, stride_ym, K, BLOCK_R
-    )
+        slot = tl.load(slot_ptr + place, mask=in_t, other=-1)
+        local = tl.load(expert_ptr + place, mask=in_t, other=0).to(tl.int32) - first
+        covered = (slot >= 0) & (local >= 0) & (local < count)
+        y = tl.load(y_ptr + place[:, None] * stride_ym + rr[None, :], mask=covered[:, None] & in_r[None, :], other=0.0)
+        wy = y.to(tl.float32) * weight[:, None]
+        second = (local >= split)[:, None]
+        z_first += tl.where(second, 0.0, wy)
+        z_second += tl.where(second, wy, 0.0)
     token_slots = tl.load(slot_ptr + tl.load(places_ptr + rt.to(tl.int64) * K, mask=in_t, other=0), mask=in_t, other=-1)
     keys = tl.where(in_t & (token_slots >= 0), token_slots, SENTINEL)
     key = tl.min(keys, 0)
@@ -320,9 +264,12 @@ def combine_down_tiles(tokens: int) -> tuple[int, int]:
     return 16, 64 if tokens <= 256 else 128 if tokens <= 1024 else 256
 
 
-def down_operands(down: RowExpand, rows: int, width: int) -> tuple[list, dict]:
-    """The experts' down LoRA `down` over rows [M, H] as its kernels take it (`group_y_sums`, `token_down_lora`,
-    `_combine_down_kernel`): the operands from y on and the constants GROUPS, DOT_FP32 and BLOCK_R."""
+def _combine_down(
+    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, down: RowExpand, result: torch.Tensor
+):
+    """`_combine_down_kernel`'s launch over `combine_down_tiles`."""
+    tokens, width = result.shape
+    rows = out.shape[0]
     num_slots, groups, n, rank = down.b.shape
     require(
         down.y.shape == (rows, rank) and down.slots.shape == down.experts.shape == (rows,) and n == width,
@@ -332,24 +279,13 @@ def down_operands(down: RowExpand, rows: int, width: int) -> tuple[list, dict]:
     require(down.y.stride(1) == 1, "the combine's down LoRA needs y with unit column stride")
     require(groups == down.groups.groups, f"B has {groups} groups, the groups say {down.groups.groups}")
     ss, sg = scale_strides(down.scalings, num_slots, groups)
-    args = [
-        down.y, down.b, down.slots, down.experts, down.scalings, rank, down.groups.first, down.groups.count,
-        local_split(down.groups), down.y.stride(0), *down.b.stride(), ss, sg,
-    ]  # fmt: skip
-    return args, dict(GROUPS=groups, DOT_FP32=dot_operands(down.y.dtype, down.b.dtype)["DOT_FP32"], BLOCK_R=pow2(rank))
-
-
-def _combine_down(
-    out: torch.Tensor, weights: torch.Tensor, places: torch.Tensor, down: RowExpand, result: torch.Tensor
-):
-    """`_combine_down_kernel`'s launch over `combine_down_tiles`."""
-    tokens, width = result.shape
-    args, consts = down_operands(down, out.shape[0], width)
     block_t, block_h = combine_down_tiles(tokens)
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_h))
     _combine_down_kernel[grid](
-        out, weights, places, result, tokens, width, out.stride(0), result.stride(0), *args, K=out.shape[0] // tokens,
-        PRECISION=dot_operands(down.y.dtype, down.b.dtype)["PRECISION"], BLOCK_T=block_t, BLOCK_H=block_h, **consts,
+        out, weights, places, result, down.y, down.b, down.slots, down.experts, down.scalings, tokens, width, rank,
+        down.groups.first, down.groups.count, local_split(down.groups), out.stride(0), result.stride(0),
+        down.y.stride(0), *down.b.stride(), ss, sg, K=rows // tokens, GROUPS=groups,
+        **dot_operands(down.y.dtype, down.b.dtype), BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_R=pow2(rank),
         **chain_launch(out),
     )  # fmt: skip
 

@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inkwell.kernels.torch_ops import RowExpand
-from inkwell.kernels.triton_moe import add_token_down_lora, combine_row, down_operands
+from inkwell.kernels.triton_moe import combine_row
 from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 
@@ -71,22 +70,6 @@ def _short_conv_step_kernel(
     norm_ptr,
     mix_ptr,
     places_ptr,
-    y_ptr,
-    b_ptr,
-    slot_ptr,
-    expert_ptr,
-    scale_ptr,
-    R,
-    first,
-    count,
-    split,
-    stride_ym,
-    stride_bs,
-    stride_bg,
-    stride_bn,
-    stride_br,
-    stride_ls,
-    stride_lg,
     C,
     eps,
     stride_xb,
@@ -101,18 +84,14 @@ def _short_conv_step_kernel(
     KERNEL: tl.constexpr,
     NORM: tl.constexpr,
     COMBINE: tl.constexpr,
-    GROUPS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    BLOCK_R: tl.constexpr,
     CHAINED: tl.constexpr,
 ):
     """Row b: window = [state[seq_b], x_b] (KERNEL taps), conv + x_b -> out (or, with NORM, h_b + that -> h_out
     and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps. With COMBINE (k > 0), x holds the
     MoE's dispatched rows and x_b is row b's combine of its k rows (`triton_moe.combine_row`), rounded as
-    `moe_combine` rounds it; with GROUPS (> 0) too, plus the row's experts' down LoRA (`triton_moe.add_token_down_lora`:
-    the y of its rows weighted and summed per group, then expanded once) before that rounding."""
+    `moe_combine` rounds it."""
     chain_start(CHAINED)
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
@@ -121,12 +100,6 @@ def _short_conv_step_kernel(
     dtype = out_ptr.dtype.element_ty
     if COMBINE > 0:
         mixed = combine_row(x_ptr, mix_ptr, places_ptr, b.to(tl.int64), c, in_c, stride_xb, COMBINE)
-        if GROUPS > 0:
-            mixed = add_token_down_lora(
-                mixed, b.to(tl.int64), c, in_c, mix_ptr, places_ptr, y_ptr, b_ptr, slot_ptr, expert_ptr, scale_ptr, R,
-                first, count, split, stride_ym, stride_bs, stride_bg, stride_bn, stride_br, stride_ls, stride_lg,
-                COMBINE, GROUPS, DOT_FP32, BLOCK_R,
-            )  # fmt: skip
         xf = mixed.to(dtype).to(tl.float32)
     else:
         xf = tl.load(x_ptr + b * stride_xb + c, mask=in_c, other=0.0).to(tl.float32)
@@ -151,7 +124,6 @@ def short_conv_step(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     combine: tuple[torch.Tensor, torch.Tensor] | None = None,
-    down: RowExpand | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One ShortConv step of rows x [B, C] (rows may be strided), each continuing the fp32 state [S, C, kernel-1]
     of its sequence `seq_slots` [B] (updated in place), with the depthwise conv `weight` [C, 1, kernel].
@@ -159,14 +131,10 @@ def short_conv_step(
     Returns conv + x in x's dtype; with `residual` h [B, C] and `norm_weight` [C], returns (h + that, its RMSNorm
     with `eps`). Rows sharing a sequence slot (padding) race on its state: give real rows distinct slots.
     With `combine` (weights [B*k], places [B*k]), x is the MoE's dispatched rows [B*k, C] and row b's input their
-    `moe_combine` (no combine kernel of its own: one launch fewer per MoE layer at decode), and with `down` too, the
-    experts' down LoRA over those rows, added as `moe_combine(..., down)` adds it: a program holds one token, so it
-    expands with that token's slot only, where the combine's tiles walk every slot among their tokens.
+    `moe_combine` (no combine kernel of its own: one launch fewer per MoE layer at decode).
     """
     rows, channels = seq_slots.shape[0], x.shape[1]
     kernel = weight.shape[-1]
-    if down is not None and combine is None:
-        raise ValueError("the experts' down LoRA rides on a combined input: pass combine= with it")
     k = 0
     if combine is not None:
         k = x.shape[0] // max(rows, 1)
@@ -191,9 +159,6 @@ def short_conv_step(
     h_out = torch.empty_like(out) if norm else out
     h = residual if norm else out
     mix, places = combine if combine is not None else (weight, seq_slots)  # unread without COMBINE
-    lora, consts = [weight] * 5 + [0] * 11, dict(GROUPS=0, DOT_FP32=False, BLOCK_R=16)  # unread without GROUPS
-    if down is not None:
-        lora, consts = down_operands(down, x.shape[0], channels)
     _short_conv_step_kernel[(rows,)](
         x,
         state,
@@ -205,7 +170,6 @@ def short_conv_step(
         norm_weight if norm else weight,
         mix,
         places,
-        *lora,
         channels,
         eps,
         x.stride(0),
@@ -223,7 +187,6 @@ def short_conv_step(
         BLOCK_C=triton.next_power_of_2(channels),
         BLOCK_W=triton.next_power_of_2(kernel),
         num_warps=8 if channels >= 1024 else 4,
-        **consts,
         **chain_launch(x),
     )
     return (h_out, out) if norm else out

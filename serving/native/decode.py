@@ -53,11 +53,10 @@ class Uncombined:
     rows: torch.Tensor
     dispatch: Dispatch
     tokens: int
-    down: RowExpand | None = None  # the experts' down LoRA, expanded in the combine
 
     def combined(self) -> torch.Tensor:
         """The combine itself [T, H], in the rows' dtype (where no kernel takes it in)."""
-        return self.dispatch.combine(self.rows, self.tokens, self.rows.dtype, self.down)
+        return self.dispatch.combine(self.rows, self.tokens, self.rows.dtype)
 
 
 @dataclass
@@ -172,9 +171,7 @@ class DecodeForward:
         if isinstance(x, Uncombined):
             if x.rows.is_cuda:
                 combine = (x.dispatch.weights, x.dispatch.places)
-                return self._sconv_kernel(
-                    x.rows, layer, site, inputs.seq_slots, combine=combine, down=x.down, **residual_norm
-                )
+                return self._sconv_kernel(x.rows, layer, site, inputs.seq_slots, combine=combine, **residual_norm)
             x = x.combined()
         if x.is_cuda:
             return self._sconv_kernel(x, layer, site, inputs.seq_slots, **residual_norm)
@@ -302,11 +299,11 @@ class DecodeForward:
         routing.append(index[:, : m.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, m.num_experts)
         if few:
-            down, down_lora = m.few_experts(x, layer, rows, slots, experts, self.combine_in_sconv)
+            down, down_lora = m.few_experts(x, layer, rows, slots, experts)
         else:
             down, down_lora = self._many_experts(x, layer, rows, shrunk, experts, side)
-        if self.combine_in_sconv and down.dtype == x.dtype:
-            return Uncombined(down, rows, x.shape[0], down_lora)
+        if self.combine_in_sconv and down_lora is None and down.dtype == x.dtype:
+            return Uncombined(down, rows, x.shape[0])
         return rows.combine(down, x.shape[0], x.dtype, down_lora)
 
     def _many_experts(

@@ -720,19 +720,12 @@ class InklingModel:
         return down, self.down_lora(act, rows, experts)
 
     def few_experts(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        rows: Dispatch,
-        slots: torch.Tensor,
-        experts: ExpertLora | None,
-        down_in_combine: bool = False,
+        self, x: torch.Tensor, layer: int, rows: Dispatch, slots: torch.Tensor, experts: ExpertLora | None
     ) -> tuple[torch.Tensor, RowExpand | None]:
         """`run_experts` at decode sizes (`few_tokens`) of tokens x with LoRA `slots`: three kernels without
         adapters, the experts' GEMMs and silu * up, and one more with them, the gate/up shrink, which runs beside
-        the gate/up GEMM; the gate/up expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up
-        (which holds each row's activations). The down expand rides in the down GEMM's epilogue, or with
-        `down_in_combine` is returned for the combine, which expands once per token and group."""
+        the gate/up GEMM; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
+        holds each row's activations)."""
         tokens, every_token_from = x.shape[0], self.config.n_routed_experts  # the shared experts' ids follow the routed
         p = f"model.layers.{layer}.mlp.all_experts"
         gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
@@ -748,8 +741,6 @@ class InklingModel:
             buf = experts.down
             act, y = silu_mul_shrink(gate_up, buf.a, rows.slots, rows.experts, experts.groups)
             down_expand = RowExpand(y, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
-        if down_in_combine:
-            return expert_matmul(act, down_w, rows.ends, None, tokens, None, every_token_from), down_expand
         return expert_matmul(act, down_w, rows.ends, None, tokens, down_expand, every_token_from), None
 
     # ---- the whole model ----------------------------------------------------------------------

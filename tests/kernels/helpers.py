@@ -1,6 +1,5 @@
-"""What the kernel tests share: the tolerance check against a float64 reference, a MoE routing to dispatch, and
-running a test module's cases in a child process (with Triton's CPU interpreter, or with a stand-in driver that only
-compiles)."""
+"""What the kernel tests share: the tolerance check against a float64 reference, and running a test module's cases
+in a child process (with Triton's CPU interpreter, or with a stand-in driver that only compiles)."""
 
 import os
 import subprocess
@@ -53,16 +52,3 @@ def run_in_interpreter(module: str) -> None:
     """Run `module`'s `run_interpreted_cases()` in a child process with TRITON_INTERPRET=1; fail with its output."""
     env = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     run_in_child(module, "run_interpreted_cases", "interpreted cases passed", env)
-
-
-def routed(tokens: int, top_k: int, routed_experts: int, shared: int, beyond: int, seed: int):
-    """Each token's top-k distinct routed ids, then the shared ids; `beyond` > 0 maps that many routed ids past the
-    last expert (as a rank's model does with the experts other ranks hold)."""
-    gen = torch.Generator().manual_seed(seed)
-    picks = torch.stack([torch.randperm(routed_experts, generator=gen)[:top_k] for _ in range(tokens)])
-    if beyond:
-        picks = torch.where(picks >= routed_experts - beyond, routed_experts + shared - beyond, picks)
-    index = torch.cat([picks, torch.arange(routed_experts, routed_experts + shared).expand(tokens, -1)], dim=1)
-    weights = torch.rand(tokens, top_k + shared, generator=gen).to(torch.bfloat16)
-    slots = torch.randint(-1, 4, (tokens,), generator=gen)
-    return index, weights, slots, routed_experts + shared - beyond

@@ -8,7 +8,20 @@ import pytest
 import torch
 
 from inkwell.kernels import torch_ops
-from tests.kernels.helpers import assert_close, routed, run_in_interpreter
+from tests.kernels.helpers import assert_close, run_in_interpreter
+
+
+def routed(tokens: int, top_k: int, routed_experts: int, shared: int, beyond: int, seed: int):
+    """Each token's top-k distinct routed ids, then the shared ids; `beyond` > 0 maps that many routed ids past the
+    last expert (as a rank's model does with the experts other ranks hold)."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.stack([torch.randperm(routed_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if beyond:
+        picks = torch.where(picks >= routed_experts - beyond, routed_experts + shared - beyond, picks)
+    index = torch.cat([picks, torch.arange(routed_experts, routed_experts + shared).expand(tokens, -1)], dim=1)
+    weights = torch.rand(tokens, top_k + shared, generator=gen).to(torch.bfloat16)
+    slots = torch.randint(-1, 4, (tokens,), generator=gen)
+    return index, weights, slots, routed_experts + shared - beyond
 
 
 def check_rows(device: str, tokens: int, top_k: int, routed_experts: int, shared: int, beyond: int) -> None:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, routed, run_in_interpreter
+from tests.kernels.helpers import assert_close, run_in_interpreter
 
 
 def reference(x, state, seq_slots, weight, residual, norm_weight, eps):
@@ -92,45 +92,6 @@ def check_short_conv_combined(device: str, dtype: torch.dtype, tokens: int, k: i
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), "outputs differ"
     with pytest.raises(ValueError, match="combined input"):
         short_conv_step(rows[1:], fused, seq_slots, weight, residual, norm_weight, 1e-6, combine=(weights, places))
-
-
-def check_short_conv_combined_down(device: str, dtype: torch.dtype, tokens: int, channels: int, rank: int) -> None:
-    """The step whose combined input carries the experts' down LoRA (`combine=` with `down=`: each token's rows'
-    shrunk y weighted and summed per group, expanded with the token's own slot) against float64: the torch twin's
-    per-row expand then combine, rounded to the model's dtype as the step rounds its input, then the step. Tokens
-    of 4 slots and of none; both groups covered, then the routed experts only (the shared rows' y ignored)."""
-    from inkwell.kernels import torch_ops
-    from inkwell.kernels.triton_short_conv import short_conv_step
-
-    index, row_weights, slots, experts = routed(tokens, 4, 16, 2, 0, seed=tokens + channels)
-    _, _, row_experts, weights, row_slots, _, places = torch_ops.moe_dispatch(index, row_weights, slots, experts)
-    gen = torch.Generator().manual_seed(rank + channels)
-    k = index.shape[1]
-    rows = torch.randn(tokens * k, channels, generator=gen).to(dtype)
-    y = torch.randn(tokens * k, rank, generator=gen).to(dtype)  # uncovered rows' too: the kernel must skip them
-    pool = torch.randn(tokens + 2, channels, 3, generator=gen)
-    seq_slots = torch.randperm(tokens + 2, generator=gen)[:tokens]
-    weight = (torch.randn(channels, 1, 4, generator=gen) / 4).to(dtype)
-    residual = torch.randn(tokens, channels, generator=gen).to(dtype)
-    norm_weight = (1 + 0.1 * torch.randn(channels, generator=gen)).to(dtype)
-    for groups in (torch_ops.ExpertGroups(0, 18, split=16), torch_ops.ExpertGroups(0, 16)):
-        b = (torch.randn(4, groups.groups, channels, rank, generator=gen) / rank**0.5).to(dtype)
-        scalings = torch.rand(4, groups.groups, generator=gen) + 0.5
-        ref = torch_ops.RowExpand(y.double(), b.double(), row_slots, row_experts, scalings.double(), groups)
-        mixed = torch_ops.moe_combine(rows.double(), weights.double(), places, tokens, dtype, ref)
-        (h, normed), state = reference(mixed, pool, seq_slots, weight, residual, norm_weight, 1e-6)
-        on = [t.to(device) for t in (y, b, row_slots, row_experts, scalings)]
-        down = torch_ops.RowExpand(*on, groups)
-        fused = pool.to(device, copy=True)
-        args = [t.to(device) for t in (rows, fused, seq_slots, weight, residual, norm_weight)]
-        combine = (weights.to(device), places.to(device))
-        got = short_conv_step(*args, 1e-6, combine=combine, down=down)
-        what = f"the step with the down LoRA ({groups}, {dtype}, {tokens} tokens)"
-        assert_close(got[0], h, dtype, f"{what}: residual + conv")
-        assert_close(got[1], normed, dtype, f"{what}: its RMSNorm")
-        assert_close(fused[seq_slots.to(device)], state, dtype, f"{what}: state")
-    with pytest.raises(ValueError, match="pass combine="):
-        short_conv_step(*args, 1e-6, down=down)
 
 
 CASES = [  # (rows, channels, kernel): channels off a power of two, kernels of 2-4 taps
@@ -258,7 +219,6 @@ def run_interpreted_cases() -> None:
             for norm in (False, True):
                 check_short_conv("cpu", dtype, rows, channels, kernel, norm)
         check_short_conv_combined("cpu", dtype, 3, 4, 40)
-        check_short_conv_combined_down("cpu", dtype, 5, 40, 4)
         for lengths, width, channels, kernel, (tokens, chans, loop), layout in CHUNK_CASES:
             for norm in (False, True):
                 launch = dict(block_tokens=tokens, block_channels=None if norm else chans, token_blocks=loop)
@@ -296,15 +256,6 @@ def test_short_conv_step_combining_its_input_on_gpu(dtype, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     check_short_conv_combined("cuda", dtype, tokens, 6, 2048)  # inkling-small: 4 routed + 2 shared experts a token
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 8, 128])
-def test_short_conv_step_combining_its_input_with_the_down_lora_on_gpu(dtype, tokens):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    check_short_conv_combined_down("cuda", dtype, tokens, 2048, 16)
 
 
 def test_chunk_reference_matches_the_engine_torch_path():
