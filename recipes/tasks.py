@@ -9,8 +9,8 @@ With inkling-tiny as transformers 5.19 initialises it (seed 0), 16 prompts x 8 s
 learning rate 2e-2 the reward goes from 0.08 (first 3 steps) to 0.5 by step 8 and holds 0.4-0.7 (last 10 steps:
 0.51); at 1e-2 it rose only after step 22 (last 10: 0.38), too late for a 30-step run. The rate is high, and a run
 can fall back after it has learned: over seeds 0-17 (the recipe's loop in process, fp32, 15 steps, 2026-12-05), 4
-runs dropped below 0.1 for one to five steps after reaching 0.3 (the lm_head's LoRA, the only target this random
-model learns through, moves every letter's logit at once), 17 reached a 3-step mean 0.3 above their first 3 steps'
+runs dropped below 0.1 for one to five steps after reaching 0.3 (the lm_head's LoRA is the only target this random
+model learns through: without it the reward stays near 0.08), 17 reached a 3-step mean 0.3 above their first 3 steps'
 and one (seed 10, which fell at step 9) only past step 14. Neither Adam's beta2 0.999, its eps 1e-8 or 1e-6, nor
 normalised advantages stopped the falls; a linear decay of the rate (3e-2 to 0) made them rarer but the rise slower.
 """
