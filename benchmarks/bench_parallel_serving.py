@@ -2,11 +2,11 @@
 
 For each layout of `--layouts` (`tp1`, `tp2`, `ep2`, `tp2ep2`, ...) the same mixed batch runs: `--batch` prompts of
 `--prompt` random tokens, `--new` greedy tokens each, request i on adapter i mod `--adapters` (rank `--rank`, 16, every
-target group). Every layout runs without CUDA graphs and the prefix cache (a group refuses both), so tp1 is the
-one-process engine on the same eager path; `tp1-graphs` adds the one-process production decode for reference. Equality:
-each layout's tokens against tp1's (the count of requests whose tokens differ, and the largest logprob difference of the
-tokens both chose, up to the first difference). Throughput: prefill = the first step, decode = the rest (after a warm-up
-batch).
+target group). Every layout runs without CUDA graphs (a group refuses them) and the prefix cache (off everywhere, as
+random prompts share nothing to cache), so tp1 is the one-process engine on the same eager path; `tp1-graphs` adds the
+one-process production decode for reference. Equality: each layout's tokens against tp1's (the count of requests whose
+tokens differ, and the largest logprob difference of the tokens both chose, up to the first difference). Throughput:
+prefill = the first step, decode = the rest (after a warm-up batch).
 Run (two GPUs): python benchmarks/bench_parallel_serving.py --layouts tp1,tp2,ep2,tp1-graphs [--out parallel.json]
 CPU smoke run: python benchmarks/bench_parallel_serving.py --preset inkling-tiny --device cpu --prompt 16 --new 4
 """

@@ -137,7 +137,7 @@ class EngineConfig:
     # Queue the next decode step before reading this one's tokens on the host (see `native.Engine.step`).
     overlap_decode: bool = True
     # Native engine: reuse computed prompt prefixes per adapter (`native.prefix_cache`), within this many bytes of
-    # device memory beside the state pool, in blocks of this many tokens.
+    # each device's memory beside its state pool, in blocks of this many tokens.
     prefix_cache: bool = True
     prefix_cache_bytes: int = 2**30
     prefix_cache_block: int = 16

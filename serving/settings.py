@@ -28,20 +28,15 @@ class ServingSettings(BaseSettings):
     max_context: int | None = Field(None, ge=2)
     prefix_cache: bool = Field(EngineConfig.prefix_cache, description="native engine: reuse computed prompt prefixes")
     prefix_cache_bytes: int = Field(
-        EngineConfig.prefix_cache_bytes, ge=0, description="device memory the prefix cache may hold, per worker"
+        EngineConfig.prefix_cache_bytes, ge=0, description="device memory the prefix cache may hold, per device"
     )
     max_inflight_per_worker: int = Field(64, ge=1, description="beyond this on every worker: 429")
     start_timeout: float = Field(300.0, gt=0)
 
     @model_validator(mode="after")
-    def _one_process_features(self) -> "ServingSettings":
+    def _split_engine(self) -> "ServingSettings":
         if self.devices_per_worker > 1 and self.engine != "native":
             raise ValueError("tensor_parallel and expert_parallel split the native engine; use engine=native")
-        if self.devices_per_worker > 1 and self.prefix_cache and "prefix_cache" in self.model_fields_set:
-            raise ValueError(
-                f"prefix_cache runs in one process; a worker spanning {self.devices_per_worker} devices "
-                "(tensor_parallel x expert_parallel) runs without it"
-            )
         return self
 
     @property
@@ -73,7 +68,7 @@ class ServingSettings(BaseSettings):
             max_seqs=self.max_seqs,
             max_batch_tokens=self.max_batch_tokens,
             max_context=self.max_context,
-            prefix_cache=self.prefix_cache and self.devices_per_worker == 1,
+            prefix_cache=self.prefix_cache,
             prefix_cache_bytes=self.prefix_cache_bytes,
             cuda_graphs=self.devices_per_worker == 1,  # a decode graph would have to capture the collectives
             tensor_parallel=self.tensor_parallel,

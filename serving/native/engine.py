@@ -45,7 +45,7 @@ from inkwell.serving.contract import (
 from inkwell.serving.native.graphs import StepGraphs
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment
-from inkwell.serving.native.prefix_cache import Match, PrefixCache
+from inkwell.serving.native.prefix_cache import Match, PrefixCache, PrefixStore
 from inkwell.serving.native.sampling import make_generator, sample_rows, token_logprobs
 from inkwell.serving.native.state import StatePool
 from inkwell.serving.native.streams import SideStream
@@ -141,7 +141,7 @@ class Engine:
         self.graphs = StepGraphs.of(self.model, self.state, self.lora, config) if graphs else None
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache:
-            self.prefix_cache = PrefixCache(self.state, config.prefix_cache_bytes, config.prefix_cache_block)
+            self.prefix_cache = PrefixCache(self._prefix_store(), config.prefix_cache_bytes, config.prefix_cache_block)
         self.device = device
         self._table = AdapterTable(config.max_loaded_adapters, self._in_use)
         self.adapters = self._table.adapters
@@ -167,6 +167,10 @@ class Engine:
             device,
         )
         return model, state, lora
+
+    def _prefix_store(self) -> PrefixStore:
+        """Where the prefix cache keeps its copies of the state: beside it, in this process."""
+        return PrefixStore(self.state)
 
     def shutdown(self) -> None:
         """Release what the engine started beside this process (nothing here: it is all in this process)."""

@@ -5,8 +5,9 @@
 the same checkpoint directory (`shards`; no rank reads the whole model), and they follow rank 0's step plan (`plan`)
 over private backends (`group`). Adapters are handed to rank 0 whole; every rank keeps its slices of them.
 
-Refused across processes: CUDA graphs (a captured decode step would have to capture the collectives too) and the
-prefix cache (its copies of the state would have to be planned on every rank); both are per-process features today.
+The prefix cache's tree lives on rank 0; each rank keeps its slice of the cached copies, which rank 0's plan saves,
+restores and forgets on every rank. Refused across processes: CUDA graphs (a captured decode step would have to
+capture the collectives too).
 """
 
 import shutil
@@ -30,6 +31,7 @@ from inkwell.serving.native.plan import (
     LeadingModel,
     Plan,
     RecordingLoraSlots,
+    RecordingPrefixStore,
     RecordingStatePool,
     follow,
     host_copy,
@@ -106,15 +108,10 @@ def check_group_config(config: EngineConfig) -> None:
     """ValueError for what an engine across processes does not do."""
     if config.tensor_parallel < 1 or config.expert_parallel < 1:
         raise ValueError("tensor_parallel and expert_parallel must be at least 1")
-    refused = []
-    if config.prefix_cache:
-        refused.append("prefix_cache")
     if config.cuda_graphs and torch.device(config.device).type == "cuda":
-        refused.append("cuda_graphs")
-    if refused:
         raise ValueError(
-            f"{' and '.join(refused)} cannot run on an engine spanning {config.ranks} processes "
-            f"(tensor_parallel={config.tensor_parallel}, expert_parallel={config.expert_parallel}): set them to False"
+            f"cuda_graphs cannot run on an engine spanning {config.ranks} processes "
+            f"(tensor_parallel={config.tensor_parallel}, expert_parallel={config.expert_parallel}): set it to False"
         )
 
 
@@ -152,6 +149,10 @@ class GroupEngine(Engine):
     def _parts(self, dtype: torch.dtype, device: torch.device, seq_slots: int):
         """Rank 0's shard (its dtype, device and slots follow from the config, as every rank's do)."""
         return rank_parts(self.model_dir, self.config, self.shard, self.plan)
+
+    def _prefix_store(self) -> RecordingPrefixStore:
+        """Rank 0's copies of the cached prefixes, each change of them repeated on every rank."""
+        return RecordingPrefixStore(self.plan, self.state)
 
     def _await_followers(self) -> None:
         """Wait until every other rank has loaded its shard; raise saying which one could not and why."""

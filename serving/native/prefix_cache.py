@@ -19,8 +19,14 @@ use only while it is copied, which the engine does between steps and never while
 that keeps a node alive is its place in the tree, and eviction removes least recently used leaves only (a
 node's ancestors are never evicted before it). A node left a leaf without a boundary (after its children were
 evicted) can never be attached, so it goes at once.
+
+The tree (`PrefixCache`) holds no tensors: each node's copies live in a `PrefixStore` under the node's id. An engine
+over several processes keeps the tree on rank 0 only, and every rank a store over its own slice of the state: rank
+0's store records each call it gets (`native.plan`), and the other ranks make the same calls on theirs.
 """
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,27 +35,59 @@ from inkwell.serving.contract import PrefixCacheStats
 from inkwell.serving.native.state import StatePool
 
 
+class PrefixStore:
+    """The copies a prefix cache keeps of one `StatePool`'s sequences, by node id: each node's full-layer keys and
+    values [2, full layers, tokens, kv heads, head dim], and at a boundary its rings and conv states."""
+
+    def __init__(self, state: StatePool):
+        self.state = state
+        self.nbytes = 0
+        self._kv: dict[int, torch.Tensor] = {}
+        self._boundaries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def save(self, node: int, slot: int, start: int, end: int) -> None:
+        """Keep `slot`'s full-layer keys and values at positions start..end-1 as `node`'s."""
+        kv = self._kv[node] = self.state.read_prefix(slot, start, end)
+        self.nbytes += kv.nbytes
+
+    def save_boundary(self, node: int, slot: int) -> None:
+        """Keep what `slot` carries past its last computed position (`StatePool.read_boundary`) as `node`'s."""
+        boundary = self._boundaries[node] = self.state.read_boundary(slot)
+        self.nbytes += sum(t.nbytes for t in boundary)
+
+    def split(self, node: int, upper: int, offset: int) -> None:
+        """`node`'s first `offset` tokens become `upper`'s; each part in its own memory, so evicting either frees it."""
+        kv = self._kv[node]
+        self._kv[upper], self._kv[node] = kv[:, :, :offset].clone(), kv[:, :, offset:].clone()
+
+    def restore(self, slot: int, parts: tuple[tuple[int, int], ...], boundary: int) -> None:
+        """Copy each (node, start) of `parts` into `slot` at positions start.., then `boundary`'s rings and conv
+        states: `slot` is then as if it had computed those tokens."""
+        for node, start in parts:
+            self.state.write_prefix(slot, start, self._kv[node])
+        self.state.write_boundary(slot, *self._boundaries[boundary])
+
+    def forget(self, nodes: Iterable[int]) -> None:
+        for node in nodes:
+            self.nbytes -= sum(t.nbytes for t in (self._kv.pop(node), *self._boundaries.pop(node, ())))
+
+
 @dataclass(eq=False)
 class _Node:
-    """An edge of the tree: `tokens` at positions start.. (whole blocks), their full-layer keys and values `kv`
-    [2, full layers, len(tokens), kv heads, head dim], and, at a boundary, the rings and conv states after it."""
+    """An edge of the tree: `tokens` at positions start.. (whole blocks), whose copies the store keeps under `id`
+    (with rings and conv states where `boundary`)."""
 
     parent: "_Node | None"
     start: int
     tokens: tuple[int, ...]
-    kv: torch.Tensor | None
-    boundary: tuple[torch.Tensor, torch.Tensor] | None = None
+    id: int
+    boundary: bool = False
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     last_use: int = 0
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        kv = 0 if self.kv is None else self.kv.nbytes
-        return kv + (0 if self.boundary is None else sum(t.nbytes for t in self.boundary))
 
 
 @dataclass(frozen=True)
@@ -64,14 +102,16 @@ class Match:
 
 
 class PrefixCache:
-    """Cached prefixes of the sequences of one `StatePool`, within `budget` bytes, in blocks of `block` tokens."""
+    """Cached prefixes of the sequences whose copies `store` keeps, within `budget` bytes, in blocks of `block`
+    tokens."""
 
-    def __init__(self, state: StatePool, budget: int, block: int):
+    def __init__(self, store: PrefixStore, budget: int, block: int):
         if block < 1:
             raise ValueError(f"prefix_cache_block must be at least 1, got {block}")
-        self.state, self.budget, self.block = state, budget, block
+        self.store, self.budget, self.block = store, budget, block
         self.stats = PrefixCacheStats()
         self._roots: dict[str | None, _Node] = {}
+        self._ids = itertools.count()
         self._clock = 0
 
     def usable(self, prompt_len: int) -> int:
@@ -91,17 +131,15 @@ class PrefixCache:
         if root is None:
             return Match((), 0, 0)
         path, _, shared = self._walk(root, tokens)
-        while path and path[-1].boundary is None:
+        while path and not path[-1].boundary:
             path.pop()
         return Match(tuple(path), path[-1].end if path else 0, shared)
 
     def attach(self, match: Match, slot: int, prompt_len: int) -> None:
         """Copy `match`'s prefix into sequence `slot` (its state is then as if it had computed those tokens), and
         count the lookup of a prompt of `prompt_len` tokens."""
-        for node in match.nodes:
-            self.state.write_prefix(slot, node.start, node.kv)
         if match.nodes:
-            self.state.write_boundary(slot, *match.nodes[-1].boundary)
+            self.store.restore(slot, tuple((node.id, node.start) for node in match.nodes), match.nodes[-1].id)
             self._touch(match.nodes)
         stats = self.stats
         stats.lookups += 1
@@ -116,7 +154,9 @@ class PrefixCache:
         the full-layer keys of the tokens the tree lacks, and its rings and conv states as a boundary there."""
         if len(tokens) % self.block:
             raise ValueError(f"a cached prefix is whole blocks of {self.block} tokens, got {len(tokens)}")
-        root = self._roots.setdefault(adapter, _Node(None, 0, (), None))
+        root = self._roots.get(adapter)
+        if root is None:
+            root = self._roots[adapter] = _Node(None, 0, (), next(self._ids))
         path, partial, matched = self._walk(root, tokens)
         node = path[-1] if path else root
         if partial is not None:
@@ -124,37 +164,41 @@ class PrefixCache:
             path.append(node)
         if matched < len(tokens):
             edge = tuple(tokens[matched:])
-            node = _Node(node, matched, edge, self.state.read_prefix(slot, matched, len(tokens)))
+            node = _Node(node, matched, edge, next(self._ids))
+            self.store.save(node.id, slot, matched, len(tokens))
             node.parent.children[edge[: self.block]] = node
             path.append(node)
-            self.stats.bytes += node.kv.nbytes
-        if node.boundary is None:
-            node.boundary = self.state.read_boundary(slot)
-            self.stats.bytes += sum(t.nbytes for t in node.boundary)
+        if not node.boundary:
+            self.store.save_boundary(node.id, slot)
+            node.boundary = True
         self._touch(path)
         self._evict()
 
     def drop(self, adapter: str | None) -> None:
         """Forget every prefix cached under `adapter` (its key is being unloaded, and may later name another)."""
         root = self._roots.pop(adapter, None)
-        stack = [] if root is None else list(root.children.values())
+        stack, gone = [] if root is None else list(root.children.values()), []
         while stack:
             node = stack.pop()
-            self.stats.bytes -= node.nbytes
+            gone.append(node.id)
             stack += node.children.values()
+        self.store.forget(gone)
+        self.stats.bytes = self.store.nbytes
 
     def _evict(self) -> None:
         """Remove least recently used leaves until the cache fits its budget."""
-        while self.stats.bytes > self.budget:
-            node = min(self._leaves(), key=lambda n: n.last_use)
+        while self.store.nbytes > self.budget:
+            node, gone = min(self._leaves(), key=lambda n: n.last_use), []
             while True:
                 parent = node.parent
                 del parent.children[node.tokens[: self.block]]
-                self.stats.bytes -= node.nbytes
-                self.stats.evictions += 1
-                if parent.parent is None or parent.children or parent.boundary is not None:
+                gone.append(node.id)
+                if parent.parent is None or parent.children or parent.boundary:
                     break
                 node = parent  # a leaf without a boundary is never attached: it goes too
+            self.store.forget(gone)
+            self.stats.evictions += len(gone)
+        self.stats.bytes = self.store.nbytes
 
     def _leaves(self) -> list[_Node]:
         leaves, stack = [], [child for root in self._roots.values() for child in root.children.values()]
@@ -189,11 +233,11 @@ class PrefixCache:
 
     def _split(self, node: _Node, offset: int) -> _Node:
         """Cut `node`'s edge after `offset` tokens (whole blocks); returns the new upper node (no boundary)."""
-        upper = _Node(node.parent, node.start, node.tokens[:offset], node.kv[:, :, :offset].clone())
+        upper = _Node(node.parent, node.start, node.tokens[:offset], next(self._ids))
+        self.store.split(node.id, upper.id, offset)
         upper.last_use = node.last_use
         node.parent.children[upper.tokens[: self.block]] = upper
         node.parent, node.start, node.tokens = upper, node.start + offset, node.tokens[offset:]
-        node.kv = node.kv[:, :, offset:].clone()  # its own memory, so evicting it frees it
         upper.children[node.tokens[: self.block]] = node
         return upper
 

@@ -1,7 +1,9 @@
 """The native engine as a group of two gloo processes (TP=2, EP=2) against the single-process engine, in fp32.
 
 Each group is started once for the module (a process start costs seconds) and driven in lockstep with a fresh
-single-process engine under the same orders, so every step's outputs are compared, not only the final text.
+single-process engine under the same orders, so every step's outputs are compared, not only the final text. Both
+run the prefix cache with every prompt's last whole block kept, so prompts are cached, attached and split throughout
+(its budget counts a rank's own slice, half the single process's keys under TP=2: within it, nothing is evicted).
 """
 
 import asyncio
@@ -19,13 +21,15 @@ from inkwell.serving.contract import EngineConfig, Request, SamplingParams
 from inkwell.serving.handle import WorkerHandle
 from inkwell.serving.native.engine import Engine
 from inkwell.serving.native.group_engine import GroupEngine, check_group_config, native_engine
+from inkwell.serving.native.plan import Plan, RankMemory, RecordingPrefixStore
 from inkwell.serving.native.shards import Shard
+from inkwell.serving.native.state import StatePool
 from inkwell.serving.router import AdapterRef, ServingRouter
 from inkwell.serving.settings import ServingSettings
 from inkwell.serving.sources import DirectorySource
 from inkwell.serving.worker import WorkerConfig
 
-CONFIG = EngineConfig(max_loras_per_batch=3, max_lora_rank=16, max_batch_tokens=40, prefix_cache=False)
+CONFIG = EngineConfig(max_loras_per_batch=3, max_lora_rank=16, max_batch_tokens=40, prefix_cache_min_gain=0)
 LAYOUTS = {"tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}}
 LOGPROB_TOLERANCE = 1e-5
 PROMPT = [1, *range(60, 80)]
@@ -137,6 +141,65 @@ def test_swap_on_a_running_group_reaches_every_rank_at_the_same_step(engines, ti
         engine.unload_adapter("v2")
 
 
+def test_prefixes_cached_on_rank_0_are_restored_on_every_rank(engines, tiny_model_dir, tiny_adapters):
+    """A prompt's three choices (two wait for the first's prefix), a request that branches off inside a cached
+    prefix (the tree's edge is split), one that starts from the branch point, the same prompt on the base and on
+    another adapter, and an adapter unloaded with its prefixes: every step equals the single process's, and the
+    group's cache found what the single process's found."""
+    prompt = list(range(100, 150))
+    spec = LoraSpec(rank=8, alpha=16, targets=("attn", "experts", "lm_head"))
+    config, identity = load_base_config(tiny_model_dir), base_model_identity(tiny_model_dir)
+    dropped = init_adapter(config, spec, identity, seed=21, b_std=0.05)
+
+    def start(engine):
+        engine.load_adapter("dropped", dropped)
+        engine.add_request(Request("group", prompt, greedy(6, n=3), "a0"))
+        engine.add_request(Request("base", prompt, greedy(6)))
+        engine.add_request(Request("on-dropped", prompt, greedy(3), "dropped"))
+
+    def branch(engine):
+        engine.add_request(Request("branch", prompt[:40] + list(range(200, 215)), greedy(4), "a0"))
+
+    def from_branch(engine):
+        engine.unload_adapter("dropped")
+        engine.add_request(Request("from-branch", prompt[:40] + list(range(220, 230)), greedy(4), "a0"))
+        engine.add_request(Request("other-adapter", prompt, greedy(4), "a1"))
+
+    before = [dataclasses.replace(engine.prefix_cache.stats) for engine in engines]
+    ref, ours = run_lockstep(engines, {0: start, 10: branch, 16: from_branch}, 30)
+    assert_same_steps(ours, ref)
+    reference, group = (dataclasses.replace(engine.prefix_cache.stats, bytes=0) for engine in engines)
+    assert group == reference  # the same lookups, hits and tokens (bytes: the group's are rank 0's slices)
+    assert reference.hits - before[0].hits >= 3, "the held choices and from-branch must start from cached prefixes"
+    assert reference.cached_tokens - before[0].cached_tokens >= 2 * 48 + 32
+
+
+def test_every_change_of_rank_0s_prefix_copies_is_repeated_on_the_other_ranks(tiny_model_dir, tiny_adapters):
+    """The ops rank 0's prefix store records, applied to another rank's memory, keep the same copies: caching,
+    splits, restores, evictions and an adapter's prefixes dropped (a forget left out would grow the other ranks'
+    memory past the budget)."""
+
+    class Recording(Engine):
+        def _prefix_store(self):
+            self.plan = Plan()
+            return RecordingPrefixStore(self.plan, self.state)
+
+    budget = 160_000  # inkling-tiny: a 32-token node with its boundary is 75,776 bytes, so two fit
+    engine = Recording(tiny_model_dir, dataclasses.replace(CONFIG, prefix_cache_bytes=budget))
+    engine.load_adapter("a0", tiny_adapters[0])
+    prompts = [list(range(100, 150)), list(range(100, 140)) + [7] * 9, list(range(30, 90)), list(range(100, 150))]
+    for i, prompt in enumerate(prompts):
+        engine.generate([Request(str(i), prompt, greedy(2, n=2), "a0"), Request(f"b{i}", prompt, greedy(2))])
+    engine.unload_adapter("a0")
+    state = StatePool(engine.model_config, CONFIG.max_seqs, engine.max_context, torch.float32, torch.device("cpu"))
+    other = RankMemory(state, None, None)  # prefix ops only: no adapter slots or shard
+    for op in engine.plan.ops:
+        other.apply(op)
+    store, stats = engine.prefix_cache.store, engine.prefix_cache.stats
+    assert stats.evictions > 0 and stats.hits > 0 and 0 < store.nbytes <= budget
+    assert other.prefixes.nbytes == store.nbytes
+
+
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=list(LAYOUTS))
 def test_ranks_read_only_their_slices_and_together_hold_the_model(tiny_model_dir, tiny_adapters, tp, ep):
     """Each rank's slices of the checkpoint and of an adapter are its part of every split tensor; the two ranks'
@@ -170,20 +233,17 @@ def test_uneven_splits_and_per_process_features_are_refused(tiny_model_dir):
         Shard(tp=4).check(config)
     with pytest.raises(ValueError, match="n_shared_experts 2 by expert_parallel=4"):
         Shard(ep=4).check(config)
-    with pytest.raises(ValueError, match="prefix_cache cannot run on an engine spanning 2 processes"):
-        check_group_config(EngineConfig(tensor_parallel=2))
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        check_group_config(EngineConfig(expert_parallel=2, prefix_cache=False, device="cuda"))
+    check_group_config(EngineConfig(tensor_parallel=2))  # the prefix cache runs across processes
+    with pytest.raises(ValueError, match="cuda_graphs cannot run on an engine spanning 2 processes"):
+        check_group_config(EngineConfig(expert_parallel=2, device="cuda"))
 
 
 def test_settings_give_a_worker_several_devices():
     settings = ServingSettings(tensor_parallel=2, expert_parallel=1)
     assert settings.devices_per_worker == 2 and settings.worker_devices() == ["cpu"]
     config = settings.engine_config("cpu")
-    assert (config.ranks, config.prefix_cache, config.cuda_graphs) == (2, False, False)
-    assert ServingSettings().engine_config("cpu").prefix_cache
-    with pytest.raises(ValidationError, match="prefix_cache runs in one process"):
-        ServingSettings(tensor_parallel=2, prefix_cache=True)
+    assert (config.ranks, config.prefix_cache, config.cuda_graphs) == (2, True, False)
+    assert not ServingSettings(tensor_parallel=2, prefix_cache=False).engine_config("cpu").prefix_cache
     with pytest.raises(ValidationError, match="use engine=native"):
         ServingSettings(expert_parallel=2, engine="sglang")
 
