@@ -49,7 +49,7 @@ class RLConfig:
     max_tokens: int = 8
     temperature: float = 1.0
     learning_rate: float = 1e-3
-    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "importance_sampling"
+    loss_fn: Literal["importance_sampling", "ppo", "gspo", "cispo"] = "importance_sampling"
     loss_fn_config: Mapping[str, float] = field(default_factory=dict)
     normalize_advantages: bool = False  # divide by the group's standard deviation as well
     save_every: int = 0  # save_state every this many steps (0: never)
@@ -122,10 +122,12 @@ def rl_datum(
     logprobs: Sequence[float],
     advantage: float,
     routing: Sequence | None = None,
+    sequence_ratio: bool = False,
 ) -> dict:
     """Prompt and completion as one datum: position i predicts token i + 1; only completion tokens carry the
     sampler's logprobs and the advantage (the prompt's positions get 0 and are not trained on). `routing`, the
-    sampler's routing trace of the datum's tokens (`routing_trace`), is replayed by the trainer's forward."""
+    sampler's routing trace of the datum's tokens (`routing_trace`), is replayed by the trainer's forward. With
+    `sequence_ratio` (GSPO) the completion's tokens are the ones its sequence ratio is taken over."""
     tokens = [*prompt, *completion]
     untrained = [0.0] * (len(prompt) - 1)
     datum = {
@@ -136,6 +138,8 @@ def rl_datum(
             "advantages": untrained + [advantage] * len(completion),
         },
     }
+    if sequence_ratio:
+        datum["loss_fn_inputs"]["sequence_ratio_mask"] = untrained + [1.0] * len(completion)
     if routing is not None:
         datum["routing"] = routing
     return datum
@@ -182,7 +186,12 @@ def rl_step(
     samples = [(prompt, out, s) for prompt, out in zip(prompts, outs, strict=True) for s in out["sequences"]]
     data = [
         rl_datum(
-            p, s["tokens"], s["logprobs"], a, routing_trace(out["prompt_routing"], s["routing"]) if traced else None
+            p,
+            s["tokens"],
+            s["logprobs"],
+            a,
+            routing_trace(out["prompt_routing"], s["routing"]) if traced else None,
+            sequence_ratio=config.loss_fn == "gspo",
         )
         for (p, out, s), a in zip(samples, advantage, strict=True)
     ]

@@ -225,7 +225,7 @@ class GrpoHyperparameters(BaseModel):
     group_size: int = Field(8, ge=2, le=16, description="completions per prompt; advantage = reward - group mean")
     max_tokens: int = Field(8, ge=1, le=131072, description="new tokens per completion")
     temperature: float = Field(1.0, gt=0, le=2.0)
-    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = "importance_sampling"
+    loss_fn: Literal["importance_sampling", "ppo", "gspo", "cispo"] = "importance_sampling"
     normalize_advantages: bool = Field(False, description="divide by the group's standard deviation as well")
     routing_replay: bool = Field(
         True,

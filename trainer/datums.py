@@ -165,6 +165,8 @@ def _datum(datum: Datum, index: int, loss: Loss, vocab_size: int, max_tokens: in
         inputs[name] = _values(given[name], field, index, vocab_size if name == TARGETS else None)
         if len(inputs[name]) != len(tokens):
             raise DatumError(field, f"{len(inputs[name])} values for {len(tokens)} tokens; give one per token", index)
+    if problem := loss.datum_problem(inputs):
+        raise DatumError(f"loss_fn_inputs.{problem[0]}", problem[1], index)
     trace = None if datum.routing is None else _trace(datum.routing, index, len(tokens), routing)
     return tokens, inputs, trace
 

@@ -6,9 +6,14 @@ per-token terms over every token of every datum, with no normalisation the clien
 weights or advantages. Clip thresholds bound the ratio itself (`clamp(r, clip_low_threshold,
 clip_high_threshold)`), they are not epsilons: PPO's default 0.8 / 1.2 is epsilon = 0.2 on each side.
 
+GSPO (Tinker's token-level variant, tinker-docs "GSPO") takes one ratio per datum: s = exp(mean of log p - log q
+over the tokens its `sequence_ratio_mask` marks), and each token carries s's value with its own log p's gradient
+(s_t = sg[s] p / sg[p]) in PPO's clipped objective, so a clip keeps or drops a whole sequence. Its default bounds are
+the GSPO paper's (epsilon 3e-4 below and 4e-4 above: 0.9997 / 1.0004); Tinker's page states none.
+
 Metric keys are `name:reduction`, as Tinker's client merges them: `loss:sum` for every loss, and for the
-clipping losses `clip_fraction:mean`, the share of tokens with a nonzero advantage whose ratio lay outside
-the clip bounds.
+clipping losses `clip_fraction:mean`, the share of tokens with a nonzero advantage whose ratio (GSPO: their
+sequence's) lay outside the clip bounds.
 """
 
 from collections.abc import Callable, Mapping
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 TARGETS = "target_tokens"  # the one integer input; every other input is a float per token
+SEQUENCE_MASK = "sequence_ratio_mask"  # GSPO: the tokens a datum's sequence ratio is taken over (nonzero)
 
 Inputs = Mapping[str, torch.Tensor]
 Config = Mapping[str, float]
@@ -24,6 +30,15 @@ Config = Mapping[str, float]
 
 def _ratio(logp: torch.Tensor, inputs: Inputs) -> torch.Tensor:
     return torch.exp(logp - inputs["logprobs"])
+
+
+def _sequence_ratio(logp: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+    """Each datum's GSPO ratio s, detached, on every one of its tokens. The rows of `logp` are datums (the
+    training core's rows of a session's request: one datum per row, then padding, whose mask is 0); a padding row
+    marks nothing and gets s = 1, not a NaN that its zero gradient would still carry back."""
+    marked = (inputs[SEQUENCE_MASK] != 0).to(logp.dtype)
+    log_ratio = ((logp.detach() - inputs["logprobs"]) * marked).sum(-1, keepdim=True)
+    return torch.exp(log_ratio / marked.sum(-1, keepdim=True).clamp(min=1)).expand_as(logp)
 
 
 def _clipped(ratio: torch.Tensor, config: Config) -> torch.Tensor:
@@ -40,6 +55,11 @@ def _importance_sampling(logp: torch.Tensor, inputs: Inputs, config: Config) -> 
 
 def _ppo(logp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
     ratio, advantages = _ratio(logp, inputs), inputs["advantages"]
+    return -torch.minimum(ratio * advantages, _clipped(ratio, config) * advantages)
+
+
+def _gspo(logp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    ratio, advantages = _sequence_ratio(logp, inputs) * torch.exp(logp - logp.detach()), inputs["advantages"]
     return -torch.minimum(ratio * advantages, _clipped(ratio, config) * advantages)
 
 
@@ -67,22 +87,32 @@ def _beta_problem(config: Config) -> tuple[str, str] | None:
     return None
 
 
+def _mask_problem(inputs: Inputs) -> tuple[str, str] | None:
+    if not bool((inputs[SEQUENCE_MASK] != 0).any()):
+        return SEQUENCE_MASK, "marks no token; mark the sampled tokens the sequence's ratio is taken over (nonzero)"
+    return None
+
+
 @dataclass(frozen=True)
 class Loss:
-    """One built-in loss: the datum inputs it needs, its config keys with their defaults, its per-token terms."""
+    """One built-in loss: the datum inputs it needs, its config keys with their defaults, its per-token terms,
+    the ratio its clip fraction counts (a clipping loss's), and what it refuses in a config or in one datum's
+    inputs (the key and why)."""
 
     name: str
     inputs: tuple[str, ...]
     defaults: Mapping[str, float]
     terms: Callable[[torch.Tensor, Inputs, Config], torch.Tensor]
     config_problem: Callable[[Config], tuple[str, str] | None] = lambda config: None
+    ratio: Callable[[torch.Tensor, Inputs], torch.Tensor] = _ratio
+    datum_problem: Callable[[Inputs], tuple[str, str] | None] = lambda inputs: None
 
     def sums(self, logp: torch.Tensor, inputs: Inputs, config: Config, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         """This batch's sums over its `valid` tokens: `loss` (differentiable) and, for a clipping loss, the
         counts `clipped` and `advantaged` behind the clip fraction. Sums add up across batches and ranks."""
         out = {"loss": torch.where(valid, self.terms(logp, inputs, config), 0.0).sum()}
         if "clip_low_threshold" in self.defaults:  # a clipping loss
-            ratio = _ratio(logp.detach(), inputs)
+            ratio = self.ratio(logp.detach(), inputs)
             outside = (ratio < config["clip_low_threshold"]) | (ratio > config["clip_high_threshold"])
             advantaged = valid & (inputs["advantages"] != 0)
             out["clipped"] = (advantaged & outside).sum()
@@ -111,6 +141,15 @@ LOSSES: dict[str, Loss] = {
         Loss("cross_entropy", (TARGETS, "weights"), {}, _cross_entropy),
         Loss("importance_sampling", _RL_INPUTS, {}, _importance_sampling),
         Loss("ppo", _RL_INPUTS, _clip(0.8, 1.2), _ppo, _clip_problem),
+        Loss(
+            "gspo",
+            (*_RL_INPUTS, SEQUENCE_MASK),
+            _clip(1 - 3e-4, 1 + 4e-4),
+            _gspo,
+            _clip_problem,
+            _sequence_ratio,
+            _mask_problem,
+        ),
         # Tutorial 202: CISPO clips one side by default (no lower bound, the coefficient capped at 4)
         Loss("cispo", _RL_INPUTS, _clip(0.0, 4.0), _cispo, _clip_problem),
         # Tinker's docs give beta no default; 0.05 is the value they pass

@@ -74,7 +74,7 @@ class DatumIn(_Body):
 
 class ForwardBackwardRequest(_Body):
     data: list[DatumIn] = Field(max_length=MAX_DATUMS)
-    loss_fn: str = Field("cross_entropy", description="cross_entropy | importance_sampling | ppo | cispo | dro")
+    loss_fn: str = Field("cross_entropy", description="cross_entropy | importance_sampling | ppo | gspo | cispo | dro")
     loss_fn_config: dict[str, float] = Field(default_factory=dict)
 
 

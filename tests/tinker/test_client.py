@@ -66,12 +66,15 @@ def test_every_supported_loss_and_a_custom_one(training):
     for loss, config in [
         ("importance_sampling", None),
         ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+        ("gspo", None),
         ("cispo", None),
         ("dro", {"beta": 0.1}),
     ]:
+        # gspo: the sequence ratio over all but each datum's first target (tinker-cookbook's rl_loop marks its samples)
+        masks = [{"sequence_ratio_mask": [0.0] + [1.0] * (n - 1)} if loss == "gspo" else {} for n in (9, 5)]
         rl = [
-            _datum(TOKENS, logprobs=logprobs[0], advantages=[1.0] * 9),
-            _datum(TOKENS[:6], logprobs=logprobs[1], advantages=[-0.5] * 5),
+            _datum(TOKENS, logprobs=logprobs[0], advantages=[1.0] * 9, **masks[0]),
+            _datum(TOKENS[:6], logprobs=logprobs[1], advantages=[-0.5] * 5, **masks[1]),
         ]
         out = training.forward_backward(rl, loss, config).result()
         assert _flat(_logprobs(out)) == pytest.approx(_flat(logprobs), abs=1e-5), loss
@@ -79,11 +82,12 @@ def test_every_supported_loss_and_a_custom_one(training):
         expected = {
             "importance_sampling": -(9 * 1.0 - 5 * 0.5),
             "ppo": -(9 * 1.0 - 5 * 0.5),
+            "gspo": -(9 * 1.0 - 5 * 0.5),
             "cispo": -(sum(logprobs[0]) - 0.5 * sum(logprobs[1])),
             "dro": -(sum(logprobs[0]) - 0.5 * sum(logprobs[1])),
         }[loss]
         assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4), loss
-        if loss in ("ppo", "cispo"):
+        if loss in ("ppo", "gspo", "cispo"):
             assert out.metrics["clip_fraction:mean"] == 0.0
 
     def custom(data, logprobs_list):
@@ -98,12 +102,13 @@ def test_every_supported_loss_and_a_custom_one(training):
     assert step.metrics["step:max"] == 1.0 and step.metrics["grad_norm:mean"] > 0
 
 
-@pytest.mark.parametrize("loss", ["gspo", "stable_reinforce", "custom"])
+@pytest.mark.parametrize("loss", ["stable_reinforce", "custom"])
 def test_unsupported_losses_are_refused_by_name(training, loss):
     with pytest.raises(tinker.RequestFailedError) as err:  # the client's own error shape: {error, category}
         training.forward_backward([_datum(TOKENS)], loss).result()
     assert err.value.category == "user" and "unsupported_loss" in str(err.value)
-    assert all(name in str(err.value) for name in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro"))
+    supported = ("cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dro")
+    assert all(name in str(err.value) for name in supported)
 
 
 def test_a_bad_datum_is_refused_by_field_and_the_client_goes_on(training):

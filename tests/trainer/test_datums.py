@@ -98,6 +98,23 @@ BAD = [
     ([traced(trace(ids=(0.5, 3)))], "ppo", None, "routing", 0, "must be expert ids"),
     ([traced([[[0, 1], [2]]] * 4)], "ppo", None, "routing", 0, "must be expert ids"),
     ([traced(trace(ids=(0, 10**30)))], "ppo", None, "routing", 0, "must be expert ids"),
+    ([rl()], "gspo", None, "loss_fn_inputs.sequence_ratio_mask", 0, "missing; gspo needs"),
+    (
+        [rl(sequence_ratio_mask=[0.0, 1.0, 1.0, 1.0]), rl(sequence_ratio_mask=[0.0] * 4)],
+        "gspo",
+        None,
+        "loss_fn_inputs.sequence_ratio_mask",
+        1,
+        "marks no token",
+    ),
+    (
+        [rl(sequence_ratio_mask=[1.0] * 4)],
+        "gspo",
+        {"clip_high_threshold": 0.5},
+        "loss_fn_config.clip_high_threshold",
+        None,
+        "below",
+    ),
 ]
 
 
@@ -112,10 +129,10 @@ def test_bad_requests_are_refused_with_field_and_datum(data, loss_fn, config, fi
     assert str(error) == f"{where}: {error.reason}"
 
 
-@pytest.mark.parametrize("name", ["gspo", "stable_reinforce", "custom", "Cross_Entropy", ""])
+@pytest.mark.parametrize("name", ["stable_reinforce", "custom", "Cross_Entropy", ""])
 def test_losses_we_do_not_implement_are_refused_naming_those_we_do(name):
     with pytest.raises(DatumError) as info:
         check([rl()], name)
     assert info.value.field == "loss_fn" and info.value.index is None
-    for supported in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro"):
+    for supported in ("cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dro"):
         assert supported in str(info.value)

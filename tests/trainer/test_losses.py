@@ -88,9 +88,75 @@ def test_dro_penalises_the_squared_log_ratio():
     assert set(out) == {"loss:sum"}
 
 
+def gspo_rows(token_ratio, mask, advantages, valid, config=None):
+    """(loss, d loss / d log p [rows, places], metrics) of gspo on rows of datums (one datum per row)."""
+    loss = LOSSES["gspo"]
+    logp = torch.full(token_ratio.shape, 0.5).log().requires_grad_(True)
+    inputs = {
+        "target_tokens": torch.zeros(token_ratio.shape, dtype=torch.long),
+        "logprobs": logp.detach() - token_ratio.log(),
+        "advantages": advantages,
+        "sequence_ratio_mask": mask,
+    }
+    sums = loss.sums(logp, inputs, {**loss.defaults, **(config or {})}, valid)
+    sums["loss"].backward()
+    return sums["loss"].item(), logp.grad, metrics({k: v.item() for k, v in sums.items()})
+
+
+def test_gspo_takes_one_ratio_per_datum_over_its_marked_tokens_and_clips_whole_sequences():
+    """Row 0: a prompt token (unmarked, ratio 9) then three sampled tokens with ratios 1.5, 1.2, 1: s = 1.8^(1/3),
+    above the default bound 1.0004 with A = +2, so the whole sequence is clipped (no gradient). Row 1: two marked
+    tokens (1.1, 1) and two padding places (ratio 5): s = 1.1^(1/2) with A = -1, not clipped: each token's gradient
+    is -s A, whatever its own ratio."""
+    token_ratio = torch.tensor([[9.0, 1.5, 1.2, 1.0], [1.1, 1.0, 5.0, 5.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    advantages = torch.tensor([[0.0, 2.0, 2.0, 2.0], [-1.0, -1.0, 0.0, 0.0]])
+    valid = torch.tensor([[True] * 4, [True, True, False, False]])
+    s0, s1 = 1.8 ** (1 / 3), 1.1**0.5
+    value, grad, out = gspo_rows(token_ratio, mask, advantages, valid)
+    close(value, -(3 * 2 * (1 + 4e-4)) + 2 * s1)
+    close(grad.flatten().tolist(), [0.0] * 4 + [s1, s1, 0.0, 0.0])
+    assert out["clip_fraction:mean"] == 1.0  # both sequences' ratios lie outside [0.9997, 1.0004]
+
+    value, grad, out = gspo_rows(token_ratio, mask, advantages, valid, {"clip_high_threshold": 1.3})
+    close(value, -(3 * 2 * s0) + 2 * s1)
+    close(grad.flatten().tolist(), [0.0] + [-2 * s0] * 3 + [s1, s1, 0.0, 0.0])
+    assert out["clip_fraction:mean"] == 0.0
+
+
+def test_gspo_equals_tinkers_documented_implementation():
+    """tinker-docs "GSPO": per datum, the masked tokens' mean log-ratio, each token carrying its value with its own
+    log p's gradient, PPO's clipped objective summed; against ours on random rows, value and gradient."""
+    torch.manual_seed(0)
+    rows, places, low, high = 3, 7, 0.9, 1.15
+    logq = -torch.rand(rows, places) * 3
+    logp0 = logq + torch.randn(rows, places) * 0.2
+    mask = (torch.rand(rows, places) < 0.7).float()
+    mask[:, 0] = 1.0
+    advantages = torch.randn(rows, places)
+    want_grad, want = torch.zeros(rows, places), 0.0
+    for r in range(rows):
+        lp = logp0[r].clone().requires_grad_(True)
+        log_ratio = (lp.detach() - logq[r])[mask[r] != 0].mean()
+        ratio = torch.exp(log_ratio + lp - lp.detach())
+        clipped = torch.clamp(ratio, low, high)
+        term = -torch.minimum(ratio * advantages[r], clipped * advantages[r]).sum()
+        term.backward()
+        want, want_grad[r] = want + term.item(), lp.grad
+    loss, logp = LOSSES["gspo"], logp0.clone().requires_grad_(True)
+    inputs = {"logprobs": logq, "advantages": advantages, "sequence_ratio_mask": mask}
+    config = {"clip_low_threshold": low, "clip_high_threshold": high}
+    sums = loss.sums(logp, inputs, config, torch.ones(rows, places, dtype=torch.bool))
+    sums["loss"].backward()
+    close(sums["loss"].item(), want)
+    torch.testing.assert_close(logp.grad, want_grad)
+
+
 def test_every_loss_declares_its_inputs_and_config():
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dro"}
     assert LOSSES["cross_entropy"].inputs == ("target_tokens", "weights")
+    assert LOSSES["gspo"].inputs == ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")
+    assert LOSSES["gspo"].defaults == pytest.approx({"clip_low_threshold": 0.9997, "clip_high_threshold": 1.0004})
     for name in ("importance_sampling", "ppo", "cispo", "dro"):
         assert LOSSES[name].inputs == ("target_tokens", "logprobs", "advantages")
     assert LOSSES["ppo"].defaults == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
