@@ -54,6 +54,7 @@ HEARTBEAT_LOST_SECONDS = 120.0
 FORGET_FINISHED_SECONDS = 3600.0  # a finished session still answers 410 to its client this long
 PRUNE_EVERY = 512
 SUPPORTED_LOSSES = ", ".join(LOSSES)
+RL_LOSSES = [name for name, loss in LOSSES.items() if "advantages" in loss.inputs]
 
 log = logging.getLogger("inkwell.tinker")
 
@@ -544,7 +545,13 @@ class TinkerDoor:
             if given
         ]
         if unsupported:
-            raise APIError(400, "unsupported_parameter", f"{', '.join(unsupported)}: not supported by inkwell")
+            why = f"{', '.join(unsupported)}: not supported by inkwell"
+            if req.record_stability_info:  # what tinker-cookbook's RL loops ask for by default
+                why += (
+                    "; it records what loss_fn stable_reinforce trains on, which inkwell does not implement: train "
+                    f"with another RL loss ({', '.join(RL_LOSSES)}; tinker-cookbook: loss_fn=...) and sample without it"
+                )
+            raise APIError(400, "unsupported_parameter", why)
         tokens = _prompt_tokens(req.prompt)
         last_n = req.prompt_logprobs_last_n
         if last_n is not None and not 1 <= last_n <= len(tokens) - 1:

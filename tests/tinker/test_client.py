@@ -185,6 +185,16 @@ def test_sampling_clients_agree_with_the_trainer(client, training):
     assert base.sequences[0].logprobs != first.logprobs  # the adapter, not the base, answered
 
 
+def test_stable_reinforces_sampling_is_refused_naming_the_losses_to_use(training):
+    """tinker-cookbook's rl_loop and async RL default to stable_reinforce, whose sampler records data inkwell does
+    not: the first sample says so and which losses to pass instead."""
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    with pytest.raises(tinker.BadRequestError) as err:
+        sampler.sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2)).result()
+    for words in ("record_stability_info", "stable_reinforce", "importance_sampling, ppo, gspo, cispo, dro"):
+        assert words in str(err.value)
+
+
 def test_rest_client_lists_inspects_and_deletes_checkpoints(service, tenant, client, training):
     rest = tinker.RestClient(base_url=service.url, api_key=tenant[1])
     sampler_path = training.save_weights_for_sampler("000001").result().path  # the cookbook's digit names
