@@ -22,9 +22,11 @@ from tinker import types
 
 from inkwell.service.auth import Principal
 from inkwell.service.db import repo
+from inkwell.service.deps import get_settings
 from inkwell.service.errors import APIError, validation_summary
 from inkwell.service.openapi_body import json_body
 from inkwell.service.sessions.futures import Future
+from inkwell.service.settings import Settings
 from inkwell.service.tinker import codec
 from inkwell.service.tinker.auth import tinker_principal
 from inkwell.service.tinker.door import JsonRequest, TinkerDoor
@@ -33,6 +35,7 @@ from inkwell.service.tinker.paths import TinkerPath
 from inkwell.service.tinker.runs import Runs
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=TinkerRoute)
+TTL_SECONDS = (3600, 10 * 365 * 24 * 3600)  # the range Tinker's client documents for a checkpoint's TTL
 
 # What the client may do (ClientConfigResponse): uncompressed protobuf forward_backward bodies (zstd is read when
 # sent anyway), chunks sent at once (the seq_id gate orders them), httpx rather than pyqwest (plain HTTP/1.1 here).
@@ -227,6 +230,14 @@ async def save_weights_for_sampler(
     return await _training_request(request, who, raw, types.SaveWeightsForSamplerRequest, door.save_for_sampler)
 
 
+@router.post("/save_weights_external", openapi_extra=json_body(types.SaveWeightsExternalRequest))
+async def save_weights_external(
+    raw: JsonObject, request: Request, who: Principal = Depends(tinker_principal)
+) -> dict[str, Any]:
+    door = _door(request)
+    return await _training_request(request, who, raw, types.SaveWeightsExternalRequest, door.save_external)
+
+
 # ---- sampling ----------------------------------------------------------------------------------------
 
 
@@ -303,6 +314,39 @@ def delete_checkpoint(
     runs = _door(request).runs
     path = TinkerPath.of_checkpoint(run_id, checkpoint_id)
     runs.delete_checkpoint(who.tenant_id, runs.read(who.tenant_id, run_id), path, who.key_id)
+    return {}
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+def external_weights_urls(
+    run_id: str,
+    checkpoint_id: str,
+    request: Request,
+    who: Principal = Depends(tinker_principal),
+    settings: Settings = Depends(get_settings),
+) -> dict[str, Any]:
+    path = TinkerPath.of_checkpoint(run_id, checkpoint_id)
+    return _door(request).runs.external_urls(who.tenant_id, path, settings.presign_seconds)
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+def set_checkpoint_ttl(
+    run_id: str,
+    checkpoint_id: str,
+    request: Request,
+    body: dict[str, int | None] = Body(...),
+    who: Principal = Depends(tinker_principal),
+) -> dict:
+    """Accepted for an existing checkpoint and ignored: inkwell's checkpoints do not expire."""
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and not TTL_SECONDS[0] <= ttl <= TTL_SECONDS[1]:
+        raise APIError(
+            400,
+            "validation_error",
+            f"ttl_seconds: {ttl} is not between {TTL_SECONDS[0]} (1 hour) and {TTL_SECONDS[1]} (10 years)",
+            field="ttl_seconds",
+        )
+    _door(request).runs.require(who.tenant_id, TinkerPath.of_checkpoint(run_id, checkpoint_id))
     return {}
 
 

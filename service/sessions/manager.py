@@ -2,7 +2,8 @@
 their requests in submission order, keep them alive on heartbeats, close idle ones, and remember why each ended.
 
 A session's saved states live in the object store under `sessions/<tenant>/<session>/states/<name>/` (the
-trainer's checkpoint plus `session.json`: the base model and LoRA spec a new session starts from). Sampler weights
+trainer's checkpoint plus `session.json`: the base model and LoRA spec a new session starts from), and its adapter
+exported to run elsewhere under `sessions/<tenant>/<session>/external/<name>/` (the `peft` layout). Sampler weights
 are published as immutable registry versions and handed to the serving workers of the base model in shared
 memory (the adapter only; the base stays resident; no disk or S3 on the way).
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from inkwell.adapters.manifest import MANIFEST
 from inkwell.adapters.spec import LoraSpec
 from inkwell.models import load_base_config
 from inkwell.models.routing import RoutingShape
@@ -52,6 +54,10 @@ def state_prefix(tenant_id: str, session_id: str, name: str) -> str:
     return f"sessions/{tenant_id}/{session_id}/states/{name}/"
 
 
+def external_prefix(tenant_id: str, session_id: str, name: str) -> str:
+    return f"sessions/{tenant_id}/{session_id}/external/{name}/"
+
+
 @dataclass
 class LiveSession:
     id: str
@@ -74,6 +80,7 @@ class LiveSession:
     closed_reason: str | None = None
     handle: SessionHandle | None = None
     saving: set[str] = field(default_factory=set)  # state names whose save is queued or running
+    exporting: set[str] = field(default_factory=set)  # external weights' names whose export is queued or running
     history: deque[SessionPoint] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
 
     def touch(self) -> None:
@@ -315,6 +322,35 @@ class SessionManager:
                 return prefix, None
             raise not_found("saved state", ref) from None
         return prefix, meta
+
+    def save_external(self, live: LiveSession, name: str) -> Future:
+        """Export the adapter in the `peft` layout under the session's `external/<name>/`, to be downloaded and run
+        outside the service (peft onto transformers' Inkling); its manifest goes last, so an export with one is
+        whole."""
+        prefix = external_prefix(live.tenant_id, live.id, name)
+        if name in live.exporting or self.store.list_objects(prefix):
+            raise APIError(
+                409, "conflict", f"session {live.id} already has external weights named {name!r}; choose another"
+            )
+        live.exporting.add(name)
+        dest = self.scratch / live.id / f"external-{secrets.token_hex(4)}"
+
+        async def finish(result: dict[str, Any]) -> dict[str, Any]:
+            try:
+                size = await asyncio.to_thread(self._put_export, prefix, Path(result["dirs"]["peft"]))
+            finally:
+                live.exporting.discard(name)
+                await asyncio.to_thread(shutil.rmtree, dest, True)
+            return {"size_bytes": size, "step": result["step"]}
+
+        return self.submit(live, "save_external", lambda fid: messages.ExportAdapter(fid, str(dest)), finish)
+
+    def _put_export(self, prefix: str, root: Path) -> int:
+        """Store the files under `root` at `prefix`, the manifest last; returns their bytes."""
+        files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: (p.name == MANIFEST, p.as_posix()))
+        for file in files:
+            self.store.put_file(prefix + file.relative_to(root).as_posix(), file, create_only=False)
+        return sum(file.stat().st_size for file in files)
 
     def save_weights_for_sampler(self, live: LiveSession, alias: str | None) -> Future:
         """Export the adapter, publish it as a new registry version, and push it to the serving workers."""

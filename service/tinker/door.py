@@ -70,6 +70,7 @@ REQUEST_KINDS: dict[type[JsonRequest], str] = {
     types.SaveWeightsRequest: "save_state",
     types.LoadWeightsRequest: "load_state",
     types.SaveWeightsForSamplerRequest: "save_weights_for_sampler",
+    types.SaveWeightsExternalRequest: "save_weights_external",
 }
 
 
@@ -435,6 +436,28 @@ class TinkerDoor:
 
         return await self._in_order(tenant_id, req.model_id, req.seq_id, REQUEST_KINDS[type(req)], check, submit)
 
+    async def save_external(self, tenant_id: str, req: types.SaveWeightsExternalRequest) -> Future:
+        """The adapter in the `peft` layout as external weights (`tinker://<run>/external_weights/<name>`), for
+        get_external_weights_urls and `tinker checkpoint download`. Never encrypted; `ttl_seconds` is ignored."""
+
+        async def check(live: LiveSession) -> TinkerPath:
+            if req.age_encryption_recipients:
+                raise APIError(
+                    400,
+                    "unsupported_parameter",
+                    "age_encryption_recipients: inkwell does not encrypt exports; save without them (the download "
+                    "URLs are presigned, each valid for the service's INKWELL_PRESIGN_SECONDS)",
+                    field="age_encryption_recipients",
+                )
+            return TinkerPath(live.id, "external_weights", check_name(req.path, "path"))
+
+        async def submit(live: LiveSession, path: TinkerPath) -> tuple[Future, Render]:
+            future = await asyncio.to_thread(self.manager.save_external, live, path.name)
+            render = {"path": str(path), "type": "save_weights_external"}
+            return future, lambda result: _json({**render, "size_bytes": result["size_bytes"]})
+
+        return await self._in_order(tenant_id, req.model_id, req.seq_id, REQUEST_KINDS[type(req)], check, submit)
+
     def _delete_state(self, tenant_id: str, path: TinkerPath) -> None:
         keys = [o.key for o in self.manager.store.list_objects(state_prefix(tenant_id, path.run_id, path.name))]
         if keys:
@@ -598,7 +621,7 @@ def _weights_gone(model_path: str, reason: str) -> APIError:
 def _training_state(tinker_path: str) -> TinkerPath:
     path = TinkerPath.parse(tinker_path)
     if path.kind != "weights":
-        raise APIError(400, "invalid_path", f"{path} is sampler weights; load a training state (save_state)")
+        raise APIError(400, "invalid_path", f"{path} is not a training state; load tinker://<run>/weights/<name>")
     return path
 
 

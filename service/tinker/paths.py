@@ -3,7 +3,8 @@
 A run is a training session: its id is the inkwell session id, which names the session's saved states in the
 object store. `weights/<name>` is the saved state `<run>/<name>` (`SessionManager.save_state`);
 `sampler_weights/<name>` is the registry version of the run's adapter that the alias `tinker-<name>` points at
-(registry aliases cannot be all digits, and the cookbook names its checkpoints `000020`).
+(registry aliases cannot be all digits, and the cookbook names its checkpoints `000020`); `external_weights/<name>`
+is the adapter exported in the `peft` layout (`SessionManager.save_external`), to be downloaded and run elsewhere.
 """
 
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ from inkwell.trainer.config import name_problem
 
 SCHEME = "tinker://"
 SAMPLER_ALIAS_PREFIX = "tinker-"
-Kind = Literal["weights", "sampler_weights"]
-CHECKPOINT_TYPES: dict[str, str] = {"weights": "training", "sampler_weights": "sampler"}
+Kind = Literal["weights", "sampler_weights", "external_weights"]
+CHECKPOINT_TYPES: dict[str, str] = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 def check_name(name: str | None, what: str) -> str:
@@ -58,7 +59,8 @@ class TinkerPath:
                 400,
                 "invalid_path",
                 f"{field}: {path!r} is not a checkpoint path; inkwell's are tinker://<run>/weights/<name> "
-                "(saved states) and tinker://<run>/sampler_weights/<name> (sampler weights)",
+                "(saved states), tinker://<run>/sampler_weights/<name> (sampler weights) and "
+                "tinker://<run>/external_weights/<name> (exported adapters)",
                 field=field,
             )
         return cls(parts[0], parts[1], check_name(parts[2], field))  # type: ignore[arg-type]

@@ -3,32 +3,50 @@
 A run is one training session. Its record (`tinker/<tenant>/runs/<run id>.json` in the object store, written
 when the session is created) keeps what the session forgets when it ends: the base model, the LoRA spec, the
 registry adapter its sampler weights are published under and the user's metadata. Its checkpoints are read from
-where they live: saved states under the session's prefix (`SessionManager.save_state`), sampler weights as the
-registry versions its `tinker-<name>` aliases point at.
+where they live: saved states and external weights under the session's prefix (`SessionManager.save_state`,
+`save_external`), sampler weights as the registry versions its `tinker-<name>` aliases point at. External weights
+are downloaded through presigned URLs of the object store, one per file, which need no key.
 """
 
 import json
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from inkwell.adapters.manifest import MANIFEST
 from inkwell.adapters.spec import LoraSpec
 from inkwell.service.db import repo
 from inkwell.service.db.models import utcnow
 from inkwell.service.errors import APIError, not_found
-from inkwell.service.sessions.manager import STATE_META, state_prefix
-from inkwell.service.storage import ObjectMissing, ObjectStore
-from inkwell.service.tinker.paths import TinkerPath, sampler_name
+from inkwell.service.sessions.manager import STATE_META, external_prefix, state_prefix
+from inkwell.service.storage import ObjectInfo, ObjectMissing, ObjectStore
+from inkwell.service.tinker.paths import CHECKPOINT_TYPES, TinkerPath, sampler_name
 
 
 def _runs_prefix(tenant_id: str) -> str:
     return f"tinker/{tenant_id}/runs/"
 
 
-def _states_root(tenant_id: str, run_id: str) -> str:
-    return state_prefix(tenant_id, run_id, "").removesuffix("/")  # "sessions/<tenant>/<run>/states/"
+# Where a run's saved states and external weights live, by path kind (a folder per checkpoint), and the file each
+# save writes last: a folder without it is a save still being written.
+PREFIXES = {"weights": state_prefix, "external_weights": external_prefix}
+MARKERS = {"weights": STATE_META, "external_weights": MANIFEST}
+
+
+def _named_objects(store: ObjectStore, root: str, marker: str) -> dict[str, tuple[list[ObjectInfo], ObjectInfo]]:
+    """The checkpoints under `root` (`<root><name>/...`) that are whole, i.e. hold their `marker` file (a save in
+    progress has none yet): name -> (its objects, the marker's)."""
+    named: dict[str, list[ObjectInfo]] = {}
+    for obj in store.list_objects(root):
+        named.setdefault(obj.key[len(root) :].split("/", 1)[0], []).append(obj)
+    out = {}
+    for name, objects in named.items():
+        marked = [o for o in objects if o.key == f"{root}{name}/{marker}"]
+        if marked:
+            out[name] = (objects, marked[0])
+    return out
 
 
 def lora_flags(lora: dict[str, Any]) -> dict[str, Any]:
@@ -77,31 +95,28 @@ class Runs:
     # ---- checkpoints -------------------------------------------------------------------------------------
 
     def checkpoints(self, tenant_id: str, record: RunRecord) -> list[dict[str, Any]]:
-        """The run's saved states and named sampler weights as Tinker `Checkpoint`s, oldest first."""
-        root = _states_root(tenant_id, record.run_id)
-        states: dict[str, list] = {}
-        for obj in self.store.list_objects(root):
-            states.setdefault(obj.key[len(root) :].split("/", 1)[0], []).append(obj)
+        """The run's saved states, external weights and named sampler weights as Tinker `Checkpoint`s, oldest
+        first."""
         out = []
-        for name, objects in states.items():
-            meta = [o for o in objects if o.key.endswith("/" + STATE_META)]
-            if meta:  # a save in progress has no session.json yet
-                path = TinkerPath(record.run_id, "weights", name)
-                out.append(_checkpoint(path, "training", meta[0].last_modified, sum(o.size for o in objects)))
+        for kind, prefix in PREFIXES.items():
+            root = prefix(tenant_id, record.run_id, "").removesuffix("/")  # "sessions/<tenant>/<run>/states/", ...
+            for name, (objects, marked) in _named_objects(self.store, root, MARKERS[kind]).items():
+                path = TinkerPath(record.run_id, kind, name)
+                out.append(_checkpoint(path, marked.last_modified, sum(o.size for o in objects)))
         with self.sm() as s:
             for alias, version in repo.aliases_of(s, tenant_id, record.adapter_name).items():
                 row = repo.get_version(s, tenant_id, record.adapter_name, version)
                 name = sampler_name(alias)
                 if name is not None and row is not None and row.deleted_at is None:
                     path = TinkerPath(record.run_id, "sampler_weights", name)
-                    out.append(_checkpoint(path, "sampler", row.created_at, row.size_bytes))
+                    out.append(_checkpoint(path, row.created_at, row.size_bytes))
         return sorted(out, key=lambda c: c["time"])
 
     def delete_checkpoint(self, tenant_id: str, record: RunRecord, path: TinkerPath, actor: str) -> None:
-        """A saved state's objects go; a sampler checkpoint's alias goes and its version is soft-deleted (audited,
-        as DELETE /v1/adapters/{name}/versions/{version} does)."""
-        if path.kind == "weights":
-            keys = [o.key for o in self.store.list_objects(state_prefix(tenant_id, record.run_id, path.name))]
+        """A saved state's or external weights' objects go; a sampler checkpoint's alias goes and its version is
+        soft-deleted (audited, as DELETE /v1/adapters/{name}/versions/{version} does)."""
+        if path.kind != "sampler_weights":
+            keys = [o.key for o in self.store.list_objects(self._prefix(tenant_id, path))]
             if not keys:
                 raise not_found("checkpoint", str(path))
             self.store.delete(keys)
@@ -120,10 +135,43 @@ class Runs:
                 repo.audit(s, tenant_id, actor, "adapter.version.delete", f"{name}@{version.version}")
             s.commit()
 
+    def _prefix(self, tenant_id: str, path: TinkerPath) -> str:
+        """Where a saved state's or external weights' objects live."""
+        return PREFIXES[path.kind](tenant_id, path.run_id, path.name)
+
+    def external_urls(self, tenant_id: str, path: TinkerPath, seconds: int) -> dict[str, Any]:
+        """Tinker's ExternalWeightsUrlsResponse: a presigned GET URL per file of the external weights at `path`
+        (keyed by the file's path in the export), valid for `seconds`."""
+        self.read(tenant_id, path.run_id)
+        if path.kind != "external_weights":
+            raise APIError(
+                400,
+                "invalid_path",
+                f"{path} is not external weights; download tinker://<run>/external_weights/<name> "
+                "(save_weights_external)",
+                field="checkpoint_id",
+            )
+        prefix = self._prefix(tenant_id, path)
+        objects = self.store.list_objects(prefix)
+        if not any(o.key == prefix + MARKERS[path.kind] for o in objects):  # none, or still being written
+            raise not_found("checkpoint", str(path))
+        expires = utcnow() + timedelta(seconds=seconds)
+        urls = {o.key[len(prefix) :]: self.store.presign_get(o.key, seconds) for o in objects}
+        return {"urls": urls, "expires": expires.isoformat()}
+
+    def require(self, tenant_id: str, path: TinkerPath) -> None:
+        """404 unless the checkpoint at `path` exists (whole) for the tenant."""
+        record = self.read(tenant_id, path.run_id)
+        if not any(c["tinker_path"] == str(path) for c in self.checkpoints(tenant_id, record)):
+            raise not_found("checkpoint", str(path))
+
     def weights_info(self, tenant_id: str, path: TinkerPath) -> dict[str, Any]:
         """The base model and LoRA fields of the checkpoint at `path` (Tinker's WeightsInfoResponse)."""
         record = self.read(tenant_id, path.run_id)
-        if path.kind == "weights":
+        if path.kind == "external_weights":
+            self.require(tenant_id, path)
+            base, lora = record.base_model, record.lora
+        elif path.kind == "weights":
             try:
                 meta = json.loads(self.store.get_bytes(state_prefix(tenant_id, path.run_id, path.name) + STATE_META))
             except ObjectMissing:
@@ -144,8 +192,8 @@ class Runs:
             raise APIError(
                 400,
                 "invalid_path",
-                f"{path} names a training state; sample from sampler weights (save_weights_for_sampler), "
-                "tinker://<run>/sampler_weights/<name>",
+                f"{path} is not sampler weights; sample from tinker://<run>/sampler_weights/<name> "
+                "(save_weights_for_sampler)",
                 field="model_path",
             )
         record = self.read(tenant_id, path.run_id)
@@ -168,10 +216,10 @@ class Runs:
         }
 
 
-def _checkpoint(path: TinkerPath, kind: str, when: datetime, size: int) -> dict[str, Any]:
+def _checkpoint(path: TinkerPath, when: datetime, size: int) -> dict[str, Any]:
     return {
         "checkpoint_id": path.checkpoint_id,
-        "checkpoint_type": kind,
+        "checkpoint_type": CHECKPOINT_TYPES[path.kind],
         "time": when.isoformat(),
         "tinker_path": str(path),
         "size_bytes": size,
