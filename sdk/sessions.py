@@ -49,6 +49,16 @@ POLL_SECONDS = 30.0  # one long-poll of a future
 LEFT_OPEN_CLOSE_SECONDS = 5.0
 
 
+def _non_finite(values: list) -> str | None:
+    """Where the first value JSON cannot carry (NaN, infinity) is: 'value nan at position 3', or with K values per
+    token '... at position 3, target 1'; None if every value is finite."""
+    for i, value in enumerate(values):
+        for k, x in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if not math.isfinite(x):
+                return f"value {x!r} at position {i}" + ("" if k is None else f", target {k}")
+    return None
+
+
 def _plain(values: Any) -> list:
     """A list of numbers from a list, a tuple, a numpy array or a torch tensor."""
     return values.tolist() if hasattr(values, "tolist") else list(values)
@@ -194,11 +204,11 @@ class TrainingSession(_Primitives):
         datums = [datum(d).model_dump() for d in data]
         for index, d in enumerate(datums):  # JSON has no NaN or infinity: name the value here, as the service would
             for name, values in d["loss_fn_inputs"].items():
-                bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+                bad = _non_finite(values)
                 if bad is not None:
                     field = f"loss_fn_inputs.{name}"
                     raise ValidationError(
-                        f"data[{index}].{field}: value {values[bad]!r} at position {bad} is not a finite number",
+                        f"data[{index}].{field}: {bad} is not a finite number",
                         code="invalid_datum",
                         details={"field": field, "index": index},
                     )

@@ -63,12 +63,24 @@ class AdamParams:
     grad_clip_norm: float = 0.0  # the global gradient norm is scaled down to this; 0: no clipping
 
 
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p of each target under vocab-parallel `logits` [b, s, V/tp]: targets [b, s] through megatron's fused op,
+    or [b, s, K] (K targets per position, which only training sessions send, and they run on one TP rank) from one
+    log-softmax over the whole vocabulary."""
+    if targets.dim() < logits.dim():
+        return -vocab_parallel_cross_entropy(logits, targets)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        raise ValueError("K targets per position need the whole vocabulary on one rank (tp=1), as sessions run")
+    return torch.log_softmax(logits, -1).gather(-1, targets)
+
+
 @dataclass(frozen=True)
 class ForwardResult:
-    """Per datum, the logprob of each target token; the loss's `name:reduction` metrics (see trainer/losses.py),
-    and for a loss of the sampler's logprobs the consistency metrics (trainer/consistency.py)."""
+    """Per datum, the logprob of each target token (a list of K per token where K targets per token were given);
+    the loss's `name:reduction` metrics (see trainer/losses.py), and for a loss of the sampler's logprobs the
+    consistency metrics (trainer/consistency.py)."""
 
-    logprobs: list[list[float]]
+    logprobs: list[list]
     metrics: dict[str, float]
 
 
@@ -164,7 +176,7 @@ class TrainingCore:
         replay = replay_routing(self.model, routing) if routing else contextlib.nullcontext()
         with contextlib.nullcontext() if backward else self._inference(), replay:
             logits = self.model(rows.input_ids, rows.segments)
-            logp = -vocab_parallel_cross_entropy(logits.float(), rows.targets)
+            logp = target_logprobs(logits.float(), rows.targets)
             sums = loss.sums(logp, {TARGETS: rows.targets, **inputs}, config, rows.loss_mask > 0)
             if backward:
                 sums["loss"].backward()
@@ -241,7 +253,10 @@ class TrainingCore:
         ids = torch.zeros((per_rank, width), dtype=torch.long)
         segments = torch.ones((per_rank, width), dtype=torch.long)
         mask = torch.zeros((per_rank, width))
-        inputs = {name: torch.zeros((per_rank, width), dtype=t.dtype) for name, t in request.inputs[group[0]].items()}
+        inputs = {  # a trailing K where K targets per token were given (one K per request)
+            name: torch.zeros((per_rank, width, *t.shape[1:]), dtype=t.dtype)
+            for name, t in request.inputs[group[0]].items()
+        }
         for row, i in enumerate(mine):
             n = len(request.tokens[i])
             ids[row, :n] = request.tokens[i]

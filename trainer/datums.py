@@ -1,7 +1,8 @@
 """A datum (one sequence of a training session's request) and the rules every request must follow.
 
 Tinker's convention: `tokens` is the model's input and every `loss_fn_inputs` array has one value per token,
-position i of the input predicting `target_tokens[i]`. A datum may also carry the sampler's routing trace
+position i of the input predicting `target_tokens[i]` (cross_entropy may give K targets per token: `target_tokens`
+and `weights` both [N, K], one K per request). A datum may also carry the sampler's routing trace
 (`inkwell.models.routing`), one entry per token in the same alignment, which the forward replays. `check_request`
 runs before anything is computed, so a refused request changes nothing (no gradient is half-accumulated); its
 `DatumError` names the field and the datum. Token ids may arrive as whole-number floats (a JSON body typed as
@@ -44,9 +45,9 @@ class DatumError(ValueError):
 
 @dataclass(frozen=True)
 class CheckedRequest:
-    """A request that passed: its loss, its full config, and each datum's tokens and inputs as 1-D tensors
-    (token ids long, everything else float32), all of one length per datum, and its routing trace [tokens, MoE
-    layers, top_k] (long) or None."""
+    """A request that passed: its loss, its full config, and each datum's tokens and inputs as tensors of one
+    length per datum (token ids long, everything else float32; the loss's `per_target` inputs [N, K] where K
+    targets per token were given), and its routing trace [tokens, MoE layers, top_k] (long) or None."""
 
     loss: Loss
     config: dict[str, float]
@@ -78,9 +79,10 @@ def _config(loss: Loss, given: Mapping[str, object] | None) -> dict[str, float]:
     return config
 
 
-def _values(values: object, field: str, index: int, vocab_size: int | None) -> torch.Tensor:
-    """`values` as a 1-D tensor: token ids (long, inside the vocabulary) when `vocab_size` is given, else float32.
-    Converted and checked whole (numpy): a request's lists are long, and this runs on every call."""
+def _values(values: object, field: str, index: int, vocab_size: int | None, per_target: bool = False) -> torch.Tensor:
+    """`values` as a 1-D tensor (or, `per_target`, [N, K] where given so: K values per token): token ids (long,
+    inside the vocabulary) when `vocab_size` is given, else float32. Converted and checked whole (numpy): a
+    request's lists are long, and this runs on every call."""
     try:
         if not isinstance(values, list | tuple):
             raise TypeError
@@ -89,23 +91,35 @@ def _values(values: object, field: str, index: int, vocab_size: int | None) -> t
         raise DatumError(field, "must be a list of numbers", index) from None
     if given.dtype.kind not in "biuf":
         raise DatumError(field, "must be a list of numbers", index)
-    if given.ndim != 1:
-        raise DatumError(field, "must be a flat list of numbers, one per token", index)
+    if given.ndim != 1 and not (per_target and given.ndim == 2 and given.shape[1] > 0):
+        many = " (or, for K targets per token, a list of K numbers per token)" if per_target else ""
+        raise DatumError(field, f"must be a flat list of numbers, one per token{many}", index)
     with np.errstate(over="ignore"):  # beyond float32: refused as not finite
         array = given.astype(np.float64 if vocab_size is not None else np.float32)
-    bad = np.flatnonzero(~np.isfinite(array))
+    bad = np.argwhere(~np.isfinite(array))
     if len(bad):
-        at = int(bad[0])
-        raise DatumError(field, f"value {values[at]!r} at position {at} is not a finite number (as float32)", index)
+        at = _place(bad[0])
+        raise DatumError(field, f"value {_at(values, bad[0])!r} at {at} is not a finite number (as float32)", index)
     if vocab_size is None:
         return torch.from_numpy(array)
-    bad = np.flatnonzero((array != np.round(array)) | (array < 0) | (array >= vocab_size))
+    bad = np.argwhere((array != np.round(array)) | (array < 0) | (array >= vocab_size))
     if len(bad):
-        at = int(bad[0])
+        at = _place(bad[0])
         raise DatumError(
-            field, f"{values[at]!r} at position {at} is not a token id of the vocabulary (0..{vocab_size - 1})", index
+            field, f"{_at(values, bad[0])!r} at {at} is not a token id of the vocabulary (0..{vocab_size - 1})", index
         )
     return torch.from_numpy(array.astype(np.int64))
+
+
+def _place(where: np.ndarray) -> str:
+    """'position 3', or for K values per token 'position 3, target 1'."""
+    return f"position {where[0]}" + (f", target {where[1]}" if len(where) > 1 else "")
+
+
+def _at(values, where: np.ndarray):
+    for i in where:
+        values = values[int(i)]
+    return values
 
 
 def _trace(trace: object, index: int, tokens: int, shape: RoutingShape | None) -> torch.Tensor:
@@ -162,9 +176,18 @@ def _datum(datum: Datum, index: int, loss: Loss, vocab_size: int, max_tokens: in
         field = f"loss_fn_inputs.{name}"
         if name not in given:
             raise DatumError(field, f"missing; {loss.name} needs {needs}", index)
-        inputs[name] = _values(given[name], field, index, vocab_size if name == TARGETS else None)
+        vocab = vocab_size if name == TARGETS else None
+        inputs[name] = _values(given[name], field, index, vocab, name in loss.per_target)
         if len(inputs[name]) != len(tokens):
             raise DatumError(field, f"{len(inputs[name])} values for {len(tokens)} tokens; give one per token", index)
+    shapes = {name: list(inputs[name].shape) for name in loss.per_target}
+    if len({tuple(shape) for shape in shapes.values()}) > 1:
+        given_shapes = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise DatumError(
+            f"loss_fn_inputs.{loss.per_target[-1]}",
+            f"shaped unlike the others ({given_shapes}); K targets per token come as [N, K] in each of them",
+            index,
+        )
     if problem := loss.datum_problem(inputs):
         raise DatumError(f"loss_fn_inputs.{problem[0]}", problem[1], index)
     trace = None if datum.routing is None else _trace(datum.routing, index, len(tokens), routing)
@@ -191,4 +214,17 @@ def check_request(
         raise DatumError("data", "no datums; send at least one")
     checked = [_datum(datum, i, loss, vocab_size, max_tokens, routing) for i, datum in enumerate(data)]
     tokens, inputs, traces = (list(column) for column in zip(*checked, strict=True))
+    for i, given in enumerate(inputs[1:], start=1):
+        if loss.per_target and given[TARGETS].shape[1:] != inputs[0][TARGETS].shape[1:]:
+            raise DatumError(
+                f"loss_fn_inputs.{TARGETS}",
+                f"{_targets_per_token(given)} target(s) per token where data[0] has {_targets_per_token(inputs[0])}; "
+                "give every datum of a request the same number",
+                i,
+            )
     return CheckedRequest(loss, config, tokens, inputs, traces)
+
+
+def _targets_per_token(inputs: Mapping[str, torch.Tensor]) -> int:
+    targets = inputs[TARGETS]
+    return targets.shape[1] if targets.dim() == 2 else 1

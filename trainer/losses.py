@@ -11,6 +11,9 @@ over the tokens its `sequence_ratio_mask` marks), and each token carries s's val
 (s_t = sg[s] p / sg[p]) in PPO's clipped objective, so a clip keeps or drops a whole sequence. Its default bounds are
 the GSPO paper's (epsilon 3e-4 below and 4e-4 above: 0.9997 / 1.0004); Tinker's page states none.
 
+`cross_entropy` also takes K targets per token (Tinker's top-K distillation): `target_tokens` and `weights` shaped
+[N, K], the loss -sum of w[t, k] log p(target[t, k]), and the logprobs [N, K].
+
 Metric keys are `name:reduction`, as Tinker's client merges them: `loss:sum` for every loss, and for the
 clipping losses `clip_fraction:mean`, the share of tokens with a nonzero advantage whose ratio (GSPO: their
 sequence's) lay outside the clip bounds.
@@ -97,7 +100,8 @@ def _mask_problem(inputs: Inputs) -> tuple[str, str] | None:
 class Loss:
     """One built-in loss: the datum inputs it needs, its config keys with their defaults, its per-token terms,
     the ratio its clip fraction counts (a clipping loss's), and what it refuses in a config or in one datum's
-    inputs (the key and why)."""
+    inputs (the key and why). `per_target` names the inputs that may hold K values per token ([N, K], all of them
+    alike), for K targets per position."""
 
     name: str
     inputs: tuple[str, ...]
@@ -106,10 +110,13 @@ class Loss:
     config_problem: Callable[[Config], tuple[str, str] | None] = lambda config: None
     ratio: Callable[[torch.Tensor, Inputs], torch.Tensor] = _ratio
     datum_problem: Callable[[Inputs], tuple[str, str] | None] = lambda inputs: None
+    per_target: tuple[str, ...] = ()
 
     def sums(self, logp: torch.Tensor, inputs: Inputs, config: Config, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-        """This batch's sums over its `valid` tokens: `loss` (differentiable) and, for a clipping loss, the
-        counts `clipped` and `advantaged` behind the clip fraction. Sums add up across batches and ranks."""
+        """This batch's sums over its `valid` tokens (`logp` may have a trailing K: targets per token): `loss`
+        (differentiable) and, for a clipping loss, the counts `clipped` and `advantaged` behind the clip fraction.
+        Sums add up across batches and ranks."""
+        valid = valid.reshape(*valid.shape, *[1] * (logp.dim() - valid.dim()))
         out = {"loss": torch.where(valid, self.terms(logp, inputs, config), 0.0).sum()}
         if "clip_low_threshold" in self.defaults:  # a clipping loss
             ratio = self.ratio(logp.detach(), inputs)
@@ -138,7 +145,7 @@ def _clip(low: float, high: float) -> dict[str, float]:
 LOSSES: dict[str, Loss] = {
     loss.name: loss
     for loss in (
-        Loss("cross_entropy", (TARGETS, "weights"), {}, _cross_entropy),
+        Loss("cross_entropy", (TARGETS, "weights"), {}, _cross_entropy, per_target=(TARGETS, "weights")),
         Loss("importance_sampling", _RL_INPUTS, {}, _importance_sampling),
         Loss("ppo", _RL_INPUTS, _clip(0.8, 1.2), _ppo, _clip_problem),
         Loss(

@@ -62,8 +62,9 @@ class Session(BaseModel):
 
 class DatumIn(_Body):
     tokens: list[int] = Field(description="the model's input tokens")
-    loss_fn_inputs: dict[str, list[float]] = Field(
-        description="per-token arrays: target_tokens, weights, logprobs (the sampler's), advantages"
+    loss_fn_inputs: dict[str, list[float] | list[list[float]]] = Field(
+        description="per-token arrays: target_tokens, weights, logprobs (the sampler's), advantages, "
+        "sequence_ratio_mask (gspo); cross_entropy's target_tokens and weights may hold K per token ([N][K])"
     )
     routing: list[list[list[int]]] | None = Field(
         None,

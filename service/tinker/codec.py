@@ -71,8 +71,11 @@ def _tensor(msg: pb.Tensor, where: str) -> list:
         raise CodecError(f"{where}: the bytes do not match shape {shape}: {exc}") from exc
     if array.ndim == 2 and array.shape[1] == 1:
         array = array[:, 0]
-    if array.ndim != 1:
-        raise CodecError(f"{where}: shape {shape}; inkwell's losses take one value per token ([N] or [N, 1])")
+    if array.ndim not in (1, 2):
+        raise CodecError(
+            f"{where}: shape {shape}; inkwell's losses take one value per token ([N] or [N, 1]), or K ([N, K]: "
+            "cross_entropy's target_tokens and weights)"
+        )
     return array.tolist()
 
 
@@ -112,17 +115,19 @@ def decode_forward_backward(msg: pb.ForwardBackwardRequest) -> ForwardBackwardBo
 
 
 def encode_forward_backward(result: dict[str, Any]) -> bytes:
-    """A session's forward(_backward) result ({logprobs: per datum, metrics}) as one ArrayRecord of logprobs."""
+    """A session's forward(_backward) result ({logprobs: per datum, metrics}) as one ArrayRecord of logprobs, [N]
+    per datum or, where K targets per token were given, [N, K] (one K per request: the trailing shape)."""
     logprobs = [np.asarray(row, dtype=np.float32) for row in result["logprobs"]]
-    lengths = np.array([0] + [len(row) for row in logprobs], dtype=np.int64)
+    sizes = np.array([0] + [row.size for row in logprobs], dtype=np.int64)
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result["metrics"])
     record = out.loss_fn_outputs.add()
     record.num_datums = len(logprobs)
     record.fields["logprobs"].CopyFrom(
         pb.BatchedTensor(
-            data=np.concatenate(logprobs).tobytes() if logprobs else b"",
-            offsets=(np.cumsum(lengths) * 4).tobytes(),
+            data=np.concatenate([row.ravel() for row in logprobs]).tobytes() if logprobs else b"",
+            offsets=(np.cumsum(sizes) * 4).tobytes(),
             dtype=pb.DTYPE_FLOAT32,
+            trailing_shape=list(logprobs[0].shape[1:]) if logprobs else [],
         )
     )
     return out.SerializeToString()

@@ -223,7 +223,7 @@ def test_bad_input_is_refused_and_leaves_the_session_as_it_was(client, service, 
         assert err.value.details["index"] == 1 and "target_tokens" in err.value.details["field"]
         for datums, loss, field in [
             ([_datum([1, 2, 10**9])], "cross_entropy", "target_tokens"),
-            (good, "gspo", "loss_fn"),
+            (good, "stable_reinforce", "loss_fn"),
             ([{"tokens": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3]}}], "importance_sampling", "logprobs"),
         ]:
             with pytest.raises(sdk.ValidationError) as err:
@@ -429,5 +429,13 @@ def test_importance_sampling_with_the_samplers_own_logprobs_is_cross_entropys_gr
         b.optim_step(**adam).result(timeout=60)
         after_a = a.forward(data).result(timeout=60)["logprobs"][0]
         after_b = b.forward(data).result(timeout=60)["logprobs"][0]
+        # K targets per token on /v1 (Tinker's top-K cross entropy): [N][K] logprobs, column 0 the datum's own
+        wide = {
+            "tokens": tokens[:-1],
+            "loss_fn_inputs": {"target_tokens": [[t, 7] for t in tokens[1:]], "weights": [[1.0, 0.5]] * 5},
+        }
+        both = a.forward([wide]).result(timeout=60)["logprobs"][0]
+        assert [len(row) for row in both] == [2] * 5
+        assert [row[0] for row in both] == pytest.approx(after_a, abs=1e-6)
     assert max(abs(x - y) for x, y in zip(after_a, after_b, strict=True)) < 1e-6
     assert after_a != logprobs

@@ -102,6 +102,34 @@ def test_every_supported_loss_and_a_custom_one(training):
     assert step.metrics["step:max"] == 1.0 and step.metrics["grad_norm:mean"] > 0
 
 
+def test_k_targets_per_token_as_the_cookbooks_distillation_sends_them(training):
+    """cross_entropy with target_tokens and weights [N, K] (tinker-cookbook's off-policy distillation: the teacher's
+    top K tokens per position, weighted by their probabilities): logprobs come back [N, K], column k that of target
+    k alone, and the loss is -sum w log p."""
+    n, alternatives = len(TOKENS) - 1, torch.tensor([[7, 40]] * (len(TOKENS) - 1))
+    targets = torch.cat([torch.tensor(TOKENS[1:])[:, None], alternatives], 1)
+    weights = torch.tensor([[0.6, 0.3, 0.1]] * n)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_torch(targets),
+            "weights": tinker.TensorData.from_torch(weights),
+        },
+    )
+    out = training.forward([datum], "cross_entropy").result()
+    logprobs = out.loss_fn_outputs[0]["logprobs"].to_torch()
+    assert tuple(logprobs.shape) == (n, 3)
+    for k in range(3):
+        alone = types.Datum(
+            model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+            loss_fn_inputs={"target_tokens": targets[:, k].tolist(), "weights": [1.0] * n},
+        )
+        assert logprobs[:, k].tolist() == pytest.approx(
+            _logprobs(training.forward([alone], "cross_entropy").result())[0], abs=1e-5
+        )
+    assert out.metrics["loss:sum"] == pytest.approx(-(weights * logprobs).sum().item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("loss", ["stable_reinforce", "custom"])
 def test_unsupported_losses_are_refused_by_name(training, loss):
     with pytest.raises(tinker.RequestFailedError) as err:  # the client's own error shape: {error, category}

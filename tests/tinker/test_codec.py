@@ -46,13 +46,19 @@ def test_sparse_inputs_and_refusals():
     datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"weights": sparse})
     (got,) = codec.decode_forward_backward(codec.read_forward_backward(_request(datum))).data
     assert got.loss_fn_inputs["weights"] == [1.0, 0.0, 2.0]
-    wide = types.Datum(
+    wide = types.Datum(  # K values per token: read as [N][K] (the trainer decides which inputs may be so)
         model_input=types.ModelInput.from_ints([1, 2]),
-        loss_fn_inputs={"weights": types.TensorData(data=[1.0] * 4, dtype="float32", shape=[2, 2])},
+        loss_fn_inputs={"weights": types.TensorData(data=[1.0, 0.5] * 2, dtype="float32", shape=[2, 2])},
     )
-    msg = codec.read_forward_backward(_request(wide))
+    (got,) = codec.decode_forward_backward(codec.read_forward_backward(_request(wide))).data
+    assert got.loss_fn_inputs["weights"] == [[1.0, 0.5], [1.0, 0.5]]
+    deep = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2]),
+        loss_fn_inputs={"weights": types.TensorData(data=[1.0] * 8, dtype="float32", shape=[2, 2, 2])},
+    )
+    msg = codec.read_forward_backward(_request(deep))
     assert (msg.model_id, msg.seq_id) == ("ts_1:train:0", 3)  # known before a datum fails to decode
-    with pytest.raises(codec.CodecError, match="one value per token"):
+    with pytest.raises(codec.CodecError, match=r"shape \[2, 2, 2\]; inkwell's losses take one value per token"):
         codec.decode_forward_backward(msg)
     with pytest.raises(codec.CodecError, match="not a ForwardBackwardRequest"):
         codec.read_forward_backward(b"\xff\xff\xff")
@@ -66,6 +72,9 @@ def test_outputs_read_back_in_the_client():
     )
     assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.5], [-0.25]]
     assert out.metrics == {"loss:sum": 3.75}
+    wide = [[[-1.0, -3.0], [-2.5, -0.5]], [[-0.25, -4.0]]]  # K = 2 targets per token
+    out = deserialize_forward_backward_output(codec.encode_forward_backward({"logprobs": wide, "metrics": {}}))
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == wide
     result = {
         "sequences": [
             {"tokens": [4, 5], "logprobs": [-0.5, -1.5], "finish_reason": "length"},

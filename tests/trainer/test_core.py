@@ -167,6 +167,47 @@ def test_importance_sampling_gradient_is_the_log_likelihood_gradient_weighted_by
         assert not torch.allclose(g, on_policy[name]), "the ratio must matter"
 
 
+def test_k_targets_per_token_are_k_weighted_single_target_cross_entropies(base, world_of_one):
+    """Tinker's top-K cross entropy: targets and weights [N, K] give, per token, the logprob of each of its K targets
+    and the gradient of -sum w log p: the same as K single-target calls (target k, weights column k) summed."""
+    core = trained(make_core(base))
+    data = datums([9, 14], seed=3)
+    gen = torch.Generator().manual_seed(4)
+    alternatives = [torch.randint(3, 300, (len(d.tokens), 2), generator=gen) for d in data]
+    targets = [
+        torch.cat([torch.tensor(d.loss_fn_inputs["target_tokens"])[:, None], alt], 1)
+        for d, alt in zip(data, alternatives, strict=True)
+    ]
+    weights = [torch.rand(len(d.tokens), 3, generator=gen) for d in data]
+    wide = [
+        Datum(d.tokens, {"target_tokens": t.tolist(), "weights": w.tolist()})
+        for d, t, w in zip(data, targets, weights, strict=True)
+    ]
+
+    def gradient(batch: list[Datum]):
+        out = core.forward_backward(batch, "cross_entropy")
+        g = grads(core)
+        core.optimizer.zero_grad(set_to_none=True)
+        return out, g
+
+    out, together = gradient(wide)
+    assert [torch.tensor(lp).shape for lp in out.logprobs] == [(9, 3), (14, 3)]
+    summed, value = {}, 0.0
+    for k in range(3):
+        column = [
+            Datum(d.tokens, {"target_tokens": t[:, k].tolist(), "weights": w[:, k].tolist()})
+            for d, t, w in zip(data, targets, weights, strict=True)
+        ]
+        single, g = gradient(column)
+        for got, want in zip(out.logprobs, single.logprobs, strict=True):
+            assert torch.tensor(got)[:, k].tolist() == pytest.approx(want, abs=1e-5)
+        summed = {name: summed.get(name, 0) + grad for name, grad in g.items()}
+        value += single.metrics["loss:sum"]
+    assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-5)
+    for name, g in summed.items():
+        torch.testing.assert_close(together[name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
 def moments(core: TrainingCore) -> dict[str, torch.Tensor]:
     return {f"{p.hf_name}.{k}": v for p in core.params for k, v in core.optimizer.state[p].items()}
 
@@ -217,7 +258,7 @@ def test_a_refused_request_leaves_the_accumulated_gradients_as_they_were(base, w
     refused = [
         (ragged, "cross_entropy", None, ("loss_fn_inputs.weights", 2)),
         (data, "ppo", None, ("loss_fn_inputs.weights", 0)),
-        (data, "gspo", None, ("loss_fn", None)),
+        (data, "stable_reinforce", None, ("loss_fn", None)),
         (data, "cross_entropy", {"beta": 1.0}, ("loss_fn_config.beta", None)),
         ([], "cross_entropy", None, ("data", None)),
     ]

@@ -44,6 +44,12 @@ def test_a_good_request_comes_back_as_tensors_of_one_length_per_datum():
     assert request.routing == [None, None]
 
 
+def test_k_targets_per_token_come_back_as_n_by_k_tensors():
+    request = check([ce(3, target_tokens=[[3, 4]] * 3, weights=[[0.75, 0.25]] * 3)] * 2, "cross_entropy")
+    assert request.inputs[1]["target_tokens"].tolist() == [[3, 4]] * 3
+    assert request.inputs[1]["target_tokens"].dtype == torch.long and request.inputs[0]["weights"].shape == (3, 2)
+
+
 def test_routing_traces_come_back_as_long_tensors():
     request = check([traced(trace(3), 3), rl(), traced(np.array(trace(), dtype=np.uint8))])
     assert request.routing[0].tolist() == trace(3) and request.routing[0].dtype == torch.long
@@ -79,7 +85,33 @@ BAD = [
     ([rl(advantages=[math.inf, 0.0, 0.0, 0.0])], "cispo", None, "loss_fn_inputs.advantages", 0, "finite"),
     ([ce(weights=[1.0, 1e39, 1.0, 1.0])], "cross_entropy", None, "loss_fn_inputs.weights", 0, "finite"),
     ([ce(weights=["a", 1.0, 1.0, 1.0])], "cross_entropy", None, "loss_fn_inputs.weights", 0, "numbers"),
-    ([ce(weights=[[1.0]] * 4)], "cross_entropy", None, "loss_fn_inputs.weights", 0, "flat"),
+    ([ce(weights=[[1.0]] * 4)], "cross_entropy", None, "loss_fn_inputs.weights", 0, "shaped unlike the others"),
+    ([rl(advantages=[[1.0]] * 4)], "importance_sampling", None, "loss_fn_inputs.advantages", 0, "flat list"),
+    ([ce(weights=[[[1.0]]] * 4)], "cross_entropy", None, "loss_fn_inputs.weights", 0, "K numbers per token"),
+    (
+        [ce(target_tokens=[[3, 4]] * 4, weights=[[1.0, 0.5, 0.5]] * 4)],
+        "cross_entropy",
+        None,
+        "loss_fn_inputs.weights",
+        0,
+        "target_tokens [4, 2], weights [4, 3]",
+    ),
+    (
+        [ce(target_tokens=[[3, 4]] * 4, weights=[[1.0, 0.5]] * 4), ce()],
+        "cross_entropy",
+        None,
+        "loss_fn_inputs.target_tokens",
+        1,
+        "1 target(s) per token where data[0] has 2",
+    ),
+    (
+        [ce(target_tokens=[[3, 4], [3, 4], [3, VOCAB], [3, 4]], weights=[[1.0, 0.5]] * 4)],
+        "cross_entropy",
+        None,
+        "loss_fn_inputs.target_tokens",
+        0,
+        f"{VOCAB} at position 2, target 1 is not a token id",
+    ),
     ([ce(), ce(CONTEXT + 1)], "cross_entropy", None, "tokens", 1, f"context ({CONTEXT}"),
     ([rl()], "ppo", {"clip_epsilon": 0.2}, "loss_fn_config.clip_epsilon", None, "clip_low_threshold"),
     ([ce()], "cross_entropy", {"beta": 0.1}, "loss_fn_config.beta", None, "no keys"),
