@@ -151,13 +151,13 @@ def test_a_bad_datum_is_refused_by_field_and_the_client_goes_on(training):
 
 
 def test_a_body_refused_on_arrival_takes_its_turn_and_the_client_goes_on(training):
-    """Datums that cannot be decoded (2-D weights) and a body that does not validate (a NaN learning rate) fail
+    """Datums that cannot be decoded (3-D weights) and a body that does not validate (a NaN learning rate) fail
     through their futures in their turn: refused at the POST, their seq_ids never reached the model, and every
     later request waited 50 s for them and failed."""
-    wide = types.TensorData.from_torch(torch.ones(len(TOKENS) - 1, 2))
+    deep = types.TensorData.from_torch(torch.ones(len(TOKENS) - 1, 2, 2))
     with pytest.raises(tinker.RequestFailedError) as err:
-        training.forward_backward([_datum(TOKENS, weights=wide)], "cross_entropy").result()
-    assert err.value.category == "user" and "invalid_body" in str(err.value) and "shape [9, 2]" in str(err.value)
+        training.forward_backward([_datum(TOKENS, weights=deep)], "cross_entropy").result()
+    assert err.value.category == "user" and "invalid_body" in str(err.value) and "shape [9, 2, 2]" in str(err.value)
     with pytest.raises(tinker.RequestFailedError) as err:
         training.optim_step(types.AdamParams(learning_rate=float("nan"))).result()
     assert "validation_error" in str(err.value) and "learning_rate" in str(err.value)
