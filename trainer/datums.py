@@ -116,7 +116,8 @@ def _place(where: np.ndarray) -> str:
     return f"position {where[0]}" + (f", target {where[1]}" if len(where) > 1 else "")
 
 
-def _at(values, where: np.ndarray):
+def _at(values: Sequence, where: np.ndarray) -> object:
+    """The value at `where` (a position, or a position and a target) as the caller wrote it."""
     for i in where:
         values = values[int(i)]
     return values
