@@ -329,8 +329,9 @@ class SamplingClient(_Primitives):
 
     def sample(self, prompt_tokens: Iterable[int], num_samples: int = 1, **params: Any):
         """Draw `num_samples` completions (max_tokens, temperature, top_p, top_k, seed, stop, prompt_logprobs,
-        topk_prompt_logprobs, return_routing, prompt_routing); each sequence has its tokens, their logprobs, its
-        finish_reason and (return_routing) its routing trace."""
+        topk_prompt_logprobs, topk_logprobs, return_routing, prompt_routing); each sequence has its tokens, their
+        logprobs, its finish_reason, (topk_logprobs) the k likeliest tokens at each position and (return_routing)
+        its routing trace."""
         try:
             body = SampleRequest(
                 model=self.model, prompt_tokens=_plain(prompt_tokens), num_samples=num_samples, **params

@@ -7,6 +7,7 @@ what goes wrong while generating (a worker lost, no room for the adapter) fails 
 
 import asyncio
 import logging
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ def sample_params(body: SampleRequest) -> SamplingParams:
         n=body.num_samples,
         stop=tuple(s for s in stop if isinstance(s, str)),
         stop_token_ids=tuple(s for s in stop if isinstance(s, int)),
-        logprobs=body.topk_prompt_logprobs,
+        logprobs=max(body.topk_prompt_logprobs, body.topk_logprobs),  # each side cut to its own k (`_sequences`)
         prompt_logprobs=body.prompt_logprobs or body.topk_prompt_logprobs > 0,
         return_routing=body.return_routing,
         prompt_routing=body.prompt_routing,
@@ -103,8 +104,10 @@ def _trace(routing: np.ndarray | None) -> list | None:
     return None if routing is None else routing.tolist()
 
 
-def _sequences(choices: list[Choice]) -> dict[str, Any]:
-    first = choices[0]
+def _sequences(choices: list[Choice], prompt_k: int, sampled_k: int) -> dict[str, Any]:
+    """The choices as the sample's value; the engine computed the top max(prompt_k, sampled_k) tokens at each
+    position, and each side keeps its own k."""
+    first, prompt_top = choices[0], choices[0].prompt_top_logprobs
     return {
         "sequences": [
             {
@@ -112,11 +115,12 @@ def _sequences(choices: list[Choice]) -> dict[str, Any]:
                 "logprobs": [lp.logprob for lp in c.logprobs],
                 "finish_reason": c.finish_reason,
                 "routing": _trace(c.routing),
+                **({"topk_logprobs": [lp.top[:sampled_k] for lp in c.logprobs]} if sampled_k else {}),
             }
             for c in choices
         ],
         "prompt_logprobs": first.prompt_logprobs,
-        "topk_prompt_logprobs": first.prompt_top_logprobs,
+        "topk_prompt_logprobs": None if prompt_top is None else [row[:prompt_k] for row in prompt_top],
         # the first prompt token is scored by no forward, as its logprob is None
         "prompt_routing": None if first.prompt_routing is None else [None, *_trace(first.prompt_routing)],
     }
@@ -126,7 +130,8 @@ async def sample(tier: ServingTier, futures: FutureStore, tenant_id: str, body: 
     params = sample_params(body)
     resolved = await _resolve(tier, tenant_id, body.model, body.prompt_tokens, params)
     future = futures.create(tenant_id, "sample")
-    _run(futures, future, _generate(tier, resolved, body.prompt_tokens, params), _sequences)
+    value = partial(_sequences, prompt_k=body.topk_prompt_logprobs, sampled_k=body.topk_logprobs)
+    _run(futures, future, _generate(tier, resolved, body.prompt_tokens, params), value)
     return future
 
 

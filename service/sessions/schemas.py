@@ -125,6 +125,7 @@ class SampleRequest(_Body):
     stop: list[str] | list[int] | None = Field(None, description="stop strings, or stop token ids")
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    topk_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS, description="the k likeliest tokens at each sampled position")
     return_routing: bool = Field(False, description="each sequence's routing trace (native engine only)")
     prompt_routing: bool = Field(False, description="the prompt's routing trace (native engine only)")
 

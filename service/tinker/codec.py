@@ -142,16 +142,20 @@ def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))
 
 
-def encode_sample(result: dict[str, Any], prompt_logprobs_last_n: int | None, topk_prompt_logprobs: int) -> bytes:
+def encode_sample(
+    result: dict[str, Any], prompt_logprobs_last_n: int | None, topk_prompt_logprobs: int, topk_sample_logprobs: int = 0
+) -> bytes:
     """A sampling future's result (`sampling.sample`'s shape) as a SampleResponse. Prompt positions without a
     logprob (the first, and those before the last n when only they were asked for) are NaN."""
     out = pb.SampleResponse()
     for seq in result["sequences"]:
-        out.sequences.add(
+        sequence = out.sequences.add(
             stop_reason=pb.STOP_REASON_LENGTH if seq["finish_reason"] == "length" else pb.STOP_REASON_STOP,
             tokens=np.asarray(seq["tokens"], dtype=np.int32).tobytes(),
             logprobs=np.asarray(seq["logprobs"], dtype=np.float32).tobytes(),
         )
+        if topk_sample_logprobs > 0:
+            sequence.topk_sampled_logprobs.CopyFrom(_topk(seq["topk_logprobs"], topk_sample_logprobs))
     prompt = result.get("prompt_logprobs")
     if prompt is not None:
         values = [math.nan if lp is None else lp for lp in prompt]

@@ -560,7 +560,6 @@ class TinkerDoor:
         unsupported = [
             name
             for name, given in (
-                ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
                 ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
                 ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
                 ("record_stability_info", bool(req.record_stability_info)),
@@ -595,6 +594,7 @@ class TinkerDoor:
                 stop=stop,
                 prompt_logprobs=bool(req.prompt_logprobs),
                 topk_prompt_logprobs=req.topk_prompt_logprobs,
+                topk_logprobs=req.topk_sample_logprobs,
             )
         except ValidationError as exc:
             field, why = first_error(exc)
@@ -607,7 +607,7 @@ class TinkerDoor:
             raise
 
         def render(result: dict[str, Any]) -> Response:
-            return _proto(codec.encode_sample)(result, last_n, req.topk_prompt_logprobs)
+            return _proto(codec.encode_sample)(result, last_n, req.topk_prompt_logprobs, req.topk_sample_logprobs)
 
         return self._answer(tenant_id, future, render)
 

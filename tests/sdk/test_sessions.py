@@ -187,6 +187,12 @@ def test_sampler_weights_sample_as_the_trainer_scores(client, service, tenant, t
         seq, pad = traced["sequences"][0], [0.0] * (len(prompt) - 1)
         assert seq["tokens"] == seqs[0]["tokens"] and traced["prompt_routing"][0] is None
         assert len(seq["routing"]) == len(seq["tokens"]) and out["sequences"][0]["routing"] is None
+        # the k likeliest tokens at each sampled position: greedy took the first, with its own logprob
+        top = sampler.sample(prompt, max_tokens=6, temperature=0.0, topk_logprobs=2).result(timeout=120)
+        rows = top["sequences"][0]["topk_logprobs"]
+        assert [row[0][0] for row in rows] == seqs[0]["tokens"] and all(len(row) == 2 for row in rows)
+        assert [row[0][1] for row in rows] == pytest.approx(seqs[0]["logprobs"], abs=1e-6)
+        assert "topk_logprobs" not in seqs[0]
         rl = {
             "tokens": full[:-1],
             "loss_fn_inputs": {

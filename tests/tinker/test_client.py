@@ -199,6 +199,18 @@ def test_sampling_clients_agree_with_the_trainer(client, training):
     with_prompt = sampler.sample(prompt, 1, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
     assert with_prompt.prompt_logprobs[0] is None and with_prompt.prompt_logprobs[1:] == pytest.approx(scored[1:4])
     assert with_prompt.topk_prompt_logprobs[1][0][1] >= with_prompt.prompt_logprobs[1] - 1e-5
+    # the top 3 tokens at each sampled position (topk_sample_logprobs) beside the prompt's top 2: greedy picks the
+    # first of them, with its own logprob; each side keeps its own k
+    both = sampler.sample(
+        prompt, 1, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=3
+    )
+    top = both.result().sequences[0].topk_logprobs
+    assert len(top) == len(first.tokens) and all(len(row) == 3 for row in top)
+    assert [row[0][0] for row in top] == first.tokens
+    assert [row[0][1] for row in top] == pytest.approx(first.logprobs, abs=1e-5)
+    assert all(row[0][1] >= row[1][1] >= row[2][1] for row in top)
+    assert all(len(row) == 2 for row in both.result().topk_prompt_logprobs[1:])
+    assert out.sequences[0].topk_logprobs is None  # not asked for
     seeded = types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)
     assert sampler.sample(prompt, 1, seeded).result().sequences[0].tokens == (
         sampler.sample(prompt, 1, seeded).result().sequences[0].tokens
