@@ -63,8 +63,9 @@ class ServingTier:
         """EngineError where the workers would refuse the request (sampling, prompt, context, routing): raised here, a
         bad request gets its answer before any stream starts."""
         config = _config(str(resolved.model_dir))
-        vocab = len(self.tokenizer(resolved))  # token ids the tokenizer can also turn back into text
-        check_prompt(prompt_ids, params, vocab, context_limit(config, self.settings.max_context))
+        # the model's own ids, as the engines and the trainer take them: its vocabulary may be padded past the
+        # tokenizer's (inkling-tiny: 384 ids, 263 with text), and a sequence it sampled can always be sent back
+        check_prompt(prompt_ids, params, config.vocab_size, context_limit(config, self.settings.max_context))
         check_routing(params, self.settings.engine)
 
     def check_fits(self, prompts: int) -> None:

@@ -239,6 +239,18 @@ def test_a_batch_of_token_id_prompts_answers_each(served):
             assert out.choices[2 * i + j].logprobs.tokens == one.choices[0].logprobs.tokens
 
 
+def test_token_ids_past_the_tokenizers_are_taken_up_to_the_models_vocabulary(served):
+    """inkling-tiny's vocabulary is padded past its tokenizer's 263 ids to 384, and the model can sample those ids:
+    a prompt holding one is answered (its text is empty), as the trainer takes it; one past the model's is a 400."""
+    out = served.client().completions.create(
+        model="inkling-tiny", prompt=[5, 300, 6], max_tokens=2, temperature=0, echo=True, logprobs=0
+    )
+    assert out.choices[0].logprobs.tokens[1] == "" and out.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().completions.create(model="inkling-tiny", prompt=[5, 384], max_tokens=2)
+    assert err.value.body["param"] == "prompt" and "[0, 384)" in err.value.body["message"]
+
+
 def test_seeded_sampling_is_repeatable(served):
     client = served.client()
     kw = dict(model="inkling-tiny:alpha", prompt="seed", max_tokens=8, temperature=1.0, top_p=0.9)
