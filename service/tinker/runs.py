@@ -151,18 +151,25 @@ class Runs:
                 "(save_weights_external)",
                 field="checkpoint_id",
             )
+        prefix, expires = self._prefix(tenant_id, path), utcnow() + timedelta(seconds=seconds)
+        urls = {o.key[len(prefix) :]: self.store.presign_get(o.key, seconds) for o in self._whole(tenant_id, path)}
+        return {"urls": urls, "expires": expires.isoformat()}
+
+    def _whole(self, tenant_id: str, path: TinkerPath) -> list[ObjectInfo]:
+        """The objects of the saved state or external weights at `path`; 404 unless it is there and whole (the file
+        its save writes last is there)."""
         prefix = self._prefix(tenant_id, path)
         objects = self.store.list_objects(prefix)
-        if not any(o.key == prefix + MARKERS[path.kind] for o in objects):  # none, or still being written
+        if not any(o.key == prefix + MARKERS[path.kind] for o in objects):
             raise not_found("checkpoint", str(path))
-        expires = utcnow() + timedelta(seconds=seconds)
-        urls = {o.key[len(prefix) :]: self.store.presign_get(o.key, seconds) for o in objects}
-        return {"urls": urls, "expires": expires.isoformat()}
+        return objects
 
     def require(self, tenant_id: str, path: TinkerPath) -> None:
         """404 unless the checkpoint at `path` exists (whole) for the tenant."""
         record = self.read(tenant_id, path.run_id)
-        if not any(c["tinker_path"] == str(path) for c in self.checkpoints(tenant_id, record)):
+        if path.kind != "sampler_weights":
+            self._whole(tenant_id, path)
+        elif not any(c["tinker_path"] == str(path) for c in self.checkpoints(tenant_id, record)):
             raise not_found("checkpoint", str(path))
 
     def weights_info(self, tenant_id: str, path: TinkerPath) -> dict[str, Any]:
