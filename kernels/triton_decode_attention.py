@@ -2,17 +2,20 @@
 
 In torch a decode step's attention gathers each row's keys and values out of the cache, repeats them per query
 head, builds the relative-position bias (a projection of r, gathered by distance and masked), scores, masks,
-softmaxes and multiplies: about 25 launches per layer, each a few µs of latency for little work. Here one program
-per (row, head) reads its kv head's cache rows in place and does all of it, in two passes over the keys (the
-softmax's max and sum, then the weighted values), so that it can round where the torch composite rounds: the bias
-projection, q.k, its scaling and the biased scores to the model's dtype, the probabilities to it before they weigh
-the values. Sums run in another order, so results agree with the composite to fp32 rounding, not bitwise.
+softmaxes and multiplies: about 25 launches per layer, each a few µs of latency for little work. Here programs per
+(row, head) read their kv head's cache rows in place and do all of it in one pass over the keys, as flash decoding
+does: each run of keys keeps its softmax's max and sum online and its values' weighted sum, and the runs of a row
+meet in the last of its programs to finish. The bias projection, q.k, its scaling and the biased scores round to
+the model's dtype where the torch composite rounds them; the probabilities stay fp32 (the composite rounds them to
+the model's dtype before they weigh the values, which needs the row's whole sum first, a second pass over the
+keys), so results agree with the composite within its dtype's rounding, not bitwise.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from inkwell.kernels.split_counts import SPLIT_COUNTS, split_counts
 from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 # a masked score (torch's composite fills finfo.min): exp() of it minus any real score is 0
@@ -53,17 +56,19 @@ def _scores(
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, r_ptr, k_ptr, v_ptr, proj_ptr, seq_ptr, pos_ptr, out_ptr,
+    q_ptr, r_ptr, k_ptr, v_ptr, proj_ptr, seq_ptr, pos_ptr, out_ptr, part_ptr, stat_ptr, count_ptr,
     P, scale, log_floor, log_alpha,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_ks, stride_kl, stride_kh, stride_pi, stride_pe,
     stride_ob, stride_oh,
     head_dim, d_rel,
-    GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr, CHAINED: tl.constexpr,
+    GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHAINED: tl.constexpr,
 ):  # fmt: skip
     chain_start(CHAINED)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     dtype = out_ptr.dtype.element_ty
     seq = tl.load(seq_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int32)
@@ -79,30 +84,69 @@ def _decode_attention_kernel(
     r = tl.load(r_ptr + b * stride_rb + h * stride_rh + i, mask=i < d_rel, other=0.0).to(tl.float32)
     kv_offset = seq * stride_ks + (h // GROUPS) * stride_kh
     k_base, v_base = k_ptr + kv_offset, v_ptr + kv_offset
+    # entries past min(pos + 1, P) hold no key the row sees (a ring fills from entry 0); the seen entries are cut
+    # into SPLITS runs of whole blocks, this program's run first .. last (empty for the last splits of a short row)
+    seen = tl.minimum(pos + 1, P)
+    run = tl.cdiv(tl.cdiv(seen, SPLITS), BLOCK_P) * BLOCK_P
+    first = split * run
+    last = tl.minimum(first + run, seen)
     top = tl.full((), _MASKED, tl.float32)
     total = tl.zeros((), tl.float32)
-    # entries past min(pos + 1, P) hold no key the row sees (a ring fills from entry 0): the loops stop there
-    seen = tl.minimum(pos + 1, P)
-    for p0 in range(0, seen, BLOCK_P):  # pass 1: the softmax's max and sum (online)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for p0 in range(first, last, BLOCK_P):  # one pass, the softmax online (its max, its sum and acc rescaled)
         s = _scores(
             q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
             d_rel, SLIDING, LOG_SCALE, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
         )  # fmt: skip
         new_top = tl.maximum(top, tl.max(s, axis=0))
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), axis=0)
-        top = new_top
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    for p0 in range(0, seen, BLOCK_P):  # pass 2: probabilities, rounded, times the values
-        s = _scores(
-            q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
-            d_rel, SLIDING, LOG_SCALE, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
-        )  # fmt: skip
-        probs = (tl.exp(s - top) / total).to(dtype).to(tl.float32)
+        rescale = tl.exp(top - new_top)
+        weights = tl.exp(s - new_top)
         j = p0 + tl.arange(0, BLOCK_P)
-        in_values = (probs > 0)[:, None] & in_d[None, :]
+        in_values = (weights > 0)[:, None] & in_d[None, :]
         values = tl.load(v_base + j[:, None] * stride_kl + d[None, :], mask=in_values, other=0.0)
-        acc += tl.sum(probs[:, None] * values.to(tl.float32), axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, acc.to(dtype), mask=in_d)
+        total = total * rescale + tl.sum(weights, axis=0)
+        acc = acc * rescale + tl.sum(weights[:, None] * values.to(tl.float32), axis=0)
+        top = new_top
+    out_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
+    if SPLITS == 1:
+        tl.store(out_ptrs, (acc / total).to(dtype), mask=in_d)
+    else:  # the row's runs meet: each writes its partial, the last one to count weighs and sums them in split order
+        group = b * tl.num_programs(1) + h
+        tl.store(part_ptr + (group * SPLITS + split) * BLOCK_D + d, acc)
+        tl.store(stat_ptr + (group * SPLITS + split) * 2, top)
+        tl.store(stat_ptr + (group * SPLITS + split) * 2 + 1, total)
+        if tl.atomic_add(count_ptr + group, 1) == SPLITS - 1:  # the other runs' partials are visible now
+            runs = tl.arange(0, BLOCK_S)
+            in_runs = runs < SPLITS
+            stats = stat_ptr + (group * SPLITS + runs) * 2
+            tops = tl.load(stats, mask=in_runs, other=_MASKED, cache_modifier=".cg")
+            totals = tl.load(stats + 1, mask=in_runs, other=0.0, cache_modifier=".cg")
+            parts = tl.load(
+                part_ptr + (group * SPLITS + runs)[:, None] * BLOCK_D + d[None, :],
+                mask=in_runs[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            row_top = tl.max(tops, axis=0)
+            weights = tl.exp(tops - row_top)  # 0 for a run without keys (its top is the mask's)
+            row_total = tl.sum(totals * weights, axis=0)
+            row = tl.sum(parts * weights[:, None], axis=0) / row_total
+            tl.store(out_ptrs, row.to(dtype), mask=in_d)
+            tl.atomic_xchg(count_ptr + group, 0)
+
+
+# Programs a decode attention launch aims for: its work is a few round trips to memory per block of keys, so
+# rows x heads programs (128 for 8 rows of 16 heads) leave most of a 132-SM GPU idle while each walks its row's
+# keys; split, about 4 programs per SM walk a few blocks each.
+SPLIT_PROGRAMS = 512
+
+
+def attention_splits(row_heads: int, entries: int, block_p: int) -> int:
+    """Programs per (row, head): enough to reach SPLIT_PROGRAMS, at most one per block of the cache's entries,
+    and 1 where the launch has more (row, head) groups than the split counts serve."""
+    if row_heads > SPLIT_COUNTS:
+        return 1
+    return max(1, min(triton.cdiv(entries, block_p), SPLIT_PROGRAMS // row_heads))
 
 
 def decode_attention(
@@ -116,8 +160,9 @@ def decode_attention(
     entries: int,
     sliding: bool,
     log_scaling: tuple[float, float] | None = None,
-    block_p: int = 256,
+    block_p: int = 128,
     num_warps: int = 8,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row: q [B, H, D] and r [B, H, d_rel] (rows may be strided) against the first
     `entries` cache entries of sequence `seq_slots[b]` in keys/values [S, L, KV, D], which already hold the row's
@@ -126,8 +171,11 @@ def decode_attention(
     A full layer's entry j is position j (keys past the row's position are masked); a sliding layer's cache is a
     ring of `entries` positions (position p at p % entries). The bias is `proj` [d_rel, extent] at each key's
     distance (0 past the extent); full layers with `log_scaling` = (n_floor, alpha) scale q and the bias by
-    1 + alpha * log(max((pos + 1) / n_floor, 1)). Returns [B, H, D] in q's dtype. Each program walks the keys
-    `block_p` at a time (a step is one round trip to memory, so wide blocks and many warps keep more in flight).
+    1 + alpha * log(max((pos + 1) / n_floor, 1)). Returns [B, H, D] in q's dtype.
+
+    Each (row, head) is `splits` programs (default: `attention_splits`), each over its run of the row's keys,
+    `block_p` at a time (a step is one round trip to memory, so wide blocks and many warps keep more in flight);
+    the last of them to finish weighs and sums their partials.
     """
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
@@ -150,13 +198,20 @@ def decode_attention(
         raise ValueError("decode_attention needs unit stride along the head dimension of q, r, keys and values")
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     floor, alpha = log_scaling if log_scaling is not None and not sliding else (1.0, 0.0)
-    _decode_attention_kernel[(rows, heads)](
-        q, r, keys, values, proj, seq_slots, positions, out,
+    splits = attention_splits(rows * heads, entries, block_p) if splits is None else splits
+    block_d = triton.next_power_of_2(head_dim)
+    parts = stats = counts = out  # read only by a split launch
+    if splits > 1:
+        parts = torch.empty(rows * heads * splits * block_d, dtype=torch.float32, device=q.device)
+        stats = torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=q.device)
+        counts = split_counts("decode_attention", q.device)
+    _decode_attention_kernel[(rows, heads, splits)](
+        q, r, keys, values, proj, seq_slots, positions, out, parts, stats, counts,
         entries, 1.0 / head_dim, floor, alpha,
         q.stride(0), q.stride(1), r.stride(0), r.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=block_p,
-        num_warps=num_warps, **chain_launch(q),
+        SPLITS=splits, BLOCK_D=block_d, BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=block_p,
+        BLOCK_S=triton.next_power_of_2(splits), num_warps=num_warps, **chain_launch(q),
     )  # fmt: skip
     return out
