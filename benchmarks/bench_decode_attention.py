@@ -23,7 +23,7 @@ from inkwell.models.presets import preset_config
 ITERS, REPLAYS, SETS = 20, 20, 4
 
 
-def time_case(rows: int, context: int, sliding: bool, splits: int | None) -> dict:
+def time_case(rows: int, context: int, sliding: bool, launch: dict) -> dict:
     config = preset_config("inkling-small")
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     window = config.sliding_window_size
@@ -38,11 +38,10 @@ def time_case(rows: int, context: int, sliding: bool, splits: int | None) -> dic
     pos = torch.full((rows,), context - 1, device="cuda")
     floor = config.log_scaling_n_floor
     log = None if sliding or floor is None else (float(floor), float(config.log_scaling_alpha))
-    extra = {} if splits is None else {"splits": splits}
 
     def call(i: int) -> None:
         keys, values = caches[i % SETS]
-        decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, log, **extra)
+        decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, log, **launch)
 
     for i in range(SETS):  # compiles, and makes the split counts before the capture
         call(i)
@@ -70,15 +69,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--context", type=int, nargs="+", default=[160, 640, 2048])
     ap.add_argument("--splits", type=int, help="programs per (row, head); default: the kernel's rule")
+    ap.add_argument("--block-p", type=int, help="keys a program scores at a time; default: the kernel's")
+    ap.add_argument("--warps", type=int, help="warps a program; default: the kernel's")
+    ap.add_argument("--late", action="store_true", help="no cache read before the chain's wait")
     ap.add_argument("--out")
     args = ap.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(), "cases": {}}
+    launch = {"splits": args.splits, "block_p": args.block_p, "num_warps": args.warps}
+    launch = {key: value for key, value in launch.items() if value is not None}
+    launch |= {"early": False} if args.late else {}
+    results = {"gpu": torch.cuda.get_device_name(), "launch": launch, "cases": {}}
     print("| rows | context | layer | µs | GB/s |\n|---|---|---|---|---|")
     for rows in args.rows:
         for context in args.context:
             for sliding in (True, False):
                 layer = "sliding" if sliding else "full"
-                case = time_case(rows, context, sliding, args.splits)
+                case = time_case(rows, context, sliding, launch)
                 results["cases"][f"{rows}x{context}.{layer}"] = case
                 print(f"| {rows} | {context} | {layer} | {case['us']:.1f} | {case['gb_s']:.0f} |", flush=True)
     if args.out:

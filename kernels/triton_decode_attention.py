@@ -14,23 +14,23 @@ keys), so results agree with the composite within its dtype's rounding, not bitw
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.split_counts import SPLIT_COUNTS, split_counts
-from inkwell.kernels.triton_pdl import chain_launch, chain_start
+from inkwell.kernels.triton_pdl import chain_launch
 
 # a masked score (torch's composite fills finfo.min): exp() of it minus any real score is 0
 _MASKED = tl.constexpr(-3.0e38)
 
 
 @triton.jit
-def _scores(
-    q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim, d_rel,
-    SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr,
+def _block(
+    k_base, v_base, proj_ptr, pos, ring, p0, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
+    SLIDING: tl.constexpr, EXTENT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    """Biased, masked scores [BLOCK_P] of cache entries p0 .. p0 + BLOCK_P (fp32 holding values of the output's
-    dtype)."""
-    dtype = out_ptr.dtype.element_ty
+    """What scoring cache entries p0 .. p0 + BLOCK_P reads, all at once: their keys and values (those below
+    `last`), the bias projection's columns at their distances [BLOCK_REL, BLOCK_P], and which entries the row sees."""
     j = p0 + tl.arange(0, BLOCK_P)
     if SLIDING:  # ring entry j holds the position whose distance from pos is (pos - j) mod P; ring = pos mod P
         distance = ring - j + tl.where(j > ring, P, 0)
@@ -39,19 +39,31 @@ def _scores(
         distance = pos - j
         allowed = (j < P) & (distance >= 0)
     d = tl.arange(0, BLOCK_D)
-    in_keys = allowed[:, None] & (d < head_dim)[None, :]
-    keys = tl.load(k_base + j[:, None] * stride_kl + d[None, :], mask=in_keys, other=0.0)
+    in_kv = ((j < last) & allowed)[:, None] & (d < head_dim)[None, :]
+    keys = tl.load(k_base + j[:, None] * stride_kl + d[None, :], mask=in_kv, other=0.0)
+    values = tl.load(v_base + j[:, None] * stride_kl + d[None, :], mask=in_kv, other=0.0)
+    i = tl.arange(0, BLOCK_REL)
+    in_proj = (i < d_rel)[:, None] & (allowed & (distance < EXTENT))[None, :]
+    proj = tl.load(proj_ptr + i[:, None] * stride_pi + distance[None, :] * stride_pe, mask=in_proj, other=0.0)
+    return keys, values, proj, allowed
+
+
+@triton.jit
+def _accumulate(q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE: tl.constexpr):
+    """The online softmax over one block: its biased, masked scores (rounded to `dtype` where the torch composite
+    rounds them), the running max `top`, the sum of exp(score - top) and the values weighted by them."""
     qk = tl.sum(q[None, :] * keys.to(tl.float32), axis=1).to(dtype).to(tl.float32)
     qk = (qk * scale).to(dtype).to(tl.float32)
-    in_extent = allowed & (distance < EXTENT)
-    i = tl.arange(0, BLOCK_REL)
-    in_proj = (i < d_rel)[:, None] & in_extent[None, :]
-    proj = tl.load(proj_ptr + i[:, None] * stride_pi + distance[None, :] * stride_pe, mask=in_proj, other=0.0)
     bias = tl.sum(r[:, None] * proj.to(tl.float32), axis=0).to(dtype).to(tl.float32)
     if LOG_SCALE:
         bias = (bias * tau).to(dtype).to(tl.float32)
-    scores = (qk + bias).to(dtype).to(tl.float32)
-    return tl.where(allowed, scores, _MASKED)
+    scores = tl.where(allowed, (qk + bias).to(dtype).to(tl.float32), _MASKED)
+    new_top = tl.maximum(top, tl.max(scores, axis=0))
+    rescale = tl.exp(top - new_top)
+    weights = tl.where(allowed, tl.exp(scores - new_top), 0.0)  # 0, not exp(0), in a block the row sees none of
+    total = total * rescale + tl.sum(weights, axis=0)
+    acc = acc * rescale + tl.sum(weights[:, None] * values.to(tl.float32), axis=0)
+    return new_top, total, acc
 
 
 @triton.jit
@@ -63,9 +75,13 @@ def _decode_attention_kernel(
     head_dim, d_rel,
     GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    CHAINED: tl.constexpr,
+    CHAINED: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    chain_start(CHAINED)
+    """One run of a (row, head)'s keys. Chained, it reads its first block before its wait: the step's inputs
+    (sequence slot, position) and the cache entries of earlier steps, which no kernel of this step writes; only
+    the row's own entry, which the prologue before it writes, is read again after the wait."""
+    if CHAINED:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,15 +89,7 @@ def _decode_attention_kernel(
     seq = tl.load(seq_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int32)
     ring = pos % P  # once here, not a modulo per key
-    d = tl.arange(0, BLOCK_D)
-    in_d = d < head_dim
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=in_d, other=0.0).to(tl.float32)
-    tau = 1.0
-    if LOG_SCALE:  # full layers: q and the bias scaled by 1 + alpha * log(max((pos + 1) / floor, 1))
-        tau = 1.0 + log_alpha * tl.log(tl.maximum((pos + 1).to(tl.float32) / log_floor, 1.0))
-        q = (q * tau).to(dtype).to(tl.float32)
-    i = tl.arange(0, BLOCK_REL)
-    r = tl.load(r_ptr + b * stride_rb + h * stride_rh + i, mask=i < d_rel, other=0.0).to(tl.float32)
+    own = ring if SLIDING else pos  # the entry of the row's own key
     kv_offset = seq * stride_ks + (h // GROUPS) * stride_kh
     k_base, v_base = k_ptr + kv_offset, v_ptr + kv_offset
     # entries past min(pos + 1, P) hold no key the row sees (a ring fills from entry 0); the seen entries are cut
@@ -90,31 +98,54 @@ def _decode_attention_kernel(
     run = tl.cdiv(tl.cdiv(seen, SPLITS), BLOCK_P) * BLOCK_P
     first = split * run
     last = tl.minimum(first + run, seen)
+    d = tl.arange(0, BLOCK_D)
+    in_d = d < head_dim
+    if EARLY:
+        keys, values, proj, allowed = _block(
+            k_base, v_base, proj_ptr, pos, ring, first, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
+            SLIDING, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
+        )  # fmt: skip
+    if CHAINED:
+        gdc_wait()
+    if not EARLY:
+        keys, values, proj, allowed = _block(
+            k_base, v_base, proj_ptr, pos, ring, first, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
+            SLIDING, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
+        )  # fmt: skip
+    else:  # the row's own key and value, written by the prologue, if they are in the block read early
+        j = first + tl.arange(0, BLOCK_P)
+        mine = (own >= first) & (own < first + BLOCK_P) & (own < last)
+        own_key = tl.load(k_base + own * stride_kl + d, mask=in_d & mine, other=0.0)
+        own_value = tl.load(v_base + own * stride_kl + d, mask=in_d & mine, other=0.0)
+        keys = tl.where((j == own)[:, None], own_key[None, :], keys)
+        values = tl.where((j == own)[:, None], own_value[None, :], values)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=in_d, other=0.0).to(tl.float32)
+    tau = 1.0
+    if LOG_SCALE:  # full layers: q and the bias scaled by 1 + alpha * log(max((pos + 1) / floor, 1))
+        tau = 1.0 + log_alpha * tl.log(tl.maximum((pos + 1).to(tl.float32) / log_floor, 1.0))
+        q = (q * tau).to(dtype).to(tl.float32)
+    i = tl.arange(0, BLOCK_REL)
+    r = tl.load(r_ptr + b * stride_rb + h * stride_rh + i, mask=i < d_rel, other=0.0).to(tl.float32)
     top = tl.full((), _MASKED, tl.float32)
     total = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for p0 in range(first, last, BLOCK_P):  # one pass, the softmax online (its max, its sum and acc rescaled)
-        s = _scores(
-            q, r, tau, pos, ring, p0, k_base, proj_ptr, out_ptr, P, stride_kl, stride_pi, stride_pe, scale, head_dim,
-            d_rel, SLIDING, LOG_SCALE, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
+    top, total, acc = _accumulate(q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE)
+    for p0 in range(first + BLOCK_P, last, BLOCK_P):  # one pass, the softmax online
+        keys, values, proj, allowed = _block(
+            k_base, v_base, proj_ptr, pos, ring, p0, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
+            SLIDING, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
         )  # fmt: skip
-        new_top = tl.maximum(top, tl.max(s, axis=0))
-        rescale = tl.exp(top - new_top)
-        weights = tl.exp(s - new_top)
-        j = p0 + tl.arange(0, BLOCK_P)
-        in_values = (weights > 0)[:, None] & in_d[None, :]
-        values = tl.load(v_base + j[:, None] * stride_kl + d[None, :], mask=in_values, other=0.0)
-        total = total * rescale + tl.sum(weights, axis=0)
-        acc = acc * rescale + tl.sum(weights[:, None] * values.to(tl.float32), axis=0)
-        top = new_top
+        top, total, acc = _accumulate(q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE)
     out_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
-    if SPLITS == 1:
-        tl.store(out_ptrs, (acc / total).to(dtype), mask=in_d)
+    if SPLITS == 1 or run >= seen:  # the first run holds the row's every key: no partials, no count
+        if split == 0:
+            tl.store(out_ptrs, (acc / total).to(dtype), mask=in_d)
     else:  # the row's runs meet: each writes its partial, the last one to count weighs and sums them in split order
         group = b * tl.num_programs(1) + h
         tl.store(part_ptr + (group * SPLITS + split) * BLOCK_D + d, acc)
         tl.store(stat_ptr + (group * SPLITS + split) * 2, top)
         tl.store(stat_ptr + (group * SPLITS + split) * 2 + 1, total)
+        tl.debug_barrier()  # every thread's stores before the count's release (one thread adds for the program)
         if tl.atomic_add(count_ptr + group, 1) == SPLITS - 1:  # the other runs' partials are visible now
             runs = tl.arange(0, BLOCK_S)
             in_runs = runs < SPLITS
@@ -163,6 +194,7 @@ def decode_attention(
     block_p: int = 128,
     num_warps: int = 8,
     splits: int | None = None,
+    early: bool = True,
 ) -> torch.Tensor:
     """Attention of one query per row: q [B, H, D] and r [B, H, d_rel] (rows may be strided) against the first
     `entries` cache entries of sequence `seq_slots[b]` in keys/values [S, L, KV, D], which already hold the row's
@@ -175,7 +207,8 @@ def decode_attention(
 
     Each (row, head) is `splits` programs (default: `attention_splits`), each over its run of the row's keys,
     `block_p` at a time (a step is one round trip to memory, so wide blocks and many warps keep more in flight);
-    the last of them to finish weighs and sums their partials.
+    the last of them to finish weighs and sums their partials. With `early` (chained on CUDA), each program reads
+    its first block before it waits for the kernel before it (see `_decode_attention_kernel`).
     """
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
@@ -212,6 +245,6 @@ def decode_attention(
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
         SPLITS=splits, BLOCK_D=block_d, BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=block_p,
-        BLOCK_S=triton.next_power_of_2(splits), num_warps=num_warps, **chain_launch(q),
+        BLOCK_S=triton.next_power_of_2(splits), EARLY=early, num_warps=num_warps, **chain_launch(q),
     )  # fmt: skip
     return out
