@@ -6,7 +6,8 @@ entries) and a full layer (entries: the context rounded up to 256), bf16.
 Timing: `ITERS` calls captured in one CUDA graph and replayed (the engine's decode steps are replays), median µs
 per call; the calls cycle over `SETS` caches, so that the keys come from memory, not L2, as they do in a step.
 GB/s counts the keys and values the rows see (each kv head's, once) over the call's time: an H100's HBM3 peaks at
-3.35 TB/s, an H200's HBM3e at 4.8. `--splits 1` runs each (row, head) as one program, the launch before the split.
+3.35 TB/s, an H200's HBM3e at 4.8. `--splits 1` runs each (row, kv head) as one program; `--block-p`, `--warps`
+and `--late` (no cache read before the chain's wait) try the launch's other shapes.
 Run: python benchmarks/bench_decode_attention.py [--rows 1 8 32 128] [--context 160 640 2048] [--out f.json]
 """
 
@@ -68,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--context", type=int, nargs="+", default=[160, 640, 2048])
-    ap.add_argument("--splits", type=int, help="programs per (row, head); default: the kernel's rule")
+    ap.add_argument("--splits", type=int, help="programs per (row, kv head); default: the kernel's rule")
     ap.add_argument("--block-p", type=int, help="keys a program scores at a time; default: the kernel's")
     ap.add_argument("--warps", type=int, help="warps a program; default: the kernel's")
     ap.add_argument("--late", action="store_true", help="no cache read before the chain's wait")

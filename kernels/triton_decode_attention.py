@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.split_counts import SPLIT_COUNTS, split_counts
+from inkwell.kernels.triton_lora.common import dot_precision
 from inkwell.kernels.triton_pdl import chain_launch
 
 # a masked score (torch's composite fills finfo.min): exp() of it minus any real score is 0
@@ -49,21 +50,25 @@ def _block(
 
 
 @triton.jit
-def _accumulate(q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE: tl.constexpr):
-    """The online softmax over one block: its biased, masked scores (rounded to `dtype` where the torch composite
-    rounds them), the running max `top`, the sum of exp(score - top) and the values weighted by them."""
-    qk = tl.sum(q[None, :] * keys.to(tl.float32), axis=1).to(dtype).to(tl.float32)
+def _accumulate(
+    q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of a kv head's query heads [BLOCK_G] over one block: their biased, masked scores (rounded
+    to `dtype` where the torch composite rounds them), the running maxima `top`, the sums of exp(score - top) and
+    the values weighted by them, each product a tensor-core dot."""
+    qk = tl.dot(q, tl.trans(keys), input_precision=PRECISION).to(dtype).to(tl.float32)
     qk = (qk * scale).to(dtype).to(tl.float32)
-    bias = tl.sum(r[:, None] * proj.to(tl.float32), axis=0).to(dtype).to(tl.float32)
+    bias = tl.dot(r, proj, input_precision=PRECISION).to(dtype).to(tl.float32)
     if LOG_SCALE:
         bias = (bias * tau).to(dtype).to(tl.float32)
-    scores = tl.where(allowed, (qk + bias).to(dtype).to(tl.float32), _MASKED)
-    new_top = tl.maximum(top, tl.max(scores, axis=0))
+    scores = tl.where(allowed[None, :], (qk + bias).to(dtype).to(tl.float32), _MASKED)
+    new_top = tl.maximum(top, tl.max(scores, axis=1))
     rescale = tl.exp(top - new_top)
-    weights = tl.where(allowed, tl.exp(scores - new_top), 0.0)  # 0, not exp(0), in a block the row sees none of
-    total = total * rescale + tl.sum(weights, axis=0)
-    acc = acc * rescale + tl.sum(weights[:, None] * values.to(tl.float32), axis=0)
-    return new_top, total, acc
+    weights = tl.where(allowed[None, :], tl.exp(scores - new_top[:, None]), 0.0)  # 0 in a block the row sees none of
+    total = total * rescale + tl.sum(weights, axis=1)
+    weighted = tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
+    return new_top, total, acc * rescale[:, None] + weighted
 
 
 @triton.jit
@@ -74,23 +79,24 @@ def _decode_attention_kernel(
     stride_ob, stride_oh,
     head_dim, d_rel,
     GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    CHAINED: tl.constexpr, EARLY: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr,
+    BLOCK_P: tl.constexpr, CHAINED: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    """One run of a (row, head)'s keys. Chained, it reads its first block before its wait: the step's inputs
-    (sequence slot, position) and the cache entries of earlier steps, which no kernel of this step writes; only
-    the row's own entry, which the prologue before it writes, is read again after the wait."""
+    """One run of a row's keys for the GROUPS query heads of one kv head (a tile of BLOCK_G rows, those past GROUPS
+    unused), so each key and value is read once for them all. Chained with EARLY, it reads its first block before
+    its wait: the step's inputs (sequence slot, position) and the cache entries of earlier steps, which no kernel of
+    this step writes; only the row's own entry, which the prologue before it writes, is read again after the wait."""
     if CHAINED:
         gdc_launch_dependents()
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     dtype = out_ptr.dtype.element_ty
     seq = tl.load(seq_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int32)
     ring = pos % P  # once here, not a modulo per key
     own = ring if SLIDING else pos  # the entry of the row's own key
-    kv_offset = seq * stride_ks + (h // GROUPS) * stride_kh
+    kv_offset = seq * stride_ks + kv_head * stride_kh
     k_base, v_base = k_ptr + kv_offset, v_ptr + kv_offset
     # entries past min(pos + 1, P) hold no key the row sees (a ring fills from entry 0); the seen entries are cut
     # into SPLITS runs of whole blocks, this program's run first .. last (empty for the last splits of a short row)
@@ -119,65 +125,75 @@ def _decode_attention_kernel(
         own_value = tl.load(v_base + own * stride_kl + d, mask=in_d & mine, other=0.0)
         keys = tl.where((j == own)[:, None], own_key[None, :], keys)
         values = tl.where((j == own)[:, None], own_value[None, :], values)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=in_d, other=0.0).to(tl.float32)
+    g = tl.arange(0, BLOCK_G)
+    in_g = g < GROUPS
+    heads = kv_head * GROUPS + g
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=in_g[:, None] & in_d[None, :], other=0.0).to(tl.float32)
     tau = 1.0
     if LOG_SCALE:  # full layers: q and the bias scaled by 1 + alpha * log(max((pos + 1) / floor, 1))
         tau = 1.0 + log_alpha * tl.log(tl.maximum((pos + 1).to(tl.float32) / log_floor, 1.0))
-        q = (q * tau).to(dtype).to(tl.float32)
+    q = (q * tau).to(dtype)
     i = tl.arange(0, BLOCK_REL)
-    r = tl.load(r_ptr + b * stride_rb + h * stride_rh + i, mask=i < d_rel, other=0.0).to(tl.float32)
-    top = tl.full((), _MASKED, tl.float32)
-    total = tl.zeros((), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    top, total, acc = _accumulate(q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE)
+    r_ptrs = r_ptr + b * stride_rb + heads[:, None] * stride_rh + i[None, :]
+    r = tl.load(r_ptrs, mask=in_g[:, None] & (i < d_rel)[None, :], other=0.0).to(dtype)
+    top = tl.full((BLOCK_G,), _MASKED, tl.float32)
+    total = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    top, total, acc = _accumulate(
+        q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE, PRECISION
+    )  # fmt: skip
     for p0 in range(first + BLOCK_P, last, BLOCK_P):  # one pass, the softmax online
         keys, values, proj, allowed = _block(
             k_base, v_base, proj_ptr, pos, ring, p0, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
             SLIDING, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
         )  # fmt: skip
-        top, total, acc = _accumulate(q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE)
-    out_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
+        top, total, acc = _accumulate(
+            q, r, tau, keys, values, proj, allowed, top, total, acc, scale, dtype, LOG_SCALE, PRECISION
+        )  # fmt: skip
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    in_out = in_g[:, None] & in_d[None, :]
     if SPLITS == 1 or run >= seen:  # the first run holds the row's every key: no partials, no count
         if split == 0:
-            tl.store(out_ptrs, (acc / total).to(dtype), mask=in_d)
+            tl.store(out_ptrs, (acc / total[:, None]).to(dtype), mask=in_out)
     else:  # the row's runs meet: each writes its partial, the last one to count weighs and sums them in split order
-        group = b * tl.num_programs(1) + h
-        tl.store(part_ptr + (group * SPLITS + split) * BLOCK_D + d, acc)
-        tl.store(stat_ptr + (group * SPLITS + split) * 2, top)
-        tl.store(stat_ptr + (group * SPLITS + split) * 2 + 1, total)
+        group = b * tl.num_programs(1) + kv_head
+        runs = (group * SPLITS + split) * GROUPS + g  # this run's row of partials per query head
+        tl.store(part_ptr + runs[:, None] * BLOCK_D + d[None, :], acc, mask=in_g[:, None])
+        tl.store(stat_ptr + runs * 2, top, mask=in_g)
+        tl.store(stat_ptr + runs * 2 + 1, total, mask=in_g)
         tl.debug_barrier()  # every thread's stores before the count's release (one thread adds for the program)
         if tl.atomic_add(count_ptr + group, 1) == SPLITS - 1:  # the other runs' partials are visible now
-            runs = tl.arange(0, BLOCK_S)
-            in_runs = runs < SPLITS
-            stats = stat_ptr + (group * SPLITS + runs) * 2
-            tops = tl.load(stats, mask=in_runs, other=_MASKED, cache_modifier=".cg")
-            totals = tl.load(stats + 1, mask=in_runs, other=0.0, cache_modifier=".cg")
-            parts = tl.load(
-                part_ptr + (group * SPLITS + runs)[:, None] * BLOCK_D + d[None, :],
-                mask=in_runs[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            row_top = tl.max(tops, axis=0)
-            weights = tl.exp(tops - row_top)  # 0 for a run without keys (its top is the mask's)
-            row_total = tl.sum(totals * weights, axis=0)
-            row = tl.sum(parts * weights[:, None], axis=0) / row_total
-            tl.store(out_ptrs, row.to(dtype), mask=in_d)
+            row_top = tl.full((BLOCK_G,), _MASKED, tl.float32)
+            for other in range(SPLITS):
+                stats = stat_ptr + ((group * SPLITS + other) * GROUPS + g) * 2
+                row_top = tl.maximum(row_top, tl.load(stats, mask=in_g, other=_MASKED, cache_modifier=".cg"))
+            row_total = tl.zeros((BLOCK_G,), tl.float32)
+            row = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+            for other in range(SPLITS):  # in split order
+                at = (group * SPLITS + other) * GROUPS + g
+                run_top = tl.load(stat_ptr + at * 2, mask=in_g, other=_MASKED, cache_modifier=".cg")
+                run_total = tl.load(stat_ptr + at * 2 + 1, mask=in_g, other=0.0, cache_modifier=".cg")
+                part = tl.load(part_ptr + at[:, None] * BLOCK_D + d[None, :], mask=in_g[:, None], other=0.0)
+                weight = tl.exp(run_top - row_top)  # 0 for a run without keys (its top is the mask's)
+                row_total += run_total * weight
+                row += part * weight[:, None]
+            tl.store(out_ptrs, (row / row_total[:, None]).to(dtype), mask=in_out)
             tl.atomic_xchg(count_ptr + group, 0)
 
 
-# Programs a decode attention launch aims for: its work is a few round trips to memory per block of keys, so
-# rows x heads programs (128 for 8 rows of 16 heads) leave most of a 132-SM GPU idle while each walks its row's
-# keys; split, about 4 programs per SM walk a few blocks each.
-SPLIT_PROGRAMS = 512
+# Programs a decode attention launch aims for: each (row, kv head) is a few round trips to memory per block of
+# keys, so rows x kv heads programs (32 for 8 rows of 4 kv heads) leave most of a 132-SM GPU idle while each walks
+# its row's keys; split, about 2 programs per SM walk a few blocks each.
+SPLIT_PROGRAMS = 256
 
 
-def attention_splits(row_heads: int, entries: int, block_p: int) -> int:
-    """Programs per (row, head): enough to reach SPLIT_PROGRAMS, at most one per block of the cache's entries,
-    and 1 where the launch has more (row, head) groups than the split counts serve."""
-    if row_heads > SPLIT_COUNTS:
+def attention_splits(row_kv_heads: int, entries: int, block_p: int) -> int:
+    """Programs per (row, kv head): enough to reach SPLIT_PROGRAMS, at most one per block of the cache's entries,
+    and 1 where the launch has more (row, kv head) groups than the split counts serve."""
+    if row_kv_heads > SPLIT_COUNTS:
         return 1
-    return max(1, min(triton.cdiv(entries, block_p), SPLIT_PROGRAMS // row_heads))
+    return max(1, min(triton.cdiv(entries, block_p), SPLIT_PROGRAMS // row_kv_heads))
 
 
 def decode_attention(
@@ -191,8 +207,8 @@ def decode_attention(
     entries: int,
     sliding: bool,
     log_scaling: tuple[float, float] | None = None,
-    block_p: int = 128,
-    num_warps: int = 8,
+    block_p: int = 64,
+    num_warps: int = 4,
     splits: int | None = None,
     early: bool = True,
 ) -> torch.Tensor:
@@ -205,9 +221,9 @@ def decode_attention(
     distance (0 past the extent); full layers with `log_scaling` = (n_floor, alpha) scale q and the bias by
     1 + alpha * log(max((pos + 1) / n_floor, 1)). Returns [B, H, D] in q's dtype.
 
-    Each (row, head) is `splits` programs (default: `attention_splits`), each over its run of the row's keys,
-    `block_p` at a time (a step is one round trip to memory, so wide blocks and many warps keep more in flight);
-    the last of them to finish weighs and sums their partials. With `early` (chained on CUDA), each program reads
+    Each (row, kv head) is `splits` programs (default: `attention_splits`), each over its run of the row's keys,
+    `block_p` at a time, for all the kv head's query heads; the last of them to finish weighs and sums their
+    partials. With `early` (chained on CUDA), each program reads
     its first block before it waits for the kernel before it (see `_decode_attention_kernel`).
     """
     rows, heads, head_dim = q.shape
@@ -231,20 +247,21 @@ def decode_attention(
         raise ValueError("decode_attention needs unit stride along the head dimension of q, r, keys and values")
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     floor, alpha = log_scaling if log_scaling is not None and not sliding else (1.0, 0.0)
-    splits = attention_splits(rows * heads, entries, block_p) if splits is None else splits
-    block_d = triton.next_power_of_2(head_dim)
+    splits = attention_splits(rows * kv_heads, entries, block_p) if splits is None else splits
+    block_d = max(16, triton.next_power_of_2(head_dim))  # a tensor-core dot's sides are 16 or more
     parts = stats = counts = out  # read only by a split launch
     if splits > 1:
         parts = torch.empty(rows * heads * splits * block_d, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=q.device)
         counts = split_counts("decode_attention", q.device)
-    _decode_attention_kernel[(rows, heads, splits)](
+    _decode_attention_kernel[(rows, kv_heads, splits)](
         q, r, keys, values, proj, seq_slots, positions, out, parts, stats, counts,
         entries, 1.0 / head_dim, floor, alpha,
         q.stride(0), q.stride(1), r.stride(0), r.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
-        SPLITS=splits, BLOCK_D=block_d, BLOCK_REL=triton.next_power_of_2(d_rel), BLOCK_P=block_p,
-        BLOCK_S=triton.next_power_of_2(splits), EARLY=early, num_warps=num_warps, **chain_launch(q),
+        SPLITS=splits, PRECISION=dot_precision(q.dtype), BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
+        BLOCK_D=block_d, BLOCK_REL=max(16, triton.next_power_of_2(d_rel)), BLOCK_P=max(16, block_p), EARLY=early,
+        num_warps=num_warps, **chain_launch(q),
     )  # fmt: skip
     return out

@@ -97,8 +97,8 @@ def test_decode_attention_rejects_mismatched_shapes():
 def test_a_launch_splits_rows_until_it_has_enough_programs():
     from inkwell.kernels.triton_decode_attention import SPLIT_PROGRAMS, attention_splits
 
-    assert attention_splits(8 * 16, 512, 128) == 4  # 8 rows of 16 heads: 4 runs of a 512-entry ring
-    assert attention_splits(8 * 16, 160, 128) == 2  # no more runs than blocks of entries
+    assert attention_splits(8 * 4, 512, 64) == 8  # 8 rows of 4 kv heads: 8 runs of a 512-entry ring
+    assert attention_splits(8 * 4, 160, 64) == 3  # no more runs than blocks of entries
     assert attention_splits(SPLIT_PROGRAMS, 4096, 128) == 1  # enough programs unsplit
     assert attention_splits(100_000, 4096, 128) == 1  # more groups than the split counts serve
 
