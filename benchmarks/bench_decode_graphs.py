@@ -15,7 +15,9 @@ With --profile (CUDA), one more batch per adapter count runs under torch.profile
 count per decode step, steadier than tok/s for small differences, and the kernels whose own share of the step
 (`own_time`: chained kernels start early and wait, so their profiled durations overlap) moves most with adapters;
 then the batch's captured step graph is replayed alone and timed (GPU time per step, without the host's work).
-Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--out decode_graphs.json]
+With --timeline N (CUDA), one more batch per adapter count lists the first N kernels of one decode step in the
+order they ran, with each one's start, duration and own time (a layer's kernels one after another).
+Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--timeline 40] [--out f.json]
 CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny
 --device cpu --prompt 16 --new 8 --repeats 1
 """
@@ -71,12 +73,10 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
         torch.cuda.synchronize()
     engine.config = overlapped
     us, count = Counter(), Counter()
-    kernels = []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-            us[event.name] += event.device_time_total / steps
-            count[event.name] += 1 / steps
-            kernels.append((event.name, event.time_range.start, event.time_range.end))
+    kernels = cuda_kernels(prof)
+    for name, start, end in kernels:
+        us[name] += (end - start) / steps
+        count[name] += 1 / steps
     own = own_time(kernels)
     return {
         "kernel_us": sum(us.values()),
@@ -90,15 +90,65 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
     }
 
 
-def own_time(kernels: list[tuple[str, float, float]]) -> Counter:
-    """Each kernel's share of the GPU's busy time on one stream: from the later of its start and the end of every
-    kernel before it, to its end. A chained kernel (`kernels.triton_pdl`) starts early and waits, so its profiled
-    duration counts the kernel before it too; its own time does not, and the own times add up to the busy time."""
-    own, done = Counter(), float("-inf")
+def own_times(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
+    """The kernels in the order they started, each (name, start, end, own time): its share of the GPU's busy time
+    on one stream, from the later of its start and the end of every kernel before it, to its end. A chained kernel
+    (`kernels.triton_pdl`) starts early and waits, so its profiled duration counts the kernel before it too; its
+    own time does not, and the own times add up to the busy time."""
+    out, done = [], float("-inf")
     for name, start, end in sorted(kernels, key=lambda k: k[1]):
-        own[name] += max(0.0, end - max(start, done))
+        out.append((name, start, end, max(0.0, end - max(start, done))))
         done = max(done, end)
+    return out
+
+
+def own_time(kernels: list[tuple[str, float, float]]) -> Counter:
+    """Each kernel name's own time (`own_times`), summed."""
+    own = Counter()
+    for name, _, _, us in own_times(kernels):
+        own[name] += us
     return own
+
+
+def cuda_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start, end) in µs of every GPU kernel and copy a torch.profiler run recorded."""
+    events = prof.events()
+    cuda = torch.autograd.DeviceType.CUDA
+    return [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == cuda and e.device_time_total > 0
+    ]
+
+
+STEP_GAP_S = 0.002  # the host's wait between the timeline's steps: far above any gap inside a step
+
+
+def step_timeline(engine, prompts, keys: list[str | None], new: int) -> list[dict]:
+    """One decode step's kernels in the order they ran (the middle decode step of a batch), each with its start
+    (µs after the step's first kernel), its duration and its own time (`own_times`). The host waits STEP_GAP_S
+    after each step, so that the steps stand apart in the trace."""
+    overlapped, engine.config = engine.config, dataclasses.replace(engine.config, overlap_decode=False)
+    submit(engine, prompts, keys, new)
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_work():
+            engine.step()
+            torch.cuda.synchronize()
+            time.sleep(STEP_GAP_S)
+    engine.config = overlapped
+    steps: list[list] = [[]]
+    for kernel in sorted(cuda_kernels(prof), key=lambda k: k[1]):
+        if steps[-1] and kernel[1] - max(end for _, _, end in steps[-1]) > STEP_GAP_S * 1e6 / 2:
+            steps.append([])
+        steps[-1].append(kernel)
+    step = steps[len(steps) // 2]
+    first = step[0][1]
+    return [
+        {"kernel": name, "start_us": start - first, "us": end - start, "own_us": own}
+        for name, start, end, own in own_times(step)
+    ]
 
 
 def replay_us(engine, lora: bool, rounds: int = 10, burst: int = 5) -> dict:
@@ -140,6 +190,11 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
             times = f"{prof['kernel_us']:.0f} µs ({prof['busy_us']:.0f} busy), replay {prof['replay_us']:.0f} µs"
             times += f", launch {prof['launch_us']:.0f} µs"
             print(f"  {prof['kernels']} kernels, {times}")
+        if args.timeline:
+            out[n]["timeline"] = step_timeline(engine, prompts, keys, args.new)
+            print("  start µs    µs   own µs  kernel (one decode step, in order)")
+            for k in out[n]["timeline"][: args.timeline]:
+                print(f"  {k['start_us']:8.1f} {k['us']:6.1f} {k['own_us']:6.1f}  {k['kernel'][:90]}")
     if engine.graphs is not None:
         out["graphs_captured"] = len(engine.graphs.decode_graphs)
     del engine
@@ -201,11 +256,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="also GPU kernel time per decode step (CUDA)")
+    ap.add_argument("--timeline", type=int, default=0, help="list the first N kernels of one decode step (CUDA)")
     ap.add_argument("--out", type=Path)
     args = parse_engine_args(ap)
     cuda = args.device.startswith("cuda")
-    if args.profile and not cuda:
-        ap.error("--profile times CUDA kernels and graph replays: run it with --device cuda")
+    if (args.profile or args.timeline) and not cuda:
+        ap.error("--profile and --timeline time CUDA kernels and graph replays: run them with --device cuda")
     modes = [m for m in args.modes if cuda or not MODES[m].get("cuda_graphs")]
     clock = Clock(torch.device(args.device))
     results: dict = {
