@@ -58,9 +58,12 @@ MODES = {
 }
 
 
-def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
-    """GPU kernels per decode step of one batch (the prefill step runs before the profiler starts). Steps run
-    synchronously here, so each step() inside the profiler launches exactly the step it returns."""
+def profiled_steps(
+    engine, prompts, keys: list[str | None], new: int, gap_s: float = 0.0
+) -> tuple[list[tuple[str, float, float]], int]:
+    """The GPU kernels (`cuda_kernels`) of one batch's decode steps, and how many steps ran (the prefill step runs
+    before the profiler starts). Steps run synchronously here, so each step() inside the profiler launches exactly
+    the step it returns; with `gap_s` the host waits for each step's end and then that long."""
     overlapped, engine.config = engine.config, dataclasses.replace(engine.config, overlap_decode=False)
     submit(engine, prompts, keys, new)
     engine.step()
@@ -70,10 +73,18 @@ def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
         while engine.has_work():
             engine.step()
             steps += 1
+            if gap_s:
+                torch.cuda.synchronize()
+                time.sleep(gap_s)
         torch.cuda.synchronize()
     engine.config = overlapped
+    return cuda_kernels(prof), steps
+
+
+def profile_decode(engine, prompts, keys: list[str | None], new: int) -> dict:
+    """GPU kernels per decode step of one batch (`profiled_steps`)."""
+    kernels, steps = profiled_steps(engine, prompts, keys, new)
     us, count = Counter(), Counter()
-    kernels = cuda_kernels(prof)
     for name, start, end in kernels:
         us[name] += (end - start) / steps
         count[name] += 1 / steps
@@ -128,21 +139,14 @@ def step_timeline(engine, prompts, keys: list[str | None], new: int) -> list[dic
     """One decode step's kernels in the order they ran (the middle decode step of a batch), each with its start
     (µs after the step's first kernel), its duration and its own time (`own_times`). The host waits STEP_GAP_S
     after each step, so that the steps stand apart in the trace."""
-    overlapped, engine.config = engine.config, dataclasses.replace(engine.config, overlap_decode=False)
-    submit(engine, prompts, keys, new)
-    engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        while engine.has_work():
-            engine.step()
-            torch.cuda.synchronize()
-            time.sleep(STEP_GAP_S)
-    engine.config = overlapped
+    kernels, _ = profiled_steps(engine, prompts, keys, new, gap_s=STEP_GAP_S)
     steps: list[list] = [[]]
-    for kernel in sorted(cuda_kernels(prof), key=lambda k: k[1]):
-        if steps[-1] and kernel[1] - max(end for _, _, end in steps[-1]) > STEP_GAP_S * 1e6 / 2:
+    done = float("-inf")  # the latest end of a kernel so far
+    for kernel in sorted(kernels, key=lambda k: k[1]):
+        if steps[-1] and kernel[1] - done > STEP_GAP_S * 1e6 / 2:
             steps.append([])
         steps[-1].append(kernel)
+        done = max(done, kernel[2])
     step = steps[len(steps) // 2]
     first = step[0][1]
     return [
