@@ -2,10 +2,11 @@
 
 A kernel launched with `launch_pdl` starts as soon as every program of the kernel before it has called
 `gdc_launch_dependents`, which chained kernels do first thing. Until its `gdc_wait` it may only read what no kernel
-writes (weights) and write nothing; after the wait every kernel before it in the stream has finished and its
-writes are visible. Every chained kernel waits, so one wait covers the whole chain before it. A decode step is
-~230 launches of a few µs, most of it latency: chained, a GEMM streams its weight into L2 while the kernel before it
-still runs, and a launch's start overlaps its predecessor's tail.
+of the step before it writes (weights; the decode attention also reads the cache entries of earlier steps) and
+write nothing; after the wait every kernel before it in the stream has finished and its writes are visible. Every
+chained kernel waits, so one wait covers the whole chain before it. A decode step is ~230 launches of a few µs,
+most of it latency: chained, a GEMM streams its weight into L2 while the kernel before it still runs, and a
+launch's start overlaps its predecessor's tail.
 """
 
 import torch

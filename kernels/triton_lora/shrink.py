@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inkwell.kernels.split_counts import SPLIT_COUNTS, split_counts
 from inkwell.kernels.triton_lora.common import SENTINEL, SLOT_LOOP_MIN_TOKENS, dot_precision, pow2, row_keys, row_slots
 from inkwell.kernels.triton_pdl import chain_launch, wait_then_trigger
 
@@ -169,22 +170,12 @@ def _split_shrink_kernel(
 
 
 SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for `lora_shrink` (2048 / 256 at bf16)
-# The split shrink's counts: one per (token tile, slot, rank block) of a launch, zero between launches (the last
-# program of each group resets its count). One buffer per device, made on first use outside any graph capture
-# (the decode graphs' warm-up runs first), serves every launch: the engine never runs two split shrinks at once
-# (on one stream launches run in turn: a chained shrink touches nothing before its wait, its GEMM, `lora_linear`'s
-# or `expert_matmul`'s after a `TokenShrink`, waits for it before letting the next kernel launch; the
-# experts' shrink on the LoRA side stream, past decode sizes, runs while the main stream routes and runs the
-# experts' GEMMs, no shrink; a projection's shrink on the side stream runs beside its base GEMM alone); two streams
-# running split shrinks at the same time would share the counts, and must not.
-SPLIT_COUNTS = 4096
-_split_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def _counts(device: torch.device) -> torch.Tensor:
-    if device not in _split_counts:
-        _split_counts[device] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
-    return _split_counts[device]
+# The split shrink's counts (`split_counts`, one per (token tile, slot, rank block) of a launch) serve every launch:
+# the engine never runs two split shrinks at once (on one stream launches run in turn: a chained shrink touches
+# nothing before its wait, its GEMM, `lora_linear`'s or `expert_matmul`'s after a `TokenShrink`, waits for it before
+# letting the next kernel launch; the experts' shrink on the LoRA side stream, past decode sizes, runs while the
+# main stream routes and runs the experts' GEMMs, no shrink; a projection's shrink on the side stream runs beside
+# its base GEMM alone); two streams running split shrinks at the same time would share the counts, and must not.
 
 
 def launch_shrink(
@@ -262,7 +253,7 @@ def _split_shrink(
         partials,
         y,
         slots,
-        _counts(x.device),
+        split_counts("lora_shrink", x.device),
         tokens,
         k,
         rank,

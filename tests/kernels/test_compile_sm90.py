@@ -147,6 +147,7 @@ def test_moe_router_and_lora_kernels_compile_for_sm90():
 
 # the PTX of a global memory access; the L2 prefetch (cp.async.bulk.prefetch) is a hint a chained kernel may issue
 ACCESSES = ("ld.global", "st.global", "atom.global", "red.global", "cp.async.cg", "cp.async.ca")
+WRITES = ("st.global", "atom.global", "red.global")
 
 
 def run_chain_cases() -> None:
@@ -156,7 +157,7 @@ def run_chain_cases() -> None:
 
     A LoRA pair's shrink waits before it lets its GEMM launch, so the GEMM may read x before its own wait (every
     kernel before the shrink has finished); the GEMM waits for y after its K loop and lets the next kernel launch
-    only then."""
+    only then. The decode attention reads before its wait (cache entries of earlier steps) but writes after it."""
     compiled = compile_only()
     from inkwell.kernels import triton_moe
     from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
@@ -204,6 +205,7 @@ def run_chain_cases() -> None:
         return ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"), first
 
     shrinks = {"_split_shrink_kernel", "_shrink_kernel"}
+    early_readers = {"_decode_attention_kernel"}  # reads cache entries of earlier steps before its wait
     chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
     want |= {"_route_kernel", "_dispatch_kernel", "_expert_matmul_kernel", "_silu_mul_kernel", "_combine_kernel"}
@@ -213,6 +215,11 @@ def run_chain_cases() -> None:
         trigger, wait, first = order(kernel)
         if name in shrinks:
             assert -1 < wait < min(trigger, first), f"{name}: wait at {wait}, trigger at {trigger}, first at {first}"
+        elif name in early_readers:
+            ptx = kernel.asm["ptx"]
+            write = min(i for i in (ptx.find(access) for access in WRITES) if i > -1)
+            order_seen = f"{name}: trigger {trigger}, load {first}, wait {wait}, write {write}"
+            assert -1 < trigger < first < wait < write, order_seen
         else:
             assert -1 < trigger < wait < first, f"{name}: trigger at {trigger}, wait at {wait}, first at {first}"
     pairs = [(n, k) for n, kwargs, k in compiled if kwargs.get("WAIT_FOR_SHRINK") or kwargs.get("WAIT_FOR_Y")]

@@ -36,10 +36,11 @@ def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
 
 
 def check_decode_attention(
-    device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log, block_p=None
+    device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log, **blocks
 ):
     """Rows on distinct sequence slots of a larger cache, q and r as strided column slices, positions that reach
-    past the ring (sliding) or stop short of the last entries (full)."""
+    past the ring (sliding) or stop short of the last entries (full); `blocks` (block_p, splits) as the kernel
+    takes them, its defaults where absent."""
     from inkwell.kernels.triton_decode_attention import decode_attention
 
     gen = torch.Generator().manual_seed(rows * 100 + entries + head_dim + sliding)
@@ -57,7 +58,6 @@ def check_decode_attention(
     log_scaling = (4.0, 0.1) if log else None
     expected = reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling)
     q, r = q.contiguous(), r  # r stays a strided view, as the engine's r is a column slice of q/k/v/r
-    blocks = {} if block_p is None else {"block_p": block_p}  # None: the kernel's default
     got = decode_attention(
         q.to(device), r.to(device), keys.to(device), values.to(device), proj.to(device),
         seq.to(device), pos.to(device), entries, sliding, log_scaling, **blocks,
@@ -77,7 +77,8 @@ def run_interpreted_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for dtype in (torch.float32, torch.float16):  # the interpreter rounds bf16 by truncation, fp16 as the GPU
         for case in CASES:
-            check_decode_attention("cpu", dtype, *case, block_p=16)  # several key blocks per pass
+            for splits in (1, 3):  # one run per row; three, the last empty for a short row
+                check_decode_attention("cpu", dtype, *case, block_p=16, splits=splits)  # several blocks per run
     print("interpreted cases passed")
 
 
@@ -93,10 +94,21 @@ def test_decode_attention_rejects_mismatched_shapes():
         decode_attention(q, r, cache, cache, torch.zeros(2, 5), torch.arange(2), torch.arange(2), 10, False)
 
 
+def test_a_launch_splits_rows_until_it_has_enough_programs():
+    from inkwell.kernels.triton_decode_attention import SPLIT_PROGRAMS, attention_splits
+
+    assert attention_splits(8 * 4, 512, 64) == 8  # 8 rows of 4 kv heads: 8 runs of a 512-entry ring
+    assert attention_splits(8 * 4, 160, 64) == 3  # no more runs than blocks of entries
+    assert attention_splits(SPLIT_PROGRAMS, 4096, 128) == 1  # enough programs unsplit
+    assert attention_splits(100_000, 4096, 128) == 1  # more groups than the split counts serve
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("entries,sliding,log", [(512, True, False), (256, False, False), (1024, False, True)])
-def test_decode_attention_on_gpu(dtype, entries, sliding, log):
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_decode_attention_on_gpu(dtype, entries, sliding, log, splits):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    check_decode_attention("cuda", dtype, 8, 16, 4, 128, 16, 1024, entries, sliding, log)
+    blocks = {} if splits is None else {"splits": splits}
+    check_decode_attention("cuda", dtype, 8, 16, 4, 128, 16, 1024, entries, sliding, log, **blocks)
