@@ -6,7 +6,7 @@ entries) and a full layer (entries: the context rounded up to 256), bf16.
 Timing: `ITERS` calls captured in one CUDA graph and replayed (the engine's decode steps are replays), median µs
 per call; the calls cycle over `SETS` caches, so that the keys come from memory, not L2, as they do in a step.
 GB/s counts the keys and values the rows see (each kv head's, once) over the call's time: an H100's HBM3 peaks at
-3.35 TB/s, an H200's HBM3e at 4.8. `--splits 1` runs each (row, kv head) as one program; `--block-p`, `--warps`
+3.35 TB/s, an H200's HBM3e at 4.8. `--runs 1` runs each (row, kv head) as one program; `--block-p`, `--warps`
 and `--late` (no cache read before the chain's wait) try the launch's other shapes.
 Run: python benchmarks/bench_decode_attention.py [--rows 1 8 32 128] [--context 160 640 2048] [--out f.json]
 """
@@ -69,13 +69,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--context", type=int, nargs="+", default=[160, 640, 2048])
-    ap.add_argument("--splits", type=int, help="programs per (row, kv head); default: the kernel's rule")
+    ap.add_argument("--runs", type=int, help="the most runs a row's keys are cut into; default: the kernel's")
     ap.add_argument("--block-p", type=int, help="keys a program scores at a time; default: the kernel's")
     ap.add_argument("--warps", type=int, help="warps a program; default: the kernel's")
     ap.add_argument("--late", action="store_true", help="no cache read before the chain's wait")
     ap.add_argument("--out")
     args = ap.parse_args()
-    launch = {"splits": args.splits, "block_p": args.block_p, "num_warps": args.warps}
+    launch = {"runs": args.runs, "block_p": args.block_p, "num_warps": args.warps}
     launch = {key: value for key, value in launch.items() if value is not None}
     launch |= {"early": False} if args.late else {}
     results = {"gpu": torch.cuda.get_device_name(), "launch": launch, "cases": {}}

@@ -1,14 +1,17 @@
 """Inkling's decode attention (one query per sequence, read straight from the KV cache) as one Triton kernel.
 
-In torch a decode step's attention gathers each row's keys and values out of the cache, repeats them per query
-head, builds the relative-position bias (a projection of r, gathered by distance and masked), scores, masks,
-softmaxes and multiplies: about 25 launches per layer, each a few µs of latency for little work. Here programs per
-(row, head) read their kv head's cache rows in place and do all of it in one pass over the keys, as flash decoding
-does: each run of keys keeps its softmax's max and sum online and its values' weighted sum, and the runs of a row
-meet in the last of its programs to finish. The bias projection, q.k, its scaling and the biased scores round to
-the model's dtype where the torch composite rounds them; the probabilities stay fp32 (the composite rounds them to
-the model's dtype before they weigh the values, which needs the row's whole sum first, a second pass over the
-keys), so results agree with the composite within its dtype's rounding, not bitwise.
+In torch a decode step's attention gathers each row's keys and values out of the cache, repeats them per query head,
+builds the relative-position bias (a projection of r, gathered by distance and masked), scores, masks, softmaxes and
+multiplies: about 25 launches per layer, each a few µs of latency for little work. Here programs per (row, head) read
+their kv head's cache rows in place and do all of it in one pass over the keys, as flash decoding does: each run of keys
+keeps its softmax's max and sum online and its values' weighted sum, and the runs of a row meet in the last of its
+programs to finish. A row's runs depend on its own length alone (at most MAX_RUNS of whole blocks), not on the launch
+(its rows, its cache's entries), so a row's result is the same bitwise in any batch (of up to SPLIT_COUNTS groups of a
+row and kv head: 1,024 rows at 4 kv heads) and in a captured step as in an eager one: greedy tokens do not turn on who
+else is decoding. The bias projection, q.k, its scaling and the biased scores round to the model's dtype where the torch
+composite rounds them; the probabilities stay fp32 (the composite rounds them to the model's dtype before they weigh the
+values, which needs the row's whole sum first, a second pass over the keys), so results agree with the composite within
+its dtype's rounding, not bitwise.
 """
 
 import torch
@@ -78,14 +81,17 @@ def _decode_attention_kernel(
     stride_qb, stride_qh, stride_rb, stride_rh, stride_ks, stride_kl, stride_kh, stride_pi, stride_pe,
     stride_ob, stride_oh,
     head_dim, d_rel,
-    GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, SPLITS: tl.constexpr,
+    GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, RUNS: tl.constexpr,
+    SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr,
     BLOCK_P: tl.constexpr, CHAINED: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """One run of a row's keys for the GROUPS query heads of one kv head (a tile of BLOCK_G rows, those past GROUPS
-    unused), so each key and value is read once for them all. Chained with EARLY, it reads its first block before
-    its wait: the step's inputs (sequence slot, position) and the cache entries of earlier steps, which no kernel of
-    this step writes; only the row's own entry, which the prologue before it writes, is read again after the wait."""
+    unused), so each key and value is read once for them all. SPLITS programs per (row, kv head) are launched, at
+    least as many as any row's runs; those past a row's last run write nothing. Chained with EARLY, it reads its
+    first block before its wait: the step's inputs (sequence slot, position) and the cache entries of earlier steps,
+    which no kernel of this step writes; only the row's own entry, which the prologue before it writes, is read again
+    after the wait."""
     if CHAINED:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -99,9 +105,10 @@ def _decode_attention_kernel(
     kv_offset = seq * stride_ks + kv_head * stride_kh
     k_base, v_base = k_ptr + kv_offset, v_ptr + kv_offset
     # entries past min(pos + 1, P) hold no key the row sees (a ring fills from entry 0); the seen entries are cut
-    # into SPLITS runs of whole blocks, this program's run first .. last (empty for the last splits of a short row)
+    # into at most RUNS runs of whole blocks, `runs` of them, this program's run first .. last (empty past them)
     seen = tl.minimum(pos + 1, P)
-    run = tl.cdiv(tl.cdiv(seen, SPLITS), BLOCK_P) * BLOCK_P
+    run = tl.cdiv(tl.cdiv(seen, RUNS), BLOCK_P) * BLOCK_P
+    runs = tl.cdiv(seen, run)
     first = split * run
     last = tl.minimum(first + run, seen)
     d = tl.arange(0, BLOCK_D)
@@ -153,47 +160,49 @@ def _decode_attention_kernel(
         )  # fmt: skip
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     in_out = in_g[:, None] & in_d[None, :]
-    if SPLITS == 1 or run >= seen:  # the first run holds the row's every key: no partials, no count
+    if SPLITS == 1 or runs == 1:  # the first run holds the row's every key: no partials, no count
         if split == 0:
             tl.store(out_ptrs, (acc / total[:, None]).to(dtype), mask=in_out)
-    else:  # the row's runs meet: each writes its partial, the last one to count weighs and sums them in split order
+    elif split < runs:  # the row's runs meet: each writes its partial, the last one to count weighs and sums them
         group = b * tl.num_programs(1) + kv_head
-        runs = (group * SPLITS + split) * GROUPS + g  # this run's row of partials per query head
-        tl.store(part_ptr + runs[:, None] * BLOCK_D + d[None, :], acc, mask=in_g[:, None])
-        tl.store(stat_ptr + runs * 2, top, mask=in_g)
-        tl.store(stat_ptr + runs * 2 + 1, total, mask=in_g)
+        ours = (group * SPLITS + split) * GROUPS + g  # this run's row of partials per query head
+        tl.store(part_ptr + ours[:, None] * BLOCK_D + d[None, :], acc, mask=in_g[:, None])
+        tl.store(stat_ptr + ours * 2, top, mask=in_g)
+        tl.store(stat_ptr + ours * 2 + 1, total, mask=in_g)
         tl.debug_barrier()  # every thread's stores before the count's release (one thread adds for the program)
-        if tl.atomic_add(count_ptr + group, 1) == SPLITS - 1:  # the other runs' partials are visible now
+        if tl.atomic_add(count_ptr + group, 1) == runs - 1:  # the other runs' partials are visible now
             row_top = tl.full((BLOCK_G,), _MASKED, tl.float32)
-            for other in range(SPLITS):
+            for other in range(runs):
                 stats = stat_ptr + ((group * SPLITS + other) * GROUPS + g) * 2
                 row_top = tl.maximum(row_top, tl.load(stats, mask=in_g, other=_MASKED, cache_modifier=".cg"))
             row_total = tl.zeros((BLOCK_G,), tl.float32)
             row = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-            for other in range(SPLITS):  # in split order
+            for other in range(runs):  # in run order
                 at = (group * SPLITS + other) * GROUPS + g
                 run_top = tl.load(stat_ptr + at * 2, mask=in_g, other=_MASKED, cache_modifier=".cg")
                 run_total = tl.load(stat_ptr + at * 2 + 1, mask=in_g, other=0.0, cache_modifier=".cg")
                 part = tl.load(part_ptr + at[:, None] * BLOCK_D + d[None, :], mask=in_g[:, None], other=0.0)
-                weight = tl.exp(run_top - row_top)  # 0 for a run without keys (its top is the mask's)
+                weight = tl.exp(run_top - row_top)
                 row_total += run_total * weight
                 row += part * weight[:, None]
             tl.store(out_ptrs, (row / row_total[:, None]).to(dtype), mask=in_out)
             tl.atomic_xchg(count_ptr + group, 0)
 
 
-# Programs a decode attention launch aims for: each (row, kv head) is a few round trips to memory per block of
-# keys, so rows x kv heads programs (32 for 8 rows of 4 kv heads) leave most of a 132-SM GPU idle while each walks
-# its row's keys; split, about 2 programs per SM walk a few blocks each.
-SPLIT_PROGRAMS = 256
+# The most runs a row's keys are cut into: each (row, kv head) is a few round trips to memory per block of keys, so
+# one program each (32 for 8 rows of 4 kv heads) leaves most of a 132-SM GPU idle while it walks its row's keys;
+# cut into runs, 8 rows fill the GPU with 256 programs of a few blocks each. A constant, not a count fitted to the
+# launch, so that a row's runs, and so its result's rounding, do not depend on its batch.
+MAX_RUNS = 8
 
 
-def attention_splits(row_kv_heads: int, entries: int, block_p: int) -> int:
-    """Programs per (row, kv head): enough to reach SPLIT_PROGRAMS, at most one per block of the cache's entries,
-    and 1 where the launch has more (row, kv head) groups than the split counts serve."""
+def attention_splits(row_kv_heads: int, entries: int, block_p: int, runs: int = MAX_RUNS) -> int:
+    """Programs per (row, kv head) for rows cut into at most `runs` runs of whole `block_p` blocks: as many as the
+    longest row (`entries` keys) can have, and 1 where the launch has more (row, kv head) groups than the split
+    counts serve (its rows are then one run each, as a row of at most `block_p` keys always is)."""
     if row_kv_heads > SPLIT_COUNTS:
         return 1
-    return max(1, min(triton.cdiv(entries, block_p), SPLIT_PROGRAMS // row_kv_heads))
+    return max(1, min(triton.cdiv(entries, block_p), runs))
 
 
 def decode_attention(
@@ -209,7 +218,7 @@ def decode_attention(
     log_scaling: tuple[float, float] | None = None,
     block_p: int = 64,
     num_warps: int = 4,
-    splits: int | None = None,
+    runs: int = MAX_RUNS,
     early: bool = True,
 ) -> torch.Tensor:
     """Attention of one query per row: q [B, H, D] and r [B, H, d_rel] (rows may be strided) against the first
@@ -221,10 +230,10 @@ def decode_attention(
     distance (0 past the extent); full layers with `log_scaling` = (n_floor, alpha) scale q and the bias by
     1 + alpha * log(max((pos + 1) / n_floor, 1)). Returns [B, H, D] in q's dtype.
 
-    Each (row, kv head) is `splits` programs (default: `attention_splits`), each over its run of the row's keys,
-    `block_p` at a time, for all the kv head's query heads; the last of them to finish weighs and sums their
-    partials. With `early` (chained on CUDA), each program reads
-    its first block before it waits for the kernel before it (see `_decode_attention_kernel`).
+    Each row's keys are cut into at most `runs` runs of whole `block_p` blocks (a function of the row's length
+    alone, so its result does not depend on the launch), a program per run and kv head for all the kv head's query
+    heads; the last of a row's programs to finish weighs and sums their partials. With `early` (chained on CUDA),
+    each program reads its first block before it waits for the kernel before it (see `_decode_attention_kernel`).
     """
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
@@ -247,7 +256,7 @@ def decode_attention(
         raise ValueError("decode_attention needs unit stride along the head dimension of q, r, keys and values")
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     floor, alpha = log_scaling if log_scaling is not None and not sliding else (1.0, 0.0)
-    splits = attention_splits(rows * kv_heads, entries, block_p) if splits is None else splits
+    splits = attention_splits(rows * kv_heads, entries, block_p, runs)
     block_d = max(16, triton.next_power_of_2(head_dim))  # a tensor-core dot's sides are 16 or more
     parts = stats = counts = out  # read only by a split launch
     if splits > 1:
@@ -260,7 +269,8 @@ def decode_attention(
         q.stride(0), q.stride(1), r.stride(0), r.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
-        SPLITS=splits, PRECISION=dot_precision(q.dtype), BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
+        RUNS=runs if splits > 1 else 1, SPLITS=splits, PRECISION=dot_precision(q.dtype),
+        BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
         BLOCK_D=block_d, BLOCK_REL=max(16, triton.next_power_of_2(d_rel)), BLOCK_P=max(16, block_p), EARLY=early,
         num_warps=num_warps, **chain_launch(q),
     )  # fmt: skip

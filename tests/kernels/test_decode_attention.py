@@ -39,7 +39,7 @@ def check_decode_attention(
     device, dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log, **blocks
 ):
     """Rows on distinct sequence slots of a larger cache, q and r as strided column slices, positions that reach
-    past the ring (sliding) or stop short of the last entries (full); `blocks` (block_p, splits) as the kernel
+    past the ring (sliding) or stop short of the last entries (full); `blocks` (block_p, runs) as the kernel
     takes them, its defaults where absent."""
     from inkwell.kernels.triton_decode_attention import decode_attention
 
@@ -77,9 +77,34 @@ def run_interpreted_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for dtype in (torch.float32, torch.float16):  # the interpreter rounds bf16 by truncation, fp16 as the GPU
         for case in CASES:
-            for splits in (1, 3):  # one run per row; three, the last empty for a short row
-                check_decode_attention("cpu", dtype, *case, block_p=16, splits=splits)  # several blocks per run
+            for runs in (1, 3):  # one run per row; up to three, fewer for a short row
+                check_decode_attention("cpu", dtype, *case, block_p=16, runs=runs)  # several blocks per run
+        for case in CASES:
+            check_rows_alone_equal_batched(dtype, *case)
     print("interpreted cases passed")
+
+
+def check_rows_alone_equal_batched(dtype, rows, heads, kv_heads, head_dim, d_rel, extent, entries, sliding, log):
+    """Each row alone (a full layer's cache cut at the row's own key) gives bitwise the output it gets in the
+    whole batch over all `entries`: a row's runs, and so its rounding, depend on its length, not on the launch."""
+    from inkwell.kernels.triton_decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(rows + entries)
+    keys, values = (torch.randn(rows, entries, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype) * 4
+    r = torch.randn(rows, heads, d_rel, generator=gen).to(dtype)
+    proj = (torch.randn(d_rel, extent, generator=gen) / d_rel**0.5).to(dtype)
+    seq = torch.arange(rows)
+    pos = torch.randint(entries // 2, 3 * entries if sliding else entries, (rows,), generator=gen)
+    log_scaling = (4.0, 0.1) if log else None
+    batched = decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling, block_p=16, runs=3)
+    for b in range(rows):
+        own = entries if sliding else int(pos[b]) + 1  # a ring's size is the layer's; a full cache holds what is seen
+        alone = decode_attention(
+            q[b : b + 1], r[b : b + 1], keys, values, proj, seq[b : b + 1], pos[b : b + 1], own, sliding,
+            log_scaling, block_p=16, runs=3,
+        )  # fmt: skip
+        assert torch.equal(alone[0], batched[b]), f"row {b} alone differs from its batch (sliding={sliding})"
 
 
 def test_decode_attention_matches_reference_in_interpreter():
@@ -94,21 +119,22 @@ def test_decode_attention_rejects_mismatched_shapes():
         decode_attention(q, r, cache, cache, torch.zeros(2, 5), torch.arange(2), torch.arange(2), 10, False)
 
 
-def test_a_launch_splits_rows_until_it_has_enough_programs():
-    from inkwell.kernels.triton_decode_attention import SPLIT_PROGRAMS, attention_splits
+def test_a_launch_has_a_program_for_each_run_of_its_longest_row():
+    from inkwell.kernels.triton_decode_attention import MAX_RUNS, attention_splits
 
-    assert attention_splits(8 * 4, 512, 64) == 8  # 8 rows of 4 kv heads: 8 runs of a 512-entry ring
+    assert attention_splits(8 * 4, 512, 64) == MAX_RUNS  # 8 rows of 4 kv heads on a 512-entry ring
+    assert attention_splits(128 * 4, 512, 64) == MAX_RUNS  # the same per row in a larger batch
     assert attention_splits(8 * 4, 160, 64) == 3  # no more runs than blocks of entries
-    assert attention_splits(SPLIT_PROGRAMS, 4096, 128) == 1  # enough programs unsplit
+    assert attention_splits(8 * 4, 512, 64, runs=2) == 2
     assert attention_splits(100_000, 4096, 128) == 1  # more groups than the split counts serve
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("entries,sliding,log", [(512, True, False), (256, False, False), (1024, False, True)])
-@pytest.mark.parametrize("splits", [None, 1, 5])
-def test_decode_attention_on_gpu(dtype, entries, sliding, log, splits):
+@pytest.mark.parametrize("runs", [None, 1, 5])
+def test_decode_attention_on_gpu(dtype, entries, sliding, log, runs):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    blocks = {} if splits is None else {"splits": splits}
+    blocks = {} if runs is None else {"runs": runs}
     check_decode_attention("cuda", dtype, 8, 16, 4, 128, 16, 1024, entries, sliding, log, **blocks)

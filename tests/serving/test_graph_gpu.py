@@ -13,7 +13,7 @@ from inkwell.serving.native.engine import Engine
 from tests.serving.test_gpu_serving import compare
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 def cuda_engine(model_dir, adapters, dtype: str, max_loras: int = 6, **options) -> Engine:
@@ -32,7 +32,7 @@ def mixed_requests() -> list[Request]:
         Request(
             f"r{i}",
             [1, *range(9 + i, 22 + 4 * i)],
-            SamplingParams(max_tokens=20 + 4 * i, temperature=0.0, ignore_eos=True, logprobs=1),
+            SamplingParams(max_tokens=20 + 4 * i, temperature=0.0, ignore_eos=True, logprobs=2),
             None if i == 5 else f"a{i}",
         )
         for i in range(6)
@@ -54,6 +54,20 @@ def assert_close(expected: dict, got: dict, tol: float) -> None:
         assert diff.abs().max().item() < tol, rid
 
 
+# bf16 graph steps against eager ones: the decode attention kernel sums each row's keys in runs with an online
+# softmax, where the eager composite rounds the normalised probabilities to bf16, so a logit may land one bf16 step
+# away and a greedy token part at a near-tie; until then the streams agree to BF16_TOL.
+BF16_TOL = 2e-2
+
+
+def assert_streams_agree(expected: dict, got: dict) -> None:
+    """Each bf16 greedy stream as `test_gpu_serving.compare` holds it to the reference's (a split only at a near-tie,
+    same-token logprobs within BF16_TOL), and most of all the streams' tokens compared."""
+    total = sum(len(choices[0].token_ids) for choices in expected.values())
+    compared = sum(compare(choices[0], got[rid][0], BF16_TOL)[0] for rid, choices in expected.items())
+    assert compared >= total // 2, f"only {compared} of {total} tokens compared before their streams split"
+
+
 @pytest.mark.parametrize("side_stream", [False, True], ids=["one_stream", "side_stream"])
 def test_graph_decode_bf16_equals_eager(tiny_model_dir, tiny_adapters, side_stream):
     eager = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=False)
@@ -63,7 +77,7 @@ def test_graph_decode_bf16_equals_eager(tiny_model_dir, tiny_adapters, side_stre
     requests = mixed_requests()
     expected, got = eager.generate(requests), graphs.generate(requests)
     assert {(8, 256, True), (4, 256, True), (2, 256, True), (1, 256, False)} <= set(graphs.graphs.decode_graphs)
-    assert_close(expected, got, 2e-2)
+    assert_streams_agree(expected, got)
 
 
 def test_graph_decode_fp32_equals_eager(tiny_model_dir, tiny_adapters):
@@ -108,7 +122,7 @@ def test_base_only_batches_replay_the_graph_without_lora(tiny_model_dir, tiny_ad
     eager = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
     graphs = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
     requests = [Request(f"b{i}", [1, *range(30 + i, 50 + i)], GREEDY) for i in range(3)]
-    assert_close(eager.generate(requests), graphs.generate(requests), 2e-2)
+    assert_streams_agree(eager.generate(requests), graphs.generate(requests))
     assert set(graphs.graphs.decode_graphs) == {(4, 256, False)}
 
 
@@ -132,7 +146,7 @@ def test_swap_into_a_captured_slot_is_used_without_recapture(tiny_model_dir, tin
     fresh = cuda_engine(tiny_model_dir, [], "bfloat16", cuda_graphs=False)
     fresh.load_adapter("a2", tiny_adapters[2])
     fresh.load_adapter("a1", tiny_adapters[1])
-    assert_close(fresh.generate(requests), after, 2e-2)
+    assert_streams_agree(fresh.generate(requests), after)
 
 
 def test_overlapped_graph_decode_gives_the_tokens_of_synchronous_graph_decode(tiny_model_dir, tiny_adapters):
