@@ -2,16 +2,17 @@
 
 In torch a decode step's attention gathers each row's keys and values out of the cache, repeats them per query head,
 builds the relative-position bias (a projection of r, gathered by distance and masked), scores, masks, softmaxes and
-multiplies: about 25 launches per layer, each a few µs of latency for little work. Here programs per (row, head) read
-their kv head's cache rows in place and do all of it in one pass over the keys, as flash decoding does: each run of keys
-keeps its softmax's max and sum online and its values' weighted sum, and the runs of a row meet in the last of its
-programs to finish. A row's runs depend on its own length alone (at most MAX_RUNS of whole blocks), not on the launch
-(its rows, its cache's entries), so a row's result is the same bitwise in any batch (of up to SPLIT_COUNTS groups of a
-row and kv head: 1,024 rows at 4 kv heads) and in a captured step as in an eager one: greedy tokens do not turn on who
-else is decoding. The bias projection, q.k, its scaling and the biased scores round to the model's dtype where the torch
-composite rounds them; the probabilities stay fp32 (the composite rounds them to the model's dtype before they weigh the
-values, which needs the row's whole sum first, a second pass over the keys), so results agree with the composite within
-its dtype's rounding, not bitwise.
+multiplies: about 25 launches per layer, each a few µs of latency for little work. Here a program per (row, kv head) and
+run of keys reads its cache rows in place and does all of it in one pass over the keys, as flash decoding does: each run
+of keys keeps its softmax's max and sum online and its values' weighted sum, and the runs of a row meet in the last of
+its programs to finish. A row's runs depend on its own length alone (at most MAX_RUNS of whole blocks), not on the
+launch (its rows, its cache's entries), so a row's result is the same bitwise in any batch (of up to SPLIT_COUNTS groups
+of a row and kv head: 1,024 rows at 4 kv heads) and in a captured step as in an eager one, as with the two-pass kernel
+before it (the step's GEMMs may still round a row by its batch's shape). The bias projection, q.k, its scaling and the
+biased scores round to the model's dtype where the torch composite rounds them; the values are weighed by exp(score -
+the run's running max), rounded to the values' dtype for the tensor-core dot, and divided by the fp32 sum at the end
+(the composite rounds the normalised probabilities, which needs the row's whole sum first, a second pass over the keys),
+so results agree with the composite within its dtype's rounding, not bitwise.
 """
 
 import torch
