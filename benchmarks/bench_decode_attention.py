@@ -3,8 +3,8 @@ attention shapes (16 query heads over 4 kv heads of 128, the relative bias of 16
 8, 32 and 128 sequences, each `--context` positions in (every row at the last), in a sliding layer (a ring of 512
 entries) and a full layer (entries: the context rounded up to 256), bf16.
 
-Timing: `ITERS` calls captured in one CUDA graph and replayed (the engine's decode steps are replays), median µs
-per call; the calls cycle over `SETS` caches, so that the keys come from memory, not L2, as they do in a step.
+Timing: µs per call from CUDA-graph replays (`bench_lora_kernels.time_graph`: the engine's decode steps are replays),
+the calls cycling over its SETS caches, so that the keys come from memory, not L2, as they do in a step.
 GB/s counts the keys and values the rows see (each kv head's, once) over the call's time: an H100's HBM3 peaks at
 3.35 TB/s, an H200's HBM3e at 4.8. `--runs 1` runs each (row, kv head) as one program; `--block-p`, `--warps`
 and `--late` (no cache read before the chain's wait) try the launch's other shapes.
@@ -13,15 +13,13 @@ Run: python benchmarks/bench_decode_attention.py [--rows 1 8 32 128] [--context 
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
+from bench_lora_kernels import SETS, time_graph
 
 from inkwell.kernels.triton_decode_attention import decode_attention
 from inkwell.models.presets import preset_config
-
-ITERS, REPLAYS, SETS = 20, 20, 4
 
 
 def time_case(rows: int, context: int, sliding: bool, launch: dict) -> dict:
@@ -41,25 +39,10 @@ def time_case(rows: int, context: int, sliding: bool, launch: dict) -> dict:
     log = None if sliding or floor is None else (float(floor), float(config.log_scaling_alpha))
 
     def call(i: int) -> None:
-        keys, values = caches[i % SETS]
+        keys, values = caches[i]
         decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, log, **launch)
 
-    for i in range(SETS):  # compiles, and makes the split counts before the capture
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(ITERS):
-            call(i)
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / ITERS)
-    us = statistics.median(times)
+    us = time_graph(call)  # its warm-up compiles and makes the split counts before the capture
     seen = min(context, entries)
     kv_bytes = 2 * rows * kv_heads * seen * head_dim * 2
     return {"us": us, "gb_s": kv_bytes / us / 1e3}
