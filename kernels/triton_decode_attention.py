@@ -114,19 +114,14 @@ def _decode_attention_kernel(
     last = tl.minimum(first + run, seen)
     d = tl.arange(0, BLOCK_D)
     in_d = d < head_dim
-    if EARLY:
-        keys, values, proj, allowed = _block(
-            k_base, v_base, proj_ptr, pos, ring, first, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
-            SLIDING, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
-        )  # fmt: skip
-    if CHAINED:
+    if CHAINED and not EARLY:
         gdc_wait()
-    if not EARLY:
-        keys, values, proj, allowed = _block(
-            k_base, v_base, proj_ptr, pos, ring, first, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
-            SLIDING, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
-        )  # fmt: skip
-    else:  # the row's own key and value, written by the prologue, if they are in the block read early
+    keys, values, proj, allowed = _block(
+        k_base, v_base, proj_ptr, pos, ring, first, last, P, stride_kl, stride_pi, stride_pe, head_dim, d_rel,
+        SLIDING, EXTENT, BLOCK_D, BLOCK_REL, BLOCK_P,
+    )  # fmt: skip
+    if CHAINED and EARLY:  # the row's own key and value, written by the prologue, if they are in the block read early
+        gdc_wait()
         j = first + tl.arange(0, BLOCK_P)
         mine = (own >= first) & (own < first + BLOCK_P) & (own < last)
         own_key = tl.load(k_base + own * stride_kl + d, mask=in_d & mine, other=0.0)
@@ -257,8 +252,8 @@ def decode_attention(
         raise ValueError("decode_attention needs unit stride along the head dimension of q, r, keys and values")
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     floor, alpha = log_scaling if log_scaling is not None and not sliding else (1.0, 0.0)
+    block_p, block_d = max(16, block_p), max(16, triton.next_power_of_2(head_dim))  # a tensor-core dot's sides: >= 16
     splits = attention_splits(rows * kv_heads, entries, block_p, runs)
-    block_d = max(16, triton.next_power_of_2(head_dim))  # a tensor-core dot's sides are 16 or more
     parts = stats = counts = out  # read only by a split launch
     if splits > 1:
         parts = torch.empty(rows * heads * splits * block_d, dtype=torch.float32, device=q.device)
@@ -272,7 +267,7 @@ def decode_attention(
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
         RUNS=runs if splits > 1 else 1, SPLITS=splits, PRECISION=dot_precision(q.dtype),
         BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
-        BLOCK_D=block_d, BLOCK_REL=max(16, triton.next_power_of_2(d_rel)), BLOCK_P=max(16, block_p), EARLY=early,
+        BLOCK_D=block_d, BLOCK_REL=max(16, triton.next_power_of_2(d_rel)), BLOCK_P=block_p, EARLY=early,
         num_warps=num_warps, **chain_launch(q),
     )  # fmt: skip
     return out
