@@ -55,9 +55,11 @@ def assert_close(expected: dict, got: dict, tol: float) -> None:
 
 
 # bf16 graph steps against eager ones: the decode attention kernel sums each row's keys in runs with an online
-# softmax, where the eager composite rounds the normalised probabilities to bf16, so a logit may land one bf16 step
-# away and a greedy token part at a near-tie; until then the streams agree to BF16_TOL.
-BF16_TOL = 2e-2
+# softmax, where the eager composite rounds the normalised probabilities to bf16, so the attention output, and through
+# the cache the later steps, may land one bf16 step away. The logits come out of the LM head in bf16, where one of
+# magnitude 4-8 is a multiple of 2^-5 = 0.031: same-token logprobs agree within one such step and the log-sum-exp's
+# shift (the H100 showed 0.022 over a 36-token stream on 2026-12-06), and a greedy token may part at a near-tie.
+BF16_TOL = 4e-2
 
 
 def assert_streams_agree(expected: dict, got: dict) -> None:
