@@ -89,7 +89,7 @@ def _decode_attention_kernel(
 ):  # fmt: skip
     """One run of a row's keys for the GROUPS query heads of one kv head (a tile of BLOCK_G rows, those past GROUPS
     unused), so each key and value is read once for them all. SPLITS programs per (row, kv head) are launched, at
-    least as many as any row's runs; those past a row's last run write nothing. Chained with EARLY, it reads its
+    least as many as any row's runs; those past a row's last run return at once. Chained with EARLY, it reads its
     first block before its wait: the step's inputs (sequence slot, position) and the cache entries of earlier steps,
     which no kernel of this step writes; only the row's own entry, which the prologue before it writes, is read again
     after the wait."""
@@ -110,6 +110,8 @@ def _decode_attention_kernel(
     seen = tl.minimum(pos + 1, P)
     run = tl.cdiv(tl.cdiv(seen, RUNS), BLOCK_P) * BLOCK_P
     runs = tl.cdiv(seen, run)
+    if split >= runs:  # past the row's last run: nothing to read (the next kernel's wait is for the whole grid)
+        return
     first = split * run
     last = tl.minimum(first + run, seen)
     d = tl.arange(0, BLOCK_D)
@@ -157,9 +159,8 @@ def _decode_attention_kernel(
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     in_out = in_g[:, None] & in_d[None, :]
     if SPLITS == 1 or runs == 1:  # the first run holds the row's every key: no partials, no count
-        if split == 0:
-            tl.store(out_ptrs, (acc / total[:, None]).to(dtype), mask=in_out)
-    elif split < runs:  # the row's runs meet: each writes its partial, the last one to count weighs and sums them
+        tl.store(out_ptrs, (acc / total[:, None]).to(dtype), mask=in_out)
+    else:  # the row's runs meet: each writes its partial, the last one to count weighs and sums them
         group = b * tl.num_programs(1) + kv_head
         ours = (group * SPLITS + split) * GROUPS + g  # this run's row of partials per query head
         tl.store(part_ptr + ours[:, None] * BLOCK_D + d[None, :], acc, mask=in_g[:, None])
