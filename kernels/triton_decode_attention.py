@@ -168,17 +168,21 @@ def _decode_attention_kernel(
         tl.store(stat_ptr + ours * 2 + 1, total, mask=in_g)
         tl.debug_barrier()  # every thread's stores before the count's release (one thread adds for the program)
         if tl.atomic_add(count_ptr + group, 1) == runs - 1:  # the other runs' partials are visible now
+            # unrolled over the launch's SPLITS, those past the row's runs masked: a masked run adds exp(_MASKED -
+            # row_top) x 0 = 0 to the sums, so they are bitwise those of a loop over the row's runs
             row_top = tl.full((BLOCK_G,), _MASKED, tl.float32)
-            for other in range(runs):
+            for other in tl.static_range(SPLITS):
                 stats = stat_ptr + ((group * SPLITS + other) * GROUPS + g) * 2
-                row_top = tl.maximum(row_top, tl.load(stats, mask=in_g, other=_MASKED, cache_modifier=".cg"))
+                ran = in_g & (other < runs)
+                row_top = tl.maximum(row_top, tl.load(stats, mask=ran, other=_MASKED, cache_modifier=".cg"))
             row_total = tl.zeros((BLOCK_G,), tl.float32)
             row = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-            for other in range(runs):  # in run order
+            for other in tl.static_range(SPLITS):  # in run order
                 at = (group * SPLITS + other) * GROUPS + g
-                run_top = tl.load(stat_ptr + at * 2, mask=in_g, other=_MASKED, cache_modifier=".cg")
-                run_total = tl.load(stat_ptr + at * 2 + 1, mask=in_g, other=0.0, cache_modifier=".cg")
-                part = tl.load(part_ptr + at[:, None] * BLOCK_D + d[None, :], mask=in_g[:, None], other=0.0)
+                ran = in_g & (other < runs)
+                run_top = tl.load(stat_ptr + at * 2, mask=ran, other=_MASKED, cache_modifier=".cg")
+                run_total = tl.load(stat_ptr + at * 2 + 1, mask=ran, other=0.0, cache_modifier=".cg")
+                part = tl.load(part_ptr + at[:, None] * BLOCK_D + d[None, :], mask=ran[:, None], other=0.0)
                 weight = tl.exp(run_top - row_top)
                 row_total += run_total * weight
                 row += part * weight[:, None]
