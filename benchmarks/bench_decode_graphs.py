@@ -14,7 +14,9 @@ Targets (issue 7): adapter decode >= 0.90 of no-adapter decode; 8 adapters < 1% 
 With --profile (CUDA), one more batch per adapter count runs under torch.profiler: the GPU kernel time and kernel
 count per decode step, steadier than tok/s for small differences, and the kernels whose own share of the step
 (`own_time`: chained kernels start early and wait, so their profiled durations overlap) moves most with adapters;
-then the batch's captured step graph is replayed alone and timed (GPU time per step, without the host's work).
+then the batch's captured step graph is replayed alone and timed (GPU time per step, without the host's work), and
+the no-adapter replay set against the step's byte floor (`byte_floor`: the weights and state it must read, over the
+card's peak bandwidth).
 With --timeline N (CUDA), one more batch per adapter count lists the first N kernels of one decode step in the
 order they ran, with each one's start, duration and own time (a layer's kernels one after another).
 Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--timeline 40] [--out f.json]
@@ -46,6 +48,7 @@ from bench_serving import (
     rates,
     submit,
 )
+from byte_floor import decode_step_bytes, peak_bytes_s
 from torch.profiler import ProfilerActivity, profile
 
 from inkwell.models import init_base_model
@@ -176,6 +179,20 @@ def replay_us(engine, lora: bool, rounds: int = 10, burst: int = 5) -> dict:
     return {"replay_us": statistics.median(gpu), "launch_us": statistics.median(host)}
 
 
+def step_floor(engine, rows: int, seen: int, profile: dict) -> dict:
+    """The byte floor (`byte_floor`) of the last decode step, the one the no-adapter replay repeats (its rows
+    `seen` positions in), against that replay's GPU time."""
+    floor = decode_step_bytes(engine, rows, seen)
+    peak = peak_bytes_s(torch.cuda.get_device_name())
+    line = f"  byte floor: {floor['weights'] / 1e9:.3f} GB of weights, {floor['state'] / 1e9:.3f} GB of state"
+    if peak is not None:
+        floor["floor_us"] = (floor["weights"] + floor["state"]) / peak * 1e6
+        floor["replay_over_floor"] = profile["replay_us"] / floor["floor_us"]
+        line += f" at {peak / 1e12:.2f} TB/s: {floor['floor_us']:.0f} µs; the replay {floor['replay_over_floor']:.2f}x"
+    print(line)
+    return floor
+
+
 def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, prompts) -> dict:
     """Median decode tokens/s (and step time) per adapter count in one engine configuration."""
     engine = make_engine(model_dir, adapters, args, **options)
@@ -199,6 +216,8 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
             print("  start µs    µs   own µs  kernel (one decode step, in order)")
             for k in out[n]["timeline"][: args.timeline]:
                 print(f"  {k['start_us']:8.1f} {k['us']:6.1f} {k['own_us']:6.1f}  {k['kernel'][:90]}")
+    if args.profile:
+        out["byte_floor"] = step_floor(engine, len(prompts), len(prompts[0]) + args.new - 1, out[0]["profile"])
     if engine.graphs is not None:
         out["graphs_captured"] = len(engine.graphs.decode_graphs)
     del engine
