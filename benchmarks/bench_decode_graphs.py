@@ -15,8 +15,8 @@ With --profile (CUDA), one more batch per adapter count runs under torch.profile
 count per decode step, steadier than tok/s for small differences, and the kernels whose own share of the step
 (`own_time`: chained kernels start early and wait, so their profiled durations overlap) moves most with adapters;
 then the batch's captured step graph is replayed alone and timed (GPU time per step, without the host's work), and
-the no-adapter replay set against the step's byte floor (`byte_floor`: the weights and state it must read, over the
-card's peak bandwidth).
+set against the step's byte floor (`byte_floor`: the weights, state and adapters it must read, over the card's peak
+bandwidth).
 With --timeline N (CUDA), one more batch per adapter count lists the first N kernels of one decode step in the
 order they ran, with each one's start, duration and own time (a layer's kernels one after another).
 Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--timeline 40] [--out f.json]
@@ -179,15 +179,16 @@ def replay_us(engine, lora: bool, rounds: int = 10, burst: int = 5) -> dict:
     return {"replay_us": statistics.median(gpu), "launch_us": statistics.median(host)}
 
 
-def step_floor(engine, rows: int, seen: int, profile: dict) -> dict:
-    """The byte floor (`byte_floor`) of the last decode step, the one the no-adapter replay repeats (its rows
-    `seen` positions in), against that replay's GPU time."""
-    floor = decode_step_bytes(engine, rows, seen)
+def step_floor(engine, seen: int, keys: list[str | None], replay_us: float) -> dict:
+    """The byte floor (`byte_floor`) of the batch's last decode step, the one its replay repeats (rows `seen`
+    positions in, row i on adapter keys[i]), against the replay's GPU time."""
+    floor = decode_step_bytes(engine, seen, keys)
+    parts = ", ".join(f"{floor[part] / 1e9:.3f} GB of {part}" for part in ("weights", "state", "adapters"))
+    line = f"  byte floor: {parts}"
     peak = peak_bytes_s(torch.cuda.get_device_name())
-    line = f"  byte floor: {floor['weights'] / 1e9:.3f} GB of weights, {floor['state'] / 1e9:.3f} GB of state"
     if peak is not None:
-        floor["floor_us"] = (floor["weights"] + floor["state"]) / peak * 1e6
-        floor["replay_over_floor"] = profile["replay_us"] / floor["floor_us"]
+        floor["floor_us"] = (floor["weights"] + floor["state"] + floor["adapters"]) / peak * 1e6
+        floor["replay_over_floor"] = replay_us / floor["floor_us"]
         line += f" at {peak / 1e12:.2f} TB/s: {floor['floor_us']:.0f} µs; the replay {floor['replay_over_floor']:.2f}x"
     print(line)
     return floor
@@ -211,13 +212,12 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
             times = f"{prof['kernel_us']:.0f} µs ({prof['busy_us']:.0f} busy), replay {prof['replay_us']:.0f} µs"
             times += f", launch {prof['launch_us']:.0f} µs"
             print(f"  {prof['kernels']} kernels, {times}")
+            prof["byte_floor"] = step_floor(engine, len(prompts[0]) + args.new - 1, keys, prof["replay_us"])
         if args.timeline:
             out[n]["timeline"] = step_timeline(engine, prompts, keys, args.new)
             print("  start µs    µs   own µs  kernel (one decode step, in order)")
             for k in out[n]["timeline"][: args.timeline]:
                 print(f"  {k['start_us']:8.1f} {k['us']:6.1f} {k['own_us']:6.1f}  {k['kernel'][:90]}")
-    if args.profile:
-        out["byte_floor"] = step_floor(engine, len(prompts), len(prompts[0]) + args.new - 1, out[0]["profile"])
     if engine.graphs is not None:
         out["graphs_captured"] = len(engine.graphs.decode_graphs)
     del engine

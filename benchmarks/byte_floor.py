@@ -3,10 +3,15 @@
 A step of `rows` sequences reads every weight once, except the embedding (only its rows' rows) and the routed experts
 (only those its tokens reach: each token picking k of E, E (1 - (1 - k/E)^rows) of them per MoE layer in expectation
 under uniform routing; the shared experts always), and each sequence's state: its keys and values in every attention
-layer (a sliding layer's ring holds at most its window) and its ShortConv states. Activations, adapters and what the
-step writes are left out, so every real step takes longer. Issue 25's first target, a batch-8 step within 2x of it,
-is read against the step's graph replayed alone (`bench_decode_graphs.py --profile`).
+layer (a sliding layer's ring holds at most its window) and its ShortConv states; and each adapter its rows use, once:
+every factor of its slot, the routed experts' own factors only for the experts its rows reach. Activations and what
+the step writes are left out, so every real step takes longer. Issue 25's targets (a batch-8 step within 2x of it; 8
+distinct adapters within 3% of 1) are read against the step's graph replayed alone (`bench_decode_graphs.py
+--profile`).
 """
+
+import math
+from collections import Counter
 
 from inkwell.serving.native.engine import Engine
 
@@ -24,11 +29,27 @@ def experts_reached(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
-def decode_step_bytes(engine: Engine, rows: int, seen: int) -> dict[str, float]:
-    """Bytes a decode step of `rows` sequences, each `seen` positions in (the step's own included), must read, as
-    they lie in the engine's memory: {"weights": ..., "state": keys, values and ShortConv states}."""
+def adapter_bytes(engine: Engine, rows: int) -> float:
+    """Bytes of one adapter's slot that a step whose `rows` sequences use it must read: every factor of every
+    target, at the slots' rank; the routed experts' own factors ([E, ...]: gate/up B, down A) only for the experts
+    those rows reach."""
+    layout, config = engine.lora.layout, engine.model.config
+    routed = config.n_routed_experts
+    reached = experts_reached(routed, config.num_experts_per_tok, rows) / routed
+    elements = 0.0
+    for entry in layout.entries:
+        for shape in (entry.a_shape, entry.b_shape):
+            elements += math.prod(shape) * (reached if entry.group == "experts" and len(shape) == 3 else 1.0)
+    return elements * layout.dtype.itemsize
+
+
+def decode_step_bytes(engine: Engine, seen: int, adapters: list[str | None]) -> dict[str, float]:
+    """Bytes a decode step must read, as they lie in the engine's memory, for rows that are each `seen` positions
+    in (the step's own included), row i on adapter `adapters[i]` (None: the base model): {"weights", "state": keys,
+    values and ShortConv states, "adapters"}."""
     model, state = engine.model, engine.state
     config = model.config
+    rows = len(adapters)
     routed, shared = config.n_routed_experts, config.n_shared_experts
     reached = experts_reached(routed, config.num_experts_per_tok, rows)
     weights = 0.0
@@ -43,4 +64,9 @@ def decode_step_bytes(engine: Engine, rows: int, seen: int) -> dict[str, float]:
     for keys, sliding in zip(state.keys, state.sliding, strict=True):
         entries = min(seen, state.window) if sliding else seen
         per_row += 2 * entries * keys[0, 0].numel() * keys.element_size()  # keys and values alike
-    return {"weights": weights, "state": rows * per_row}
+    used = Counter(key for key in adapters if key is not None)
+    return {
+        "weights": weights,
+        "state": rows * per_row,
+        "adapters": sum(adapter_bytes(engine, count) for count in used.values()),
+    }
