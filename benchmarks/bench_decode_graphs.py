@@ -249,19 +249,22 @@ def table(results: dict) -> str:
 
 
 def profile_table(mode: str, result: dict, top: int = 8) -> str:
-    """Kernel time per decode step against 0 and 1 adapter, and the kernels whose own time (`own_time`) moves most
-    from 0 to 1 adapter and from 1 to 8."""
+    """Kernel time per decode step against 0 and 1 adapter, the replay against its byte floor (where the card's
+    peak is known), and the kernels whose own time (`own_time`) moves most from 0 to 1 adapter and from 1 to 8."""
     prof = {n: result[n]["profile"] for n in COUNTS}
     lines = [
         f"\n[{mode}] GPU kernels per decode step (torch.profiler)",
-        "| adapters | kernels | kernel µs | vs 0 adapters | vs 1 adapter | graph replay µs | vs 0 | vs 1 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| adapters | kernels | kernel µs | vs 0 adapters | vs 1 adapter | graph replay µs | vs 0 | vs 1 "
+        "| byte floor µs | replay / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in COUNTS:
         cells = [str(n), str(prof[n]["kernels"])]
         for what in ("kernel_us", "replay_us"):
             us = prof[n][what]
             cells += [f"{us:.0f}", *(f"{us / prof[base][what]:.4f}" for base in (0, 1))]
+        floor = prof[n]["byte_floor"]
+        cells += [f"{floor['floor_us']:.0f}", f"{floor['replay_over_floor']:.2f}"] if "floor_us" in floor else ["-"] * 2
         lines.append("| " + " | ".join(cells) + " |")
     for a, b in ((0, 1), (1, 8)):
         before, after = prof[a]["own_by_name"], prof[b]["own_by_name"]
