@@ -36,7 +36,7 @@ def test_a_step_reads_its_rows_embeddings_the_experts_reached_and_each_rows_wind
     engine = Engine(tiny_model_dir, EngineConfig(max_lora_rank=8, dtype="float32"))
     rows, seen = 3, config.sliding_window_size + 6  # past the window: sliding layers hold only its last positions
     routed = config.n_routed_experts
-    reached = routed * (1 - (1 - config.num_experts_per_tok / routed) ** rows)
+    reached = byte_floor.experts_reached(routed, config.num_experts_per_tok, rows)
     weights = 0.0
     for name, shape in expected_tensors(config).items():
         if name.startswith("model.mtp."):
@@ -70,7 +70,7 @@ def test_each_adapter_is_read_once_with_the_routed_experts_its_rows_reach(tiny_m
     routed, top_k = config.n_routed_experts, config.num_experts_per_tok
 
     def slot_bytes(rows: int) -> float:  # gate/up B and down A of the routed experts are [E, ...]: per expert
-        reached = routed * (1 - (1 - top_k / routed) ** rows)
+        reached = byte_floor.experts_reached(routed, top_k, rows)
         return sum(
             4 * t.numel() * (reached / routed if ".mlp.experts." in name and t.dim() == 3 else 1.0)
             for name, t in adapter.tensors.items()
