@@ -88,9 +88,9 @@ def tenant_id(principal: Principal = Depends(current_principal)) -> str:
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings = app.state.settings
-    resolver = RegistryResolver(
-        app.state.sessionmaker, app.state.store, settings.s3_region, (settings.s3_access_key, settings.s3_secret_key)
-    )
+    keys = (settings.s3_access_key, settings.s3_secret_key)
+    # reads only: on SQLite a request never waits for the database's writer
+    resolver = RegistryResolver(app.state.read_sessionmaker, app.state.store, settings.s3_region, keys)
     serving = ServingSettings()
     if "cpu" in serving.worker_devices():
         forkserver.warm()  # CPU serving workers fork from it: its imports overlap the rest of startup

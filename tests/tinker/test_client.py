@@ -4,6 +4,7 @@ the state with its optimizer takes the step the first one took; sampler weights 
 compute_logprobs and the trainer agree with; the REST client lists, inspects and deletes checkpoints. Two session
 workers in all (the service's default capacity)."""
 
+import sqlite3
 import time
 from collections.abc import Iterator
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import tinker
 import torch
+from sqlalchemy import make_url
 from tinker import types
 
 from inkwell.service.routers.tinker import CLIENT_CONFIG
@@ -223,6 +225,24 @@ def test_sampling_clients_agree_with_the_trainer(client, training):
     assert by_path.sample(prompt, 1, greedy).result().sequences[0].tokens == first.tokens
     base = client.create_sampling_client(base_model="inkling-tiny").result().sample(prompt, 1, greedy).result()
     assert base.sequences[0].logprobs != first.logprobs  # the adapter, not the base, answered
+
+
+def test_sampling_does_not_wait_for_the_databases_writer(service, client, training):
+    """A sample names weights the registry holds and only reads it, so it is answered while another process holds
+    SQLite's write lock: an RL loop's samples queued behind a writer would each wait up to the 60 s busy timeout."""
+    prompt = types.ModelInput.from_ints(TOKENS[:4])
+    greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
+    named = training.save_weights_for_sampler("while-locked").result()
+    samplers = [training.save_weights_and_get_sampling_client().result()]
+    samplers.append(client.create_sampling_client(model_path=named.path).result())
+    writer = sqlite3.connect(make_url(service.settings.resolved_database_url).database, timeout=1, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        answers = [sampler.sample(prompt, 2, greedy) for sampler in samplers]
+        assert all(len(answer.result(timeout=20).sequences) == 2 for answer in answers)
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
 
 
 def test_stable_reinforces_sampling_is_refused_naming_the_losses_to_use(training):
