@@ -53,7 +53,7 @@ CLIENT_CONFIG: dict[str, Any] = {
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = app.state
-    runs = Runs(state.sessionmaker, state.store)
+    runs = Runs(state.sessionmaker, state.read_sessionmaker, state.store)
     state.tinker = TinkerDoor(state.sessions, runs, getattr(state, "serving", None))
     reaper = asyncio.ensure_future(state.tinker.reap(state.sessions.settings.reap_interval))
     try:

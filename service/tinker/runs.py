@@ -72,8 +72,11 @@ class RunRecord:
 
 
 class Runs:
-    def __init__(self, sm: sessionmaker[Session], store: ObjectStore) -> None:
-        self.sm, self.store = sm, store
+    """Runs' records in the object store; their sampler checkpoints in the registry, read through `read_sm` (on
+    SQLite a read never waits for the database's writer) and deleted through `sm`."""
+
+    def __init__(self, sm: sessionmaker[Session], read_sm: sessionmaker[Session], store: ObjectStore) -> None:
+        self.sm, self.read_sm, self.store = sm, read_sm, store
 
     def write(self, tenant_id: str, record: RunRecord) -> None:
         self.store.put_bytes(_runs_prefix(tenant_id) + f"{record.run_id}.json", json.dumps(asdict(record)).encode())
@@ -103,7 +106,7 @@ class Runs:
             for name, (objects, marked) in _named_objects(self.store, root, MARKERS[kind]).items():
                 path = TinkerPath(record.run_id, kind, name)
                 out.append(_checkpoint(path, marked.last_modified, sum(o.size for o in objects)))
-        with self.sm() as s:
+        with self.read_sm() as s:
             for alias, version in repo.aliases_of(s, tenant_id, record.adapter_name).items():
                 row = repo.get_version(s, tenant_id, record.adapter_name, version)
                 name = sampler_name(alias)
@@ -185,7 +188,7 @@ class Runs:
                 raise not_found("checkpoint", str(path)) from None
             base, lora = meta["base_model"], meta["lora"]
         else:
-            with self.sm() as s:
+            with self.read_sm() as s:
                 alias = repo.get_alias(s, tenant_id, record.adapter_name, path.alias)
                 if alias is None:
                     raise not_found("checkpoint", str(path))

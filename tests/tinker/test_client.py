@@ -227,19 +227,25 @@ def test_sampling_clients_agree_with_the_trainer(client, training):
     assert base.sequences[0].logprobs != first.logprobs  # the adapter, not the base, answered
 
 
-def test_sampling_does_not_wait_for_the_databases_writer(service, client, training):
-    """A sample names weights the registry holds and only reads it, so it is answered while another process holds
-    SQLite's write lock: an RL loop's samples queued behind a writer would each wait up to the 60 s busy timeout."""
+def test_samples_and_checkpoint_reads_do_not_wait_for_the_databases_writer(service, tenant, client, training):
+    """A sample, a run's checkpoint list and a checkpoint's info only read the registry, so they are answered while
+    another process holds SQLite's write lock: an RL loop's samples queued behind a writer would each wait up to the
+    60 s busy timeout."""
     prompt = types.ModelInput.from_ints(TOKENS[:4])
     greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
     named = training.save_weights_for_sampler("while-locked").result()
     samplers = [training.save_weights_and_get_sampling_client().result()]
     samplers.append(client.create_sampling_client(model_path=named.path).result())
+    rest = tinker.RestClient(base_url=service.url, api_key=tenant[1])
+    run_id = named.path.removeprefix("tinker://").split("/")[0]
     writer = sqlite3.connect(make_url(service.settings.resolved_database_url).database, timeout=1, isolation_level=None)
     writer.execute("BEGIN IMMEDIATE")
     try:
         answers = [sampler.sample(prompt, 2, greedy) for sampler in samplers]
         assert all(len(answer.result(timeout=20).sequences) == 2 for answer in answers)
+        listed = rest.list_checkpoints(run_id).result(timeout=20).checkpoints
+        assert "sampler_weights/while-locked" in {c.checkpoint_id for c in listed}
+        assert rest.get_weights_info_by_tinker_path(named.path).result(timeout=20).base_model == "inkling-tiny"
     finally:
         writer.execute("ROLLBACK")
         writer.close()
