@@ -51,7 +51,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings = SessionSettings()
     if settings.device == "cpu":
         forkserver.warm()  # session workers fork from it: its imports overlap the rest of startup
-    manager = SessionManager(state.sessionmaker, state.store, state.settings, settings, getattr(state, "serving", None))
+    databases, serving = (state.sessionmaker, state.read_sessionmaker), getattr(state, "serving", None)
+    manager = SessionManager(*databases, state.store, state.settings, settings, serving)
     state.sessions = manager
     reaper = asyncio.ensure_future(manager.reap())
     try:

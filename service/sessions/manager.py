@@ -28,7 +28,7 @@ from inkwell.adapters.spec import LoraSpec
 from inkwell.models import load_base_config
 from inkwell.models.routing import RoutingShape
 from inkwell.service.db import repo
-from inkwell.service.db.models import utcnow
+from inkwell.service.db.models import BaseModelRow, utcnow
 from inkwell.service.errors import APIError, not_found
 from inkwell.service.model_resolver import adapter_key
 from inkwell.service.registry import Publication, publish
@@ -96,12 +96,15 @@ class SessionManager:
     def __init__(
         self,
         sm: sessionmaker[Session],
+        read_sm: sessionmaker[Session],
         store: ObjectStore,
         service: Settings,
         settings: SessionSettings,
         serving: ServingTier | None,
     ) -> None:
-        self.sm, self.store, self.service, self.settings, self.serving = sm, store, service, settings, serving
+        """`sm` publishes sampler weights; `read_sm` reads (on SQLite it never waits for the database's writer)."""
+        self.sm, self.read_sm, self.store, self.service = sm, read_sm, store, service
+        self.settings, self.serving = settings, serving
         self.futures = FutureStore(asyncio.get_running_loop())
         self.sessions: dict[str, LiveSession] = {}
         self.scratch = Path(service.data_dir).resolve() / "sessions"
@@ -132,8 +135,7 @@ class SessionManager:
                     field="from_state",
                 )
             lora = LoraSpec.model_validate(meta["lora"])
-        with self.sm() as s:
-            row = repo.get_base_model(s, base_model)
+        row = await asyncio.to_thread(self._base_model, base_model)
         if row is None:
             raise APIError(404, "not_found", f"base model {base_model!r} is not registered (see GET /v1/models)")
         hf = await asyncio.to_thread(load_base_config, row.path)
@@ -181,6 +183,10 @@ class SessionManager:
         self.sessions[session_id] = live
         asyncio.ensure_future(self._start(live))
         return live
+
+    def _base_model(self, name: str) -> BaseModelRow | None:
+        with self.read_sm() as s:
+            return repo.get_base_model(s, name)
 
     async def _start(self, live: LiveSession) -> None:
         try:

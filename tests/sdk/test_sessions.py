@@ -5,6 +5,7 @@ exactly, sampler weights reach the serving tier, and bad input is refused withou
 import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import httpx
 import peft
 import pytest
 import torch
+from sqlalchemy import make_url
 
 from inkwell import sdk
 from inkwell.models import load_base_model
@@ -445,3 +447,25 @@ def test_importance_sampling_with_the_samplers_own_logprobs_is_cross_entropys_gr
         assert [row[0] for row in both] == pytest.approx(after_a, abs=1e-6)
     assert max(abs(x - y) for x, y in zip(after_a, after_b, strict=True)) < 1e-6
     assert after_a != logprobs
+
+
+def test_a_session_starts_and_the_service_answers_while_another_process_holds_the_write_lock(service, tenant):
+    """Creating a session reads its base model's row, off the event loop and without the write lock (SQLite's WAL
+    readers never wait for its writer): it starts, and the service answers beside it, while a job worker, say,
+    holds that lock. A read with the write lock on the event loop froze every route for up to the 60 s busy
+    timeout."""
+    headers = {"Authorization": f"Bearer {tenant[1]}"}
+    writer = sqlite3.connect(make_url(service.settings.resolved_database_url).database, timeout=1, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        with httpx.Client(base_url=service.url, headers=headers, timeout=20) as raw:
+            with ThreadPoolExecutor(1) as pool:
+                created = pool.submit(raw.post, "/v1/sessions", json={"base_model": "inkling-tiny", "lora": LORA})
+                assert raw.get("/v1/sessions").status_code == 200
+                session = created.result()
+            assert session.status_code == 201, session.text
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    with httpx.Client(base_url=service.url, headers=headers, timeout=60) as raw:
+        raw.delete(f"/v1/sessions/{session.json()['id']}")
