@@ -5,7 +5,6 @@ exactly, sampler weights reach the serving tier, and bad input is refused withou
 import asyncio
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -18,7 +17,6 @@ import httpx
 import peft
 import pytest
 import torch
-from sqlalchemy import make_url
 
 from inkwell import sdk
 from inkwell.models import load_base_model
@@ -30,7 +28,7 @@ from inkwell.trainer import TrainCallbacks, TrainEvent, train
 from inkwell.trainer.config import parse_config
 from inkwell.trainer.dataset import RowStream
 from inkwell.trainer.prepare import prepare
-from tests.service.helpers import Service, make_settings, start_service
+from tests.service.helpers import Service, make_settings, sqlite_write_lock, start_service
 from tests.trainer.helpers import reverse_sample, tiny_job
 
 SESSION_ENV = {"INKWELL_SESSION_IDLE_SECONDS": "6", "INKWELL_SESSION_REAP_INTERVAL": "0.5"}
@@ -455,17 +453,11 @@ def test_a_session_starts_and_the_service_answers_while_another_process_holds_th
     holds that lock. A read with the write lock on the event loop froze every route for up to the 60 s busy
     timeout."""
     headers = {"Authorization": f"Bearer {tenant[1]}"}
-    writer = sqlite3.connect(make_url(service.settings.resolved_database_url).database, timeout=1, isolation_level=None)
-    writer.execute("BEGIN IMMEDIATE")
-    try:
-        with httpx.Client(base_url=service.url, headers=headers, timeout=20) as raw:
-            with ThreadPoolExecutor(1) as pool:
-                created = pool.submit(raw.post, "/v1/sessions", json={"base_model": "inkling-tiny", "lora": LORA})
-                assert raw.get("/v1/sessions").status_code == 200
-                session = created.result()
-            assert session.status_code == 201, session.text
-    finally:
-        writer.execute("ROLLBACK")
-        writer.close()
+    with sqlite_write_lock(service.settings), httpx.Client(base_url=service.url, headers=headers, timeout=20) as raw:
+        with ThreadPoolExecutor(1) as pool:
+            created = pool.submit(raw.post, "/v1/sessions", json={"base_model": "inkling-tiny", "lora": LORA})
+            assert raw.get("/v1/sessions").status_code == 200
+            session = created.result()
+        assert session.status_code == 201, session.text
     with httpx.Client(base_url=service.url, headers=headers, timeout=60) as raw:
         raw.delete(f"/v1/sessions/{session.json()['id']}")

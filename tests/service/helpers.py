@@ -5,6 +5,7 @@ import json
 import os
 import secrets
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import psycopg2
 import uvicorn
+from sqlalchemy import make_url
 
 from inkwell.adapters.adapter import init_adapter
 from inkwell.adapters.io import save_adapter
@@ -37,6 +39,19 @@ def pg_connect(dbname: str = "test"):
         except psycopg2.OperationalError as exc:
             last = exc
     raise last
+
+
+@contextmanager
+def sqlite_write_lock(settings: Settings) -> Iterator[None]:
+    """Hold the write lock of the service's SQLite database from another connection, as a job worker's or a
+    training session's write would, until the block ends."""
+    writer = sqlite3.connect(make_url(settings.resolved_database_url).database, timeout=1, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
 
 
 @contextmanager

@@ -7,7 +7,6 @@ import json
 import os
 import secrets
 import socket
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,6 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from sqlalchemy import make_url
 
 from inkwell.adapters.io import save_adapter
 from inkwell.models import encode_chat, encode_prompt_completion, init_base_model, load_base_config
@@ -29,6 +27,7 @@ from inkwell.service.settings import Settings
 from inkwell.service.storage.seaweed import EmbeddedSeaweed
 from inkwell.serving.contract import EngineConfig, Request, SamplingParams
 from inkwell.serving.native.engine import Engine
+from tests.service.helpers import sqlite_write_lock
 
 SERVING_ENV = {
     "INKWELL_SERVING_MAX_LORA_RANK": "16",
@@ -629,15 +628,8 @@ def test_a_request_is_answered_while_another_process_holds_the_databases_write_l
     """Naming a model only reads the registry, and SQLite's WAL readers never wait for its writer: a request is
     answered while another process (a job worker, a training session's publish) holds the write lock, where a
     resolve that took that lock would wait for it, up to the 60 s busy timeout, and then fail."""
-    database = make_url(served.app.state.settings.resolved_database_url).database
-    writer = sqlite3.connect(database, timeout=1, isolation_level=None)
-    writer.execute("BEGIN IMMEDIATE")
-    try:
-        with served.http() as http:
-            for model in ("inkling-tiny", "inkling-tiny:alpha", "inkling-tiny:beta@prod"):
-                body = {"model": model, "prompt": "hello", "max_tokens": 2}
-                resp = http.post("/v1/completions", json=body, timeout=20)
-                assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, resp.text
-    finally:
-        writer.execute("ROLLBACK")
-        writer.close()
+    with sqlite_write_lock(served.app.state.settings), served.http() as http:
+        for model in ("inkling-tiny", "inkling-tiny:alpha", "inkling-tiny:beta@prod"):
+            body = {"model": model, "prompt": "hello", "max_tokens": 2}
+            resp = http.post("/v1/completions", json=body, timeout=20)
+            assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, resp.text

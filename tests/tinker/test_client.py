@@ -4,7 +4,6 @@ the state with its optimizer takes the step the first one took; sampler weights 
 compute_logprobs and the trainer agree with; the REST client lists, inspects and deletes checkpoints. Two session
 workers in all (the service's default capacity)."""
 
-import sqlite3
 import time
 from collections.abc import Iterator
 
@@ -12,10 +11,10 @@ import httpx
 import pytest
 import tinker
 import torch
-from sqlalchemy import make_url
 from tinker import types
 
 from inkwell.service.routers.tinker import CLIENT_CONFIG
+from tests.service.helpers import sqlite_write_lock
 
 ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 TOKENS = [5, 9, 12, 40, 41, 7, 3, 2, 11, 13]
@@ -238,17 +237,12 @@ def test_samples_and_checkpoint_reads_do_not_wait_for_the_databases_writer(servi
     samplers.append(client.create_sampling_client(model_path=named.path).result())
     rest = tinker.RestClient(base_url=service.url, api_key=tenant[1])
     run_id = named.path.removeprefix("tinker://").split("/")[0]
-    writer = sqlite3.connect(make_url(service.settings.resolved_database_url).database, timeout=1, isolation_level=None)
-    writer.execute("BEGIN IMMEDIATE")
-    try:
+    with sqlite_write_lock(service.settings):
         answers = [sampler.sample(prompt, 2, greedy) for sampler in samplers]
         assert all(len(answer.result(timeout=20).sequences) == 2 for answer in answers)
         listed = rest.list_checkpoints(run_id).result(timeout=20).checkpoints
         assert "sampler_weights/while-locked" in {c.checkpoint_id for c in listed}
         assert rest.get_weights_info_by_tinker_path(named.path).result(timeout=20).base_model == "inkling-tiny"
-    finally:
-        writer.execute("ROLLBACK")
-        writer.close()
 
 
 def test_stable_reinforces_sampling_is_refused_naming_the_losses_to_use(training):
