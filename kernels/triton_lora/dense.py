@@ -327,16 +327,18 @@ def lora_expand_sliced(
     scalings: torch.Tensor,
     out: torch.Tensor,
     slice_offsets: tuple[int, ...] | None,
+    chained: bool = False,
 ) -> torch.Tensor:
     """Expand of a fused projection: out[:, o_p:o_p+1] += scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_p+1]^T.
 
     y [T, P*R] is the shrink over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
-    slice_offsets (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P].
+    slice_offsets (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P]. `chained`: y comes from a
+    chained shrink launched just before (`launch_expand`).
     """
     require(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
     check_token_slots(token_slots, y.shape[0])
     require(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
-    return launch_expand(y, lora_b[:, None], token_slots, scalings, out, slice_offsets)
+    return launch_expand(y, lora_b[:, None], token_slots, scalings, out, slice_offsets, chained=chained)
 
 
 def lora_shrink_expand(
@@ -351,13 +353,15 @@ def lora_shrink_expand(
     """out += the LoRA delta of x, as lora_expand_sliced(lora_shrink(x, A), B, ...) computes it.
 
     Up to FUSED_MAX_TOKENS tokens and FUSED_MAX_N columns (decode) this is one launch: the shrink
-    result stays in registers.
+    result stays in registers. Otherwise the shrink and the expand are chained (`triton_pdl`): the expand launches
+    while the shrink runs and waits for its y.
     """
     _check_sliced_lora(x, lora_a, lora_b, token_slots, slice_offsets)
     require(tuple(out.shape) == (x.shape[0], lora_b.shape[1]), f"out must be [T, N={lora_b.shape[1]}]")
     if x.shape[0] <= FUSED_MAX_TOKENS and lora_b.shape[1] <= FUSED_MAX_N:
         return launch_fused(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
-    return lora_expand_sliced(lora_shrink(x, lora_a, token_slots), lora_b, token_slots, scalings, out, slice_offsets)
+    y = lora_shrink(x, lora_a, token_slots, chained=True)
+    return lora_expand_sliced(y, lora_b, token_slots, scalings, out, slice_offsets, chained=True)
 
 
 def lora_linear(

@@ -27,6 +27,7 @@ from inkwell.kernels.triton_lora.common import (
     slice_of,
     token_block,
 )
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 
 @triton.jit
@@ -64,13 +65,16 @@ def _expand_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    CHAINED: tl.constexpr = False,
 ):
     """out[t, n] += scale[slot, p*G + g] * y[t, rank block p] @ B[slot, g, n]^T; slot -1 rows untouched.
 
     Column n belongs to slice p = p(n) of B stacked along N; a row's expert, as e = expert - first, is in group
     g = (e >= split) of G, each with its own B (linears: g = 0, G = 1). SLOT_LOOP as in _shrink_kernel; otherwise
-    program_id(1) is the slot.
+    program_id(1) is the slot. CHAINED (`triton_pdl`): launched while the chained shrink that writes y runs, the
+    program waits for it before its first read.
     """
+    chain_start(CHAINED)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
     slots, local_e = row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
@@ -117,9 +121,11 @@ def launch_expand(
     out: torch.Tensor,
     slice_offsets: tuple[int, ...] | None,
     rows: ExpertRows | None = None,
+    chained: bool = False,
 ) -> torch.Tensor:
     """out [M, N] += the expand of y's rank blocks over P slices of out's columns; b is [S, G, N, R] as
-    `_expand_kernel` reads it (linears [S, 1, N, R])."""
+    `_expand_kernel` reads it (linears [S, 1, N, R]). `chained`: y comes from a chained shrink launched just before
+    (`launch_shrink`), and the expand launches while it runs, its own launch hidden behind the shrink's work."""
     num_slots, _, _, rank = b.shape
     tokens, n = out.shape
     parts, o1, o2, o3 = parse_slices(slice_offsets, n)
@@ -167,5 +173,6 @@ def launch_expand(
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_R=pow2(rank, 16, 64) if slot_loop else pow2(rank * parts, 16, 64),
+        **(chain_launch(out) if chained else {"CHAINED": False}),
     )
     return out

@@ -194,6 +194,9 @@ def run_chain_cases() -> None:
     qkvr_offsets, s_qkvr = (0, 2048, 2560, 3072, 3328), torch.ones(S, 4)
     a_qkvr, b_qkvr = torch.zeros(S, 4 * R, H, **bf), torch.zeros(S, qkvr_offsets[-1], R, **bf)
     dense.lora_linear(x, torch.zeros(qkvr_offsets[-1], H, **bf), a_qkvr, b_qkvr, slots, s_qkvr, qkvr_offsets)
+    wide = torch.zeros(128, H, **bf)  # past the one-launch sizes: the chained shrink, then the chained expand
+    lora_out = torch.zeros(128, qkvr_offsets[-1], **bf)
+    dense.lora_shrink_expand(wide, a_qkvr, b_qkvr, torch.zeros(128, dtype=torch.long), s_qkvr, lora_out, qkvr_offsets)
     gate_up_shrink = TokenShrink(torch.zeros(S, 2 * 2 * R, H, **bf), slots)
     gate_up_b = torch.zeros(S, 2, experts, F, R, **bf)
     shrink_in = RowExpand(gate_up_shrink, gate_up_b, row_slots, row_experts, torch.ones(S, 4), groups)
@@ -209,7 +212,7 @@ def run_chain_cases() -> None:
     chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
     want |= {"_route_kernel", "_dispatch_kernel", "_expert_matmul_kernel", "_silu_mul_kernel", "_combine_kernel"}
-    want |= {"_combine_down_kernel", "_split_shrink_kernel"}
+    want |= {"_combine_down_kernel", "_split_shrink_kernel", "_expand_kernel"}
     assert want <= {name for name, _ in chained}, f"not compiled chained: {sorted(want - {n for n, _ in chained})}"
     for name, kernel in chained:
         trigger, wait, first = order(kernel)
