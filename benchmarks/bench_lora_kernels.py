@@ -17,6 +17,8 @@ Columns:
   linear     inkwell lora_linear: base GEMM plus one rank-16 LoRA over all N in one launch (decode only);
              linear - base is the LoRA's own cost in the projection, set against the SGLang pair
   linear_sl  lora_linear of the real sliced projection: the projection with LoRA, set against base
+  floor      the bytes the LoRA op must move (x, the adapters' A and B, the output read and written) at the card's
+             peak bandwidth (`byte_floor.PEAK_BYTES_S`)
 Run: python benchmarks/bench_lora_kernels.py [--sglang DIR] [--out results.json] [--sweep]
 """
 
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 import triton
+from byte_floor import peak_bytes_s
 
 from inkwell.kernels import dispatch
 from inkwell.kernels.triton_lora import dense
@@ -200,7 +203,9 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
                 ),
             )
     bytes_moved = (tokens * HIDDEN + adapters * RANK * (HIDDEN + n) + 2 * tokens * n) * 2
-    row["floor"] = bytes_moved / 4.3e12 * 1e6
+    peak = peak_bytes_s(torch.cuda.get_device_name())
+    if peak is not None:  # a card byte_floor does not list gets no floor column
+        row["floor"] = bytes_moved / peak * 1e6
     return row
 
 
