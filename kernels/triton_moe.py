@@ -129,6 +129,16 @@ def _place_kernel(
 # rows, on the H200), so a program per block counts its rows and another per block places them.
 ONE_PROGRAM_MAX_ROWS = 1024
 MAX_SORT_BLOCKS = 256
+dispatch_override: tuple[int, int] | None = None  # (BLOCK_M, num_warps): benchmarks/bench_dispatch.py's sweep
+
+
+def dispatch_program(rows: int) -> tuple[int, int]:
+    """The one-program dispatch's (BLOCK_M, num_warps) for `rows` rows: blocks of up to 256 rows, 4 warps. Wider
+    blocks with more warps, one step per pass, were slower (H100, 768 rows: 512 x 8 warps 15.2 µs, 1,024 x 16 19.2,
+    against 9.6; docs/benchmarks.md)."""
+    if dispatch_override is not None:
+        return dispatch_override
+    return min(triton.next_power_of_2(rows), 256), 4
 
 
 def moe_dispatch(
@@ -149,10 +159,10 @@ def moe_dispatch(
     if rows == 0:
         ends.zero_()
     elif rows <= ONE_PROGRAM_MAX_ROWS:
-        block_m = min(triton.next_power_of_2(rows), 256)
+        block_m, warps = dispatch_program(rows)
         _dispatch_kernel[(1,)](
-            index, weights, slots, *outputs, rows, num_experts, K=k, BLOCK_M=block_m, BLOCK_E=block_e, num_warps=4,
-            **chain_launch(index),
+            index, weights, slots, *outputs, rows, num_experts, K=k, BLOCK_M=block_m, BLOCK_E=block_e,
+            num_warps=warps, **chain_launch(index),
         )  # fmt: skip
     else:
         block_m = max(256, triton.next_power_of_2(triton.cdiv(rows, MAX_SORT_BLOCKS)))
