@@ -117,8 +117,10 @@ def import_route(
     settings: Settings = Depends(get_settings),
 ) -> AdapterVersion:
     check_name(name)
-    sm = request.app.state.sessionmaker
-    with sm() as s:
+    sm, read_sm = request.app.state.sessionmaker, request.app.state.read_sessionmaker
+    # The checks read through the read-only sessionmaker: on SQLite a write-intent session takes the database's
+    # write lock at its first statement, so an import refused here would wait for any writer first.
+    with read_sm() as s:
         base = require_base_model(s, base_model)
         # Refused before the upload is read if the name is another base's already; the publish checks again,
         # under the adapter's lock.

@@ -13,7 +13,7 @@ from inkwell.service.db import repo
 from inkwell.service.errors import APIError
 from inkwell.service.registry import Publication, publish, version_prefix
 from inkwell.service.routers import adapters as adapters_router
-from tests.service.helpers import assert_error, import_dir, make_adapter_dir
+from tests.service.helpers import assert_error, import_dir, make_adapter_dir, sqlite_write_lock
 
 BIG = 2**63  # one past the largest BIGINT
 MAX = 2**63 - 1
@@ -136,6 +136,20 @@ def test_import_whose_declared_layout_does_not_match_its_files_is_422(sqlite_ser
             assert err["details"]["reason_code"] == "layout_mismatch", err
             assert actual in err["message"] and declared in err["message"]
         assert client.get("/v1/adapters").json()["data"] == []
+
+
+def test_an_import_its_checks_refuse_does_not_wait_for_another_writer(sqlite_service, tmp_path):
+    """The import's checks (the base model, the name's base) only read: while another process holds SQLite's write
+    lock, an import naming an unknown base model is refused at once, where checks that took the lock waited for it,
+    up to the 60 s busy timeout; once that writer is done, the same files import."""
+    service = sqlite_service
+    _, key = service.new_tenant()
+    files = _files(make_adapter_dir(service, tmp_path / "p", "peft", manifest=False))
+    with service.client(key, timeout=20) as client:
+        with sqlite_write_lock(service.settings):
+            err = assert_error(_post(client, files, "peft", base_model="inkling-nope"), 404, "unknown_base_model")
+            assert "inkling-tiny" in err["message"]
+        assert _post(client, files, "peft").status_code == 201
 
 
 def test_import_with_a_file_given_twice_is_422(sqlite_service, tmp_path):
