@@ -2,7 +2,8 @@
 
 A batch of `--batch` prompts of `--prompt` random tokens, `--new` greedy tokens each (or sampled, with
 `--temperature` > 0 and `--top-p`, seeded per request), with no adapter and with 1, 4 and 8 distinct adapters
-(rank `--rank`, 16) over every target group (request i uses adapter i mod n). Decode = every
+(rank `--rank`, 16) over every target group (request i uses adapter i mod n); `--adapters 0 1 8` runs only those
+counts (0 always), for a shorter A/B. Decode = every
 step after the first (which prefills every prompt); each case is timed `--repeats` times after a warm-up run
 (Triton compiles, graphs are captured) and the median is kept.
   eager         cuda_graphs=False: every step runs InklingModel.forward (one stream)
@@ -198,7 +199,7 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
     """Median decode tokens/s (and step time) per adapter count in one engine configuration."""
     engine = make_engine(model_dir, adapters, args, **options)
     out = {}
-    for n in COUNTS:
+    for n in args.adapters:
         keys = adapter_keys(n, len(prompts))
         sampling = {"temperature": args.temperature, "top_p": args.top_p}
         engine_batch(engine, clock, prompts, keys, args.new, **sampling)  # warm-up
@@ -226,7 +227,9 @@ def bench_mode(model_dir: Path, adapters, args, options: dict, clock: Clock, pro
     return out
 
 
-def table(results: dict) -> str:
+def table(results: dict, counts: list[int]) -> str:
+    """Decode tok/s per adapter count (`counts`, 0 first) and mode, each against no adapter and the baseline modes,
+    8 against 1 adapter where both ran, and each mode's profile table where it was profiled."""
     modes = [m for m in MODES if m in results]
     baselines = [b for b in ("eager", "graphs-sync") if b in modes]
     head = ["adapters", *(f"{m} tok/s" for m in modes), *(f"{m} vs 0" for m in modes)]
@@ -236,37 +239,41 @@ def table(results: dict) -> str:
     def rate(mode: str, n: int) -> float:
         return results[mode][n]["decode_tok_s"]
 
-    for n in COUNTS:
+    for n in counts:
         cells = [str(n), *(f"{rate(m, n):.0f}" for m in modes), *(f"{rate(m, n) / rate(m, 0):.3f}" for m in modes)]
         cells += [f"{rate(m, n) / rate(b, n):.2f}" for b in baselines for m in modes if m != b]
         lines.append("| " + " | ".join(cells) + " |")
-    ratios = ", ".join(f"{m} {rate(m, 8) / rate(m, 1):.3f}" for m in modes)
-    lines.append(f"\n8 vs 1 adapters (decode tok/s ratio): {ratios}")
+    if {1, 8} <= set(counts):
+        ratios = ", ".join(f"{m} {rate(m, 8) / rate(m, 1):.3f}" for m in modes)
+        lines.append(f"\n8 vs 1 adapters (decode tok/s ratio): {ratios}")
     for m in modes:
         if "profile" in results[m][0]:
-            lines.append(profile_table(m, results[m]))
+            lines.append(profile_table(m, results[m], counts))
     return "\n".join(lines)
 
 
-def profile_table(mode: str, result: dict, top: int = 8) -> str:
+def profile_table(mode: str, result: dict, counts: list[int], top: int = 8) -> str:
     """Kernel time per decode step against 0 and 1 adapter, the replay against its byte floor (where the card's
-    peak is known), and the kernels whose own time (`own_time`) moves most from 0 to 1 adapter and from 1 to 8."""
-    prof = {n: result[n]["profile"] for n in COUNTS}
+    peak is known), and the kernels whose own time (`own_time`) moves most from 0 to 1 adapter and from 1 to 8
+    (those of `counts` that ran)."""
+    prof = {n: result[n]["profile"] for n in counts}
     lines = [
         f"\n[{mode}] GPU kernels per decode step (torch.profiler)",
         "| adapters | kernels | kernel µs | vs 0 adapters | vs 1 adapter | graph replay µs | vs 0 | vs 1 "
         "| byte floor µs | replay / floor |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for n in COUNTS:
+    for n in counts:
         cells = [str(n), str(prof[n]["kernels"])]
         for what in ("kernel_us", "replay_us"):
             us = prof[n][what]
-            cells += [f"{us:.0f}", *(f"{us / prof[base][what]:.4f}" for base in (0, 1))]
+            cells += [f"{us:.0f}", *(f"{us / prof[base][what]:.4f}" if base in prof else "-" for base in (0, 1))]
         floor = prof[n]["byte_floor"]
         cells += [f"{floor['floor_us']:.0f}", f"{floor['replay_over_floor']:.2f}"] if "floor_us" in floor else ["-"] * 2
         lines.append("| " + " | ".join(cells) + " |")
     for a, b in ((0, 1), (1, 8)):
+        if not {a, b} <= set(prof):
+            continue
         before, after = prof[a]["own_by_name"], prof[b]["own_by_name"]
         moved = sorted(set(before) | set(after), key=lambda k: -abs(after.get(k, 0) - before.get(k, 0)))[:top]
         lines.append(f"\nlargest changes of kernels' own time from {a} to {b} adapters (µs per step):")
@@ -283,8 +290,14 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="also GPU kernel time per decode step (CUDA)")
     ap.add_argument("--timeline", type=int, default=0, help="list the first N kernels of one decode step (CUDA)")
+    ap.add_argument(
+        "--adapters", type=int, nargs="+", default=list(COUNTS), choices=COUNTS, help="the adapter counts to run"
+    )
     ap.add_argument("--out", type=Path)
     args = parse_engine_args(ap)
+    if 0 not in args.adapters:
+        ap.error("--adapters must include 0: every count is read against no adapter")
+    args.adapters = sorted(set(args.adapters))
     cuda = args.device.startswith("cuda")
     if (args.profile or args.timeline) and not cuda:
         ap.error("--profile and --timeline time CUDA kernels and graph replays: run them with --device cuda")
@@ -308,7 +321,7 @@ def main() -> None:
             print(f"[{mode}] {time.perf_counter() - t0:.1f}s", flush=True)
             if args.out is not None:
                 args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results))
+    print(table(results, args.adapters))
 
 
 if __name__ == "__main__":
