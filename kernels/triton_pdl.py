@@ -15,11 +15,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-def chain_launch(t: torch.Tensor) -> dict:
+def chain_launch(t: torch.Tensor, chained: bool = True) -> dict:
     """A chained kernel's CHAINED and launch options over tensors on t's device, from one rule, so no kernel launched
     early lacks its wait: Triton's CPU interpreter has no programmatic launch, so there the kernels run one after
-    another with their waits compiled out."""
-    return {"CHAINED": True, "launch_pdl": True} if t.is_cuda else {"CHAINED": False}
+    another with their waits compiled out. `chained` False (a kernel that chains only at some call sites): a plain
+    launch."""
+    return {"CHAINED": True, "launch_pdl": True} if chained and t.is_cuda else {"CHAINED": False}
 
 
 def pair_launch(t: torch.Tensor) -> dict:

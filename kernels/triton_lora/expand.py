@@ -173,6 +173,6 @@ def launch_expand(
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_R=pow2(rank, 16, 64) if slot_loop else pow2(rank * parts, 16, 64),
-        **(chain_launch(out) if chained else {"CHAINED": False}),
+        **chain_launch(out, chained),
     )
     return out

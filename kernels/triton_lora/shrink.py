@@ -198,7 +198,7 @@ def launch_shrink(
         return y
     block_t, block_r = pow2(tokens, 16, 32), pow2(rank, 16, 64)
     block_k = pow2(k, 16, 256 if x.element_size() <= 2 else 128)
-    chain = chain_launch(x) if chained else {"CHAINED": False}
+    chain = chain_launch(x, chained)
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
     split_k = min(split_k, triton.cdiv(k, block_k))
