@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkwell.kernels import Router
 from inkwell.serving.native.decode import DecodeForward
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import InklingModel, rms_norm
@@ -146,8 +147,16 @@ class ExtendForward(DecodeForward):
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, inputs: ExtendInputs, norm: str
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        layer: int,
+        site: int,
+        inputs: ExtendInputs,
+        norm: str,
+        router: Router | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DecodeForward._sconv_add_norm` over the chunks; the `router` is left to run after the norm."""
         m = self.model
         if x.is_cuda:
             return self._sconv_chunks(x, layer, site, inputs, residual=h, norm_weight=m.w[norm], eps=m.eps)
