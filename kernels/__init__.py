@@ -9,7 +9,7 @@ from inkwell.kernels.dispatch import (
     EXPERT_MATMUL_MAX_TOKENS,
     FUSED_MAX_N,
     FUSED_MAX_TOKENS,
-    ROUTE_IN_SCONV_MAX_TOKENS,
+    GATE_IN_SCONV_MAX_TOKENS,
     expert_lora_shrink,
     expert_matmul,
     expert_out_lora_expand,
@@ -26,15 +26,14 @@ from inkwell.kernels.dispatch import (
     silu_mul,
     silu_mul_shrink,
 )
-from inkwell.kernels.torch_ops import ExpertGroups, Router, RowExpand, TokenShrink
+from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 
 __all__ = [
     "EXPERT_MATMUL_MAX_TOKENS",
     "FUSED_MAX_N",
     "FUSED_MAX_TOKENS",
-    "ROUTE_IN_SCONV_MAX_TOKENS",
+    "GATE_IN_SCONV_MAX_TOKENS",
     "ExpertGroups",
-    "Router",
     "RowExpand",
     "TokenShrink",
     "expert_lora_shrink",

@@ -190,21 +190,6 @@ class RowExpand:
         return self.b.dim() == 5
 
 
-@dataclass(frozen=True)
-class Router:
-    """A MoE layer's shared-sink router: its gate [E + n, H] (the routed experts' rows, then the n shared ones'),
-    the routed experts' correction bias [E], the global scale [1], how many routed experts a token takes (top_k),
-    and route_scale. One operand, so the gate GEMM and the routing after it (`shared_sink_route`) or the kernel
-    that does both (`triton_short_conv.short_conv_step(router=...)`) take the same weights."""
-
-    gate: torch.Tensor
-    bias: torch.Tensor
-    global_scale: torch.Tensor
-    top_k: int
-    n_shared: int
-    route_scale: float
-
-
 def shared_sink_route(
     logits: torch.Tensor,
     bias: torch.Tensor,

@@ -34,22 +34,27 @@ def _log_sigmoid(x, dtype: tl.constexpr, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def route_rows(
-    x, x_shared, rows, in_rows, bias_ptr, scale_ptr, index_ptr, weights_ptr, route_scale, stride_it, stride_wt,
-    ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+def _route_kernel(
+    logits_ptr, bias_ptr, scale_ptr, index_ptr, weights_ptr,
+    T, route_scale, stride_lt, stride_it, stride_wt,
+    ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
-    """Route rows [BLOCK_T] (in_rows [BLOCK_T, 1]: those that exist) from their logits, fp32 holding the model's
-    dtype: routed x [BLOCK_T, BLOCK_E] and shared x_shared [BLOCK_T, BLOCK_S] -> their rows of index [T, TOP_K +
-    SHARED] and weights (in weights' dtype)."""
+    """Rows [BLOCK_T] of logits [T, ROUTED + SHARED] -> index [T, TOP_K + SHARED] and weights (like logits)."""
+    chain_start(CHAINED)
     dtype = weights_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_rows = (rows < T)[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
     s = tl.arange(0, BLOCK_S)[None, :]
     routed = in_rows & (e < ROUTED)
     shared = in_rows & (s < SHARED)
+    row_logits = logits_ptr + rows[:, None].to(tl.int64) * stride_lt
+    x = tl.load(row_logits + e, mask=routed, other=0.0).to(tl.float32)
+    x_shared = tl.load(row_logits + ROUTED + s, mask=shared, other=0.0).to(tl.float32)
 
     # the scores top-k compares: sigmoid and sigmoid + bias, each rounded to the model's dtype as torch does
-    sig = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp(-x, PRECISE)).to(dtype).to(tl.float32)
+    sig = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + exp(-x, PRECISE)).to(dtype).to(tl.float32)
     bias = tl.load(bias_ptr + e, mask=e < ROUTED, other=0.0).to(tl.float32)
     score = tl.where(routed, (sig + bias).to(dtype).to(tl.float32), _NEG_INF)
     # the k-th largest score, counted with multiplicity: take the largest k times, one expert at a time
@@ -91,50 +96,6 @@ def route_rows(
     tl.store(weights_ptr + out * stride_wt + TOP_K + s, w_shared.to(dtype), mask=shared)
 
 
-@triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, scale_ptr, index_ptr, weights_ptr,
-    T, route_scale, stride_lt, stride_it, stride_wt,
-    ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr,
-):  # fmt: skip
-    """Rows [BLOCK_T] of logits [T, ROUTED + SHARED] -> index [T, TOP_K + SHARED] and weights (like logits)."""
-    chain_start(CHAINED)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_rows = (rows < T)[:, None]
-    e = tl.arange(0, BLOCK_E)[None, :]
-    s = tl.arange(0, BLOCK_S)[None, :]
-    row_logits = logits_ptr + rows[:, None].to(tl.int64) * stride_lt
-    x = tl.load(row_logits + e, mask=in_rows & (e < ROUTED), other=0.0).to(tl.float32)
-    x_shared = tl.load(row_logits + ROUTED + s, mask=in_rows & (s < SHARED), other=0.0).to(tl.float32)
-    route_rows(
-        x, x_shared, rows, in_rows, bias_ptr, scale_ptr, index_ptr, weights_ptr, route_scale, stride_it, stride_wt,
-        ROUTED, SHARED, TOP_K, PRECISE, BLOCK_E, BLOCK_S,
-    )  # fmt: skip
-
-
-def route_buffers(
-    tokens: int,
-    routed: int,
-    bias: torch.Tensor,
-    global_scale: torch.Tensor,
-    top_k: int,
-    n_shared: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """index [T, k + n] (long) and weights [T, k + n] (`dtype`) for routing `tokens` rows over `routed` experts and
-    n shared ones; raises ValueError unless bias is [E], the global scale one value and top_k in 1..E."""
-    if bias.shape != (routed,) or global_scale.numel() != 1 or not 0 < top_k <= routed:
-        raise ValueError(
-            f"routing over {routed} routed and {n_shared} shared experts needs a bias [{routed}], one global scale, "
-            f"top_k in 1..{routed}; got bias {list(bias.shape)}, global scale "
-            f"{list(global_scale.shape)}, top_k {top_k}, n {n_shared}"
-        )
-    index = torch.empty(tokens, top_k + n_shared, dtype=torch.long, device=device)
-    return index, torch.empty(tokens, top_k + n_shared, dtype=dtype, device=device)
-
-
 def shared_sink_route(
     logits: torch.Tensor,
     bias: torch.Tensor,
@@ -148,11 +109,14 @@ def shared_sink_route(
     weights [T, k + n] in the logits' dtype, scaled by route_scale * global_scale. bias [E], global_scale [1]."""
     tokens, experts = logits.shape
     routed = experts - n_shared
-    if logits.stride(1) != 1:
+    if logits.stride(1) != 1 or bias.shape != (routed,) or global_scale.numel() != 1 or not 0 < top_k <= routed:
         raise ValueError(
-            f"shared_sink_route needs logits [T, E + n] with unit column stride; got strides {logits.stride()}"
+            f"shared_sink_route needs logits [T, E + n] with unit column stride, bias [E] and one global scale, "
+            f"top_k in 1..E; got logits {list(logits.shape)} (strides {logits.stride()}), n {n_shared}, bias "
+            f"{list(bias.shape)}, global_scale {list(global_scale.shape)}, top_k {top_k}"
         )
-    index, weights = route_buffers(tokens, routed, bias, global_scale, top_k, n_shared, logits.dtype, logits.device)
+    index = torch.empty(tokens, top_k + n_shared, dtype=torch.long, device=logits.device)
+    weights = torch.empty(tokens, top_k + n_shared, dtype=logits.dtype, device=logits.device)
     block_e = triton.next_power_of_2(routed)
     # Up to SMALL_BLOCK_MAX_TOKENS (decode) a program routes 2 rows in one warp, so its chain of exps, logs and
     # top-k steps runs once per lane: 2.4-2.6 µs where 64-row programs of 4 warps take 5.8-6.8 (H200, 1-128 tokens,

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inkwell.kernels import Router
 from inkwell.serving.native.decode import DecodeForward
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import InklingModel, rms_norm
@@ -154,9 +153,9 @@ class ExtendForward(DecodeForward):
         site: int,
         inputs: ExtendInputs,
         norm: str,
-        router: Router | None = None,
+        gate: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`DecodeForward._sconv_add_norm` over the chunks; the `router` is left to run after the norm."""
+        """`DecodeForward._sconv_add_norm` over the chunks; the router's `gate` GEMM is left to run after the norm."""
         m = self.model
         if x.is_cuda:
             return self._sconv_chunks(x, layer, site, inputs, residual=h, norm_weight=m.w[norm], eps=m.eps)

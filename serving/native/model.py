@@ -22,8 +22,7 @@ from transformers import InklingTextConfig
 
 from inkwell.kernels import (
     EXPERT_MATMUL_MAX_TOKENS,
-    ROUTE_IN_SCONV_MAX_TOKENS,
-    Router,
+    GATE_IN_SCONV_MAX_TOKENS,
     RowExpand,
     TokenShrink,
     expert_lora_shrink,
@@ -249,10 +248,10 @@ def few_tokens(x: torch.Tensor) -> bool:
     return x.is_cuda and x.shape[0] <= EXPERT_MATMUL_MAX_TOKENS
 
 
-def routes_in_sconv(x: torch.Tensor) -> bool:
-    """Whether the router of a MoE layer whose input is x runs inside the ShortConv step that normalizes x (CUDA,
-    decode-sized batches of one-token rows): the eager forward and the captured ones route alike."""
-    return x.is_cuda and x.shape[0] <= ROUTE_IN_SCONV_MAX_TOKENS
+def gate_in_sconv(x: torch.Tensor) -> bool:
+    """Whether the router's gate GEMM of a MoE layer whose input is x runs inside the ShortConv step that normalizes
+    x (CUDA, decode-sized batches of one-token rows): the eager forward and the captured ones route alike."""
+    return x.is_cuda and x.shape[0] <= GATE_IN_SCONV_MAX_TOKENS
 
 
 def expert_gemm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
@@ -488,20 +487,20 @@ class InklingModel:
         batch: ForwardBatch,
         state: StatePool,
         norm: str,
-        router: Router | None = None,
+        gate: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The residual stream h plus the site's ShortConv of the block output x, and that sum's RMSNorm by weight
         `norm` (the next block's input). On CUDA the ShortConv kernels add and normalize as they write their rows,
         so the stream is read and written once where torch's add and norm take five passes. With the next MoE
-        layer's `router`, where the batch is one-token rows and `routes_in_sconv` holds, the step routes the norm
-        too and returns (h, norm, index, weights) as `route` would."""
+        layer's router `gate`, where the batch is one-token rows and `gate_in_sconv` holds, the step runs the gate
+        GEMM on the norm too and returns (h, norm, its router logits)."""
         if not x.is_cuda:
             h = h + self._sconv(x, layer, site, batch, state)
             return h, rms_norm(h, self.w[norm], self.eps)
         singles, groups = batch.split
-        if router is not None and not (singles is not None and not groups and routes_in_sconv(x)):
-            router = None  # chunks among the rows: `route` runs after the norm
-        return tuple(self._sconv_kernels(x, layer, site, batch, state, h, norm, router))
+        if gate is not None and not (singles is not None and not groups and gate_in_sconv(x)):
+            gate = None  # chunks among the rows: `route` runs the gate GEMM after the norm
+        return tuple(self._sconv_kernels(x, layer, site, batch, state, h, norm, gate))
 
     def _sconv_kernels(
         self,
@@ -512,18 +511,18 @@ class InklingModel:
         state: StatePool,
         residual: torch.Tensor | None = None,
         norm: str | None = None,
-        router: Router | None = None,
+        gate: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """The site's ShortConv over every row of the batch as Triton kernels (CUDA): one launch for the one-token
         rows, one per group of chunks (a batch that is one flat group is read and written in place). [conv + x];
-        with the `residual` h and the name of the `norm` weight, [h + that, its RMSNorm]; with a `router` too (a
-        batch of one-token rows only), [h + that, its RMSNorm, index, weights]."""
+        with the `residual` h and the name of the `norm` weight, [h + that, its RMSNorm]; with a router's `gate` too
+        (a batch of one-token rows only), [h + that, its RMSNorm, its router logits]."""
         from inkwell.kernels.triton_short_conv import short_conv_chunks, short_conv_step
 
         weight, saved = self.sconv_weight(layer, site), state.conv[layer][site]
         fused = {} if residual is None else dict(norm_weight=self.w[norm], eps=self.eps)
-        if router is not None:
-            fused["router"] = router
+        if gate is not None:
+            fused["gate"] = gate
 
         def run(kernel: Callable, rows_of: Callable, *index: torch.Tensor) -> list[torch.Tensor]:
             """`kernel` over the rows `rows_of` takes from x (and the residual); its outputs as a list."""
@@ -538,7 +537,7 @@ class InklingModel:
         singles, groups = batch.split
         if singles is not None:
             parts = run(short_conv_step, lambda t: t[singles.rows], singles.slots)
-            for out, part in zip(outs, parts, strict=False):  # a router's index and weights: rows in order
+            for out, part in zip(outs, parts, strict=False):  # the router logits: rows in order
                 out[singles.rows] = part
             outs += parts[len(outs) :]
         for chunks in groups:
@@ -681,21 +680,18 @@ class InklingModel:
         out = self.linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
         return out * self.w[f"{p}.global_scale"]
 
-    def router(self, layer: int) -> Router:
-        """MoE layer `layer`'s router: its gate, correction bias, global scale and routing constants."""
-        cfg, p = self.config, f"model.layers.{layer}.mlp.gate"
-        return Router(
-            self.w[f"{p}.weight"], self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"],
-            cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale,
-        )  # fmt: skip
-
-    def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, x: torch.Tensor, layer: int, logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
         sink) weighted by their gammas. On CUDA at decode sizes the gate GEMM and the routing are two Triton kernels
         chained into the step (`kernels.triton_pdl`); past them the routing alone (`kernels.triton_router`). Where
-        `routes_in_sconv` holds, the forwards route inside the ShortConv step instead (`sconv_add_norm`)."""
-        r = self.router(layer)
-        return shared_sink_route(linear(x, r.gate), r.bias, r.global_scale, r.top_k, r.n_shared, r.route_scale)
+        `gate_in_sconv` holds, the ShortConv step before ran the gate GEMM (`sconv_add_norm`): its `logits`."""
+        cfg = self.config
+        p = f"model.layers.{layer}.mlp.gate"
+        logits = linear(x, self.w[f"{p}.weight"]) if logits is None else logits
+        bias, scale = self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"]
+        return shared_sink_route(logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale)
 
     def routing_table(self, ids: list[torch.Tensor], rows: int) -> torch.Tensor:
         """The routed ids [rows, top_k] of each MoE layer (as `forward` appends them) as one [rows, layers, top_k]."""
@@ -710,12 +706,12 @@ class InklingModel:
         slots: torch.Tensor,
         lora: LoraSlots | None,
         routing: list[torch.Tensor],
-        routed: list[torch.Tensor],
+        logits: list[torch.Tensor],
     ) -> torch.Tensor:
         """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`.
-        `routed`: x's [index, weights] where the ShortConv step routed x, else empty."""
+        `logits`: x's [router logits] where the ShortConv step ran the gate GEMM, else empty."""
         experts = lora.experts.get(layer) if lora is not None else None
-        index, weights = routed or self.route(x, layer)
+        index, weights = self.route(x, layer, *logits)
         routing.append(index[:, : self.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, self.num_experts)  # grouped by expert
         down, down_lora = self.run_experts(x, layer, slots, rows, experts)
@@ -806,9 +802,9 @@ class InklingModel:
             out = self._attention(x, layer, batch, state, lora)
             moe = cfg.mlp_layer_types[layer] != "dense"
             norm = f"{p}.post_attention_layernorm.weight"
-            router = self.router(layer) if moe else None
-            h, x, *routed = self.sconv_add_norm(out, h, layer, ATTN_SITE, batch, state, norm, router)
-            out = self._moe(x, layer, slots, lora, routing, routed) if moe else self.dense_mlp(x, layer, slots, lora)
+            gate = self.w[f"{p}.mlp.gate.weight"] if moe else None
+            h, x, *logits = self.sconv_add_norm(out, h, layer, ATTN_SITE, batch, state, norm, gate)
+            out = self._moe(x, layer, slots, lora, routing, logits) if moe else self.dense_mlp(x, layer, slots, lora)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
             h, x = self.sconv_add_norm(out, h, layer, MLP_SITE, batch, state, norm)
