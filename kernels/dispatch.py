@@ -33,10 +33,6 @@ CHAINED_GEMM_MAX_N = 64
 # GEMMs (a `RowExpand`), one dot per adapter slot in a tile (docs/benchmarks.md, "The experts' expand as one dot
 # per slot").
 EXPERT_MATMUL_MAX_TOKENS = 128
-# Up to GATE_IN_SCONV_MAX_TOKENS tokens (decode) a MoE layer's router gate GEMM runs inside the ShortConv step that
-# normalizes its input (`triton_short_conv.short_conv_step(gate=...)`): each row's program sums its row against the
-# 74 KB gate (inkling-small), asked into L2 before the chain's wait, where the GEMM took a launch of a few µs.
-GATE_IN_SCONV_MAX_TOKENS = 128
 
 
 def _triton_dense() -> ModuleType:

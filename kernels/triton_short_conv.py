@@ -23,10 +23,9 @@ so no order between programs matters.
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.triton_moe import combine_row
-from inkwell.kernels.triton_pdl import chain_launch, prefetch_rows_l2, rows_prefetchable
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 
 @triton.jit
@@ -82,36 +81,21 @@ def _short_conv_step_kernel(
     stride_ob,
     stride_hb,
     stride_hob,
-    gate_ptr,
-    logits_ptr,
-    stride_gate,
-    stride_lb,
-    G,
     KERNEL: tl.constexpr,
     NORM: tl.constexpr,
     COMBINE: tl.constexpr,
-    GATE: tl.constexpr,
-    PREFETCH_GATE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    GATE_COLS: tl.constexpr,
     CHAINED: tl.constexpr,
 ):
     """Row b: window = [state[seq_b], x_b] (KERNEL taps), conv + x_b -> out (or, with NORM, h_b + that -> h_out
     and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps. With COMBINE (k > 0), x holds the
     MoE's dispatched rows and x_b is row b's combine of its k rows (`triton_moe.combine_row`), rounded as
-    `moe_combine` rounds it. With GATE (and NORM), out_b is a MoE layer's input and its router's gate GEMM runs
-    here too: logits_b = out_b . gate [G, C] (fp32 sums, rounded to out's dtype as a GEMM's output). The gate is a
-    weight, so a chained step's first program asks L2 for it before its wait, while the kernels before it run."""
+    `moe_combine` rounds it."""
+    chain_start(CHAINED)
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     in_c = c < C
-    if CHAINED:
-        gdc_launch_dependents()
-        if PREFETCH_GATE and b == 0:
-            prefetch_rows_l2(gate_ptr, 0, G, C, stride_gate, BLOCK_G)
-        gdc_wait()
     seq = tl.load(seq_ptr + b).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     if COMBINE > 0:
@@ -129,18 +113,6 @@ def _short_conv_step_kernel(
         weight = tl.load(norm_ptr + c, mask=in_c, other=0.0).to(tl.float32)
         y = tl.reshape(rms_norm_rows(h.to(tl.float32)[None, :], weight, C, eps, dtype), (BLOCK_C,))
     tl.store(out_ptr + b * stride_ob + c, y, mask=in_c)
-    if GATE:  # [BLOCK_G, GATE_COLS] blocks, which a warp spans by whole rows: each row's sum stays in its warp
-        tl.debug_barrier()  # out_b, just stored, is read back a block at a time
-        g = tl.arange(0, BLOCK_G)
-        logits = tl.zeros([BLOCK_G], tl.float32)
-        for c0 in tl.static_range(0, BLOCK_C, GATE_COLS):
-            cols = c0 + tl.arange(0, GATE_COLS)
-            in_block = (g < G)[:, None] & (cols < C)[None, :]
-            # out_b's block loaded for every gate row: in the gate block's own layout, so nothing is converted
-            yb = tl.load(out_ptr + b * stride_ob + cols[None, :] + 0 * g[:, None], mask=in_block, other=0.0)
-            gate = tl.load(gate_ptr + g[:, None] * stride_gate + cols[None, :], mask=in_block, other=0.0)
-            logits += tl.sum(gate.to(tl.float32) * yb.to(tl.float32), axis=1)
-        tl.store(logits_ptr + b * stride_lb + g, logits.to(dtype), mask=g < G)
 
 
 def short_conv_step(
@@ -152,8 +124,7 @@ def short_conv_step(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     combine: tuple[torch.Tensor, torch.Tensor] | None = None,
-    gate: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One ShortConv step of rows x [B, C] (rows may be strided), each continuing the fp32 state [S, C, kernel-1]
     of its sequence `seq_slots` [B] (updated in place), with the depthwise conv `weight` [C, 1, kernel].
 
@@ -161,9 +132,6 @@ def short_conv_step(
     with `eps`). Rows sharing a sequence slot (padding) race on its state: give real rows distinct slots.
     With `combine` (weights [B*k], places [B*k]), x is the MoE's dispatched rows [B*k, C] and row b's input their
     `moe_combine` (no combine kernel of its own: one launch fewer per MoE layer at decode).
-    With a router's `gate` [G, C] (and a residual), the RMSNorm is a MoE layer's input and the step runs the gate
-    GEMM too, returning (h + that, its RMSNorm, its router logits [B, G]): at decode that GEMM is a launch of a few
-    µs for a 74 KB weight (inkling-small), here a few loads and sums in each row's program.
     """
     rows, channels = seq_slots.shape[0], x.shape[1]
     kernel = weight.shape[-1]
@@ -191,9 +159,6 @@ def short_conv_step(
     h_out = torch.empty_like(out) if norm else out
     h = residual if norm else out
     mix, places = combine if combine is not None else (weight, seq_slots)  # unread without COMBINE
-    if gate is not None and not norm:
-        raise ValueError("the gate GEMM in the ShortConv step needs its residual and norm: the gate reads the RMSNorm")
-    gate_args, gate_consts, logits = _gate_args(gate, weight, rows, channels, out)
     _short_conv_step_kernel[(rows,)](
         x,
         state,
@@ -216,38 +181,15 @@ def short_conv_step(
         out.stride(0),
         h.stride(0),
         h_out.stride(0),
-        *gate_args,
         KERNEL=kernel,
         NORM=norm,
         COMBINE=k,
         BLOCK_C=triton.next_power_of_2(channels),
         BLOCK_W=triton.next_power_of_2(kernel),
         num_warps=8 if channels >= 1024 else 4,
-        **gate_consts,
         **chain_launch(x),
     )
-    return (h_out, out, *logits) if norm else out
-
-
-def _gate_args(
-    gate: torch.Tensor | None, unread: torch.Tensor, rows: int, channels: int, out: torch.Tensor
-) -> tuple[list, dict, tuple[torch.Tensor, ...]]:
-    """The step kernel's arguments and constexprs for a router's `gate` [G, C] (checked against C `channels`) and
-    the logits [rows, G] it writes; without one, the tensor `unread` in place of its pointers."""
-    gate_cols = 256  # a warp's 32 lanes x 8 values: [32, 256] blocks of inkling-small's 18-row gate, 4 rows a warp
-    if gate is None:
-        return [unread] * 2 + [0, 0, 0], dict(GATE=False, PREFETCH_GATE=False, BLOCK_G=1, GATE_COLS=1), ()
-    if gate.dim() != 2 or gate.shape[1] != channels or gate.stride(1) != 1:
-        raise ValueError(
-            f"the router's gate must be [G, C={channels}] with unit column stride; got {list(gate.shape)} "
-            f"(strides {gate.stride()})"
-        )
-    logits = torch.empty(rows, gate.shape[0], dtype=out.dtype, device=out.device)
-    consts = dict(
-        GATE=True, PREFETCH_GATE=out.is_cuda and rows_prefetchable(gate), GATE_COLS=gate_cols,
-        BLOCK_G=triton.next_power_of_2(gate.shape[0]),
-    )  # fmt: skip
-    return [gate, logits, gate.stride(0), logits.stride(0), gate.shape[0]], consts, (logits,)
+    return (h_out, out) if norm else out
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from inkwell.kernels import RowExpand
 from inkwell.serving.native.lora import ExpertLora, LoraSlots
-from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, few_tokens, gate_in_sconv, rms_norm
+from inkwell.serving.native.model import Dispatch, InklingModel, expert_gemm, few_tokens, rms_norm
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
 from inkwell.serving.native.streams import SideStream
 
@@ -120,11 +120,11 @@ class DecodeForward:
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}"
             out = self._attention(x, layer, inputs, slots, context, lora)
-            moe = cfg.mlp_layer_types[layer] != "dense"
-            norm = f"{p}.post_attention_layernorm.weight"
-            gate = m.w[f"{p}.mlp.gate.weight"] if moe else None
-            h, x, *logits = self._sconv_add_norm(out, h, layer, ATTN_SITE, inputs, norm, gate)
-            out = self._moe(x, layer, slots, lora, routing, logits) if moe else m.dense_mlp(x, layer, slots, lora)
+            h, x = self._sconv_add_norm(out, h, layer, ATTN_SITE, inputs, f"{p}.post_attention_layernorm.weight")
+            if cfg.mlp_layer_types[layer] == "dense":
+                out = m.dense_mlp(x, layer, slots, lora)
+            else:
+                out = self._moe(x, layer, slots, lora, routing)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
             h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, inputs, norm)
@@ -162,19 +162,10 @@ class DecodeForward:
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self,
-        x: torch.Tensor | Uncombined,
-        h: torch.Tensor,
-        layer: int,
-        site: int,
-        inputs: DecodeInputs,
-        norm: str,
-        gate: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, ...]:
+        self, x: torch.Tensor | Uncombined, h: torch.Tensor, layer: int, site: int, inputs: DecodeInputs, norm: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h plus the site's ShortConv of the block output x (or of the combine of `Uncombined`
-        rows), and that sum's RMSNorm by weight `norm` (the next block's input): one kernel on CUDA, which with the
-        next MoE layer's router `gate` runs the gate GEMM on the norm too where `gate_in_sconv` holds (then (h,
-        norm, its router logits))."""
+        rows), and that sum's RMSNorm by weight `norm` (the next block's input): one kernel on CUDA."""
         m = self.model
         residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps)
         if isinstance(x, Uncombined):
@@ -183,8 +174,6 @@ class DecodeForward:
                 return self._sconv_kernel(x.rows, layer, site, inputs.seq_slots, combine=combine, **residual_norm)
             x = x.combined()
         if x.is_cuda:
-            if gate is not None and gate_in_sconv(x):
-                residual_norm["gate"] = gate
             return self._sconv_kernel(x, layer, site, inputs.seq_slots, **residual_norm)
         h = h + self._sconv(x, layer, site, inputs)
         return h, rms_norm(h, m.w[norm], m.eps)
@@ -291,18 +280,11 @@ class DecodeForward:
     # ---- MoE ------------------------------------------------------------------------------------
 
     def _moe(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        slots: torch.Tensor,
-        lora: LoraSlots | None,
-        routing: list[torch.Tensor],
-        logits: list[torch.Tensor],
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None, routing: list[torch.Tensor]
     ) -> torch.Tensor | Uncombined:
         """Routed and shared experts (one id space) as one gate/up and one down GEMM over the dispatched rows; the
         routed ids [B, top_k] are appended to `routing`. Their rows are left `Uncombined` for the ShortConv step
-        after the layer, unless the combine has a down LoRA to add. `logits`: x's [router logits] where the
-        ShortConv step ran the gate GEMM, else empty."""
+        after the layer, unless the combine has a down LoRA to add."""
         m = self.model
         experts = lora.experts.get(layer) if lora is not None else None
         few = few_tokens(x)  # then the gate/up shrink runs beside the gate/up GEMM, in `few_experts`
@@ -313,7 +295,7 @@ class DecodeForward:
                 shrunk = m.expert_shrink(x, slots, experts)
         elif not few:
             shrunk = m.expert_shrink(x, slots, experts)
-        index, weights = m.route(x, layer, *logits)
+        index, weights = m.route(x, layer)
         routing.append(index[:, : m.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, m.num_experts)
         if few:

@@ -146,16 +146,8 @@ class ExtendForward(DecodeForward):
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self,
-        x: torch.Tensor,
-        h: torch.Tensor,
-        layer: int,
-        site: int,
-        inputs: ExtendInputs,
-        norm: str,
-        gate: torch.Tensor | None = None,
+        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, inputs: ExtendInputs, norm: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`DecodeForward._sconv_add_norm` over the chunks; the router's `gate` GEMM is left to run after the norm."""
         m = self.model
         if x.is_cuda:
             return self._sconv_chunks(x, layer, site, inputs, residual=h, norm_weight=m.w[norm], eps=m.eps)

@@ -22,7 +22,6 @@ from transformers import InklingTextConfig
 
 from inkwell.kernels import (
     EXPERT_MATMUL_MAX_TOKENS,
-    GATE_IN_SCONV_MAX_TOKENS,
     RowExpand,
     TokenShrink,
     expert_lora_shrink,
@@ -246,12 +245,6 @@ def few_tokens(x: torch.Tensor) -> bool:
     """Whether the experts' GEMMs over tokens x run as `expert_matmul`'s kernel (CUDA, decode-sized batches): the
     eager forward and the captured ones take the same kernels, so they round alike."""
     return x.is_cuda and x.shape[0] <= EXPERT_MATMUL_MAX_TOKENS
-
-
-def gate_in_sconv(x: torch.Tensor) -> bool:
-    """Whether the router's gate GEMM of a MoE layer whose input is x runs inside the ShortConv step that normalizes
-    x (CUDA, decode-sized batches of one-token rows): the eager forward and the captured ones route alike."""
-    return x.is_cuda and x.shape[0] <= GATE_IN_SCONV_MAX_TOKENS
 
 
 def expert_gemm(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
@@ -479,28 +472,16 @@ class InklingModel:
         return (out + xf).to(x.dtype)
 
     def sconv_add_norm(
-        self,
-        x: torch.Tensor,
-        h: torch.Tensor,
-        layer: int,
-        site: int,
-        batch: ForwardBatch,
-        state: StatePool,
-        norm: str,
-        gate: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, ...]:
+        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, batch: ForwardBatch, state: StatePool, norm: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h plus the site's ShortConv of the block output x, and that sum's RMSNorm by weight
         `norm` (the next block's input). On CUDA the ShortConv kernels add and normalize as they write their rows,
-        so the stream is read and written once where torch's add and norm take five passes. With the next MoE
-        layer's router `gate`, where the batch is one-token rows and `gate_in_sconv` holds, the step runs the gate
-        GEMM on the norm too and returns (h, norm, its router logits)."""
+        so the stream is read and written once where torch's add and norm take five passes."""
         if not x.is_cuda:
             h = h + self._sconv(x, layer, site, batch, state)
             return h, rms_norm(h, self.w[norm], self.eps)
-        singles, groups = batch.split
-        if gate is not None and not (singles is not None and not groups and gate_in_sconv(x)):
-            gate = None  # chunks among the rows: `route` runs the gate GEMM after the norm
-        return tuple(self._sconv_kernels(x, layer, site, batch, state, h, norm, gate))
+        h_out, out = self._sconv_kernels(x, layer, site, batch, state, h, norm)
+        return h_out, out
 
     def _sconv_kernels(
         self,
@@ -511,18 +492,14 @@ class InklingModel:
         state: StatePool,
         residual: torch.Tensor | None = None,
         norm: str | None = None,
-        gate: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """The site's ShortConv over every row of the batch as Triton kernels (CUDA): one launch for the one-token
         rows, one per group of chunks (a batch that is one flat group is read and written in place). [conv + x];
-        with the `residual` h and the name of the `norm` weight, [h + that, its RMSNorm]; with a router's `gate` too
-        (a batch of one-token rows only), [h + that, its RMSNorm, its router logits]."""
+        with the `residual` h and the name of the `norm` weight, [h + that, its RMSNorm]."""
         from inkwell.kernels.triton_short_conv import short_conv_chunks, short_conv_step
 
         weight, saved = self.sconv_weight(layer, site), state.conv[layer][site]
         fused = {} if residual is None else dict(norm_weight=self.w[norm], eps=self.eps)
-        if gate is not None:
-            fused["gate"] = gate
 
         def run(kernel: Callable, rows_of: Callable, *index: torch.Tensor) -> list[torch.Tensor]:
             """`kernel` over the rows `rows_of` takes from x (and the residual); its outputs as a list."""
@@ -537,9 +514,8 @@ class InklingModel:
         singles, groups = batch.split
         if singles is not None:
             parts = run(short_conv_step, lambda t: t[singles.rows], singles.slots)
-            for out, part in zip(outs, parts, strict=False):  # the router logits: rows in order
+            for out, part in zip(outs, parts, strict=True):
                 out[singles.rows] = part
-            outs += parts[len(outs) :]
         for chunks in groups:
             parts = run(short_conv_chunks, chunks.gather, chunks.slots, chunks.lengths)
             for out, part in zip(outs, parts, strict=True):
@@ -680,16 +656,13 @@ class InklingModel:
         out = self.linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
         return out * self.w[f"{p}.global_scale"]
 
-    def route(
-        self, x: torch.Tensor, layer: int, logits: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
         sink) weighted by their gammas. On CUDA at decode sizes the gate GEMM and the routing are two Triton kernels
-        chained into the step (`kernels.triton_pdl`); past them the routing alone (`kernels.triton_router`). Where
-        `gate_in_sconv` holds, the ShortConv step before ran the gate GEMM (`sconv_add_norm`): its `logits`."""
+        chained into the step (`kernels.triton_pdl`); past them the routing alone (`kernels.triton_router`)."""
         cfg = self.config
         p = f"model.layers.{layer}.mlp.gate"
-        logits = linear(x, self.w[f"{p}.weight"]) if logits is None else logits
+        logits = linear(x, self.w[f"{p}.weight"])
         bias, scale = self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"]
         return shared_sink_route(logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale)
 
@@ -700,18 +673,11 @@ class InklingModel:
         return torch.stack(ids, dim=1)
 
     def _moe(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        slots: torch.Tensor,
-        lora: LoraSlots | None,
-        routing: list[torch.Tensor],
-        logits: list[torch.Tensor],
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None, routing: list[torch.Tensor]
     ) -> torch.Tensor:
-        """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`.
-        `logits`: x's [router logits] where the ShortConv step ran the gate GEMM, else empty."""
+        """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`."""
         experts = lora.experts.get(layer) if lora is not None else None
-        index, weights = self.route(x, layer, *logits)
+        index, weights = self.route(x, layer)
         routing.append(index[:, : self.config.num_experts_per_tok])
         rows = Dispatch.of(index, weights, slots, self.num_experts)  # grouped by expert
         down, down_lora = self.run_experts(x, layer, slots, rows, experts)
@@ -800,11 +766,11 @@ class InklingModel:
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}"
             out = self._attention(x, layer, batch, state, lora)
-            moe = cfg.mlp_layer_types[layer] != "dense"
-            norm = f"{p}.post_attention_layernorm.weight"
-            gate = self.w[f"{p}.mlp.gate.weight"] if moe else None
-            h, x, *logits = self.sconv_add_norm(out, h, layer, ATTN_SITE, batch, state, norm, gate)
-            out = self._moe(x, layer, slots, lora, routing, logits) if moe else self.dense_mlp(x, layer, slots, lora)
+            h, x = self.sconv_add_norm(out, h, layer, ATTN_SITE, batch, state, f"{p}.post_attention_layernorm.weight")
+            if cfg.mlp_layer_types[layer] == "dense":
+                out = self.dense_mlp(x, layer, slots, lora)
+            else:
+                out = self._moe(x, layer, slots, lora, routing)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
             h, x = self.sconv_add_norm(out, h, layer, MLP_SITE, batch, state, norm)

@@ -54,16 +54,10 @@ class ShardedInklingModel(InklingModel):
         return self.group.sum_over_tp(super().dense_mlp(x, layer, slots, lora))
 
     def _moe(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        slots: torch.Tensor,
-        lora: LoraSlots | None,
-        routing: list[torch.Tensor],
-        logits: list[torch.Tensor],
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None, routing: list[torch.Tensor]
     ) -> torch.Tensor:
         experts = lora.experts.get(layer) if lora is not None else None
-        index, weights = self.route(x, layer, *logits)
+        index, weights = self.route(x, layer)
         routing.append(index[:, : self.config.num_experts_per_tok])
         rows = Dispatch.of(self.local_of[index], weights, slots, self.held_experts)  # this rank's rows first
         held = int(rows.ends[-1])

@@ -94,39 +94,6 @@ def check_short_conv_combined(device: str, dtype: torch.dtype, tokens: int, k: i
         short_conv_step(rows[1:], fused, seq_slots, weight, residual, norm_weight, 1e-6, combine=(weights, places))
 
 
-def check_short_conv_gated(device: str, dtype: torch.dtype, rows: int, channels: int, gates: int) -> None:
-    """The step that also runs a router's gate GEMM on its RMSNorm (`gate=`): h, the norm and the state bitwise the
-    step's without it, and the logits those of the norm times the gate (float64) rounded to the dtype, in half
-    precision almost every one bitwise (the kernel sums in fp32, another order)."""
-    from inkwell.kernels.triton_short_conv import short_conv_step
-
-    gen = torch.Generator().manual_seed(rows * 10 + channels + gates)
-    x = torch.randn(rows, channels, generator=gen).to(dtype)
-    pool = torch.randn(rows + 1, channels, 3, generator=gen)
-    seq_slots = torch.randperm(rows + 1, generator=gen)[:rows]
-    weight = (torch.randn(channels, 1, 4, generator=gen) / 4).to(dtype)
-    residual = torch.randn(rows, channels, generator=gen).to(dtype)
-    norm_weight = (1 + 0.1 * torch.randn(channels, generator=gen)).to(dtype)
-    wide_gate = (torch.randn(gates, channels + 8, generator=gen) / channels**0.5).to(dtype)
-    x, seq_slots, weight, residual, norm_weight, wide_gate = (
-        t.to(device) for t in (x, seq_slots, weight, residual, norm_weight, wide_gate)
-    )
-    for gate in (wide_gate[:, 8:], wide_gate[:, 8:].contiguous()):  # rows apart, and one run (asked into L2)
-        apart, fused = pool.to(device, copy=True), pool.to(device, copy=True)
-        h, normed = short_conv_step(x, apart, seq_slots, weight, residual, norm_weight, 1e-6)
-        got = short_conv_step(x, fused, seq_slots, weight, residual, norm_weight, 1e-6, gate=gate)
-        assert torch.equal(fused, apart) and torch.equal(got[0], h) and torch.equal(got[1], normed), "step changed"
-        want = normed.double() @ gate.double().t()
-        assert got[2].dtype == dtype and got[2].shape == (rows, gates)
-        assert_close(got[2], want, dtype, "router logits")
-        if dtype != torch.float32:
-            assert float((got[2] == want.to(dtype)).double().mean()) >= 0.9, "logits not rounded to the dtype"
-    with pytest.raises(ValueError, match="residual and norm"):
-        short_conv_step(x, fused, seq_slots, weight, gate=gate)
-    with pytest.raises(ValueError, match="gate must be"):
-        short_conv_step(x, fused, seq_slots, weight, residual, norm_weight, 1e-6, gate=gate[:, 1:])
-
-
 CASES = [  # (rows, channels, kernel): channels off a power of two, kernels of 2-4 taps
     (3, 40, 4),
     (5, 64, 3),
@@ -252,8 +219,6 @@ def run_interpreted_cases() -> None:
             for norm in (False, True):
                 check_short_conv("cpu", dtype, rows, channels, kernel, norm)
         check_short_conv_combined("cpu", dtype, 3, 4, 40)
-        for gates in (18, 5):
-            check_short_conv_gated("cpu", dtype, 5, 40, gates)
         for lengths, width, channels, kernel, (tokens, chans, loop), layout in CHUNK_CASES:
             for norm in (False, True):
                 launch = dict(block_tokens=tokens, block_channels=None if norm else chans, token_blocks=loop)
@@ -291,16 +256,6 @@ def test_short_conv_step_combining_its_input_on_gpu(dtype, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     check_short_conv_combined("cuda", dtype, tokens, 6, 2048)  # inkling-small: 4 routed + 2 shared experts a token
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 8, 128])
-@pytest.mark.parametrize("gates", [18, 25])
-def test_short_conv_step_with_the_gate_gemm_on_gpu(dtype, rows, gates):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    check_short_conv_gated("cuda", dtype, rows, 2048, gates)  # inkling-small's gate: 16 routed + 2 shared rows
 
 
 def test_chunk_reference_matches_the_engine_torch_path():
