@@ -13,6 +13,7 @@ import json
 
 import torch
 from bench_lora_kernels import SETS, time_graph
+from bench_moe_rows import expert_index
 
 from inkwell.kernels import torch_ops, triton_moe
 from inkwell.models.presets import preset_config
@@ -27,8 +28,7 @@ def routings(tokens: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]
     routed, shared, top_k = cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok
     out = []
     for _ in range(SETS):
-        picks = torch.rand(tokens, routed, generator=gen).argsort(dim=1)[:, :top_k]
-        index = torch.cat([picks, torch.arange(routed, routed + shared).expand(tokens, -1)], dim=1)
+        index = expert_index(tokens, gen, routed, shared, top_k)
         weights = torch.rand(tokens, top_k + shared, generator=gen).to(torch.bfloat16)
         slots = torch.randint(-1, 8, (tokens,), generator=gen)
         out.append((index.cuda(), weights.cuda(), slots.cuda(), routed + shared))

@@ -14,6 +14,7 @@ import json
 
 import torch
 from bench_lora_kernels import SETS, time_graph
+from bench_moe_rows import expert_index
 
 from inkwell.kernels import expert_matmul, moe_dispatch, triton_moe
 from inkwell.models.presets import preset_config
@@ -35,8 +36,7 @@ def rows_of(tokens: int, cfg, gen: torch.Generator) -> tuple[torch.Tensor, torch
     """The dispatched rows' tokens and expert ends of `tokens` tokens, each on top-k random routed experts and the
     shared ones; and how many experts have rows."""
     routed, shared, top_k = cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok
-    picks = torch.stack([torch.randperm(routed, generator=gen)[:top_k] for _ in range(tokens)])
-    index = torch.cat([picks, torch.arange(routed, routed + shared).expand(tokens, -1)], dim=1).cuda()
+    index = expert_index(tokens, gen, routed, shared, top_k).cuda()
     weights = torch.ones(index.shape, dtype=torch.bfloat16, device="cuda")
     slots = torch.full((tokens,), -1, dtype=torch.long, device="cuda")
     _, row_tokens, experts, _, _, ends, _ = moe_dispatch(index, weights, slots, routed + shared)

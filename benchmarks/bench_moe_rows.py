@@ -25,10 +25,16 @@ GROUPS = ExpertGroups(0, ROUTED + SHARED, split=ROUTED)
 COMBINE_TILES = [(16, 64), (16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128)]
 
 
+def expert_index(tokens: int, gen: torch.Generator, routed: int, shared: int, top_k: int) -> torch.Tensor:
+    """Each token's experts [tokens, top_k + shared] as a router gives them: top_k distinct routed ones drawn at
+    random, then the shared ones (ids routed .. routed + shared - 1)."""
+    picks = torch.rand(tokens, routed, generator=gen).argsort(dim=1)[:, :top_k]
+    return torch.cat([picks, torch.arange(routed, routed + shared).expand(tokens, -1)], dim=1)
+
+
 def bench(tokens: int, sweep: bool, gen: torch.Generator) -> dict:
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    routed = torch.rand(tokens, ROUTED, generator=gen).argsort(dim=1)[:, :TOP_K]
-    index = torch.cat([routed, torch.arange(ROUTED, ROUTED + SHARED).expand(tokens, -1)], dim=1).to("cuda")
+    index = expert_index(tokens, gen, ROUTED, SHARED, TOP_K).to("cuda")
     weights = torch.rand(tokens, TOP_K + SHARED, **bf16)
     token_slots = torch.arange(tokens, device="cuda") * SLOTS // tokens
     _, row_tokens, experts, row_weights, row_slots, _, places = triton_moe.moe_dispatch(
