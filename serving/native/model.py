@@ -27,9 +27,9 @@ from inkwell.kernels import (
     expert_lora_shrink,
     expert_matmul,
     linear,
+    lora_expand_sliced,
     lora_linear,
     lora_shrink,
-    lora_shrink_expand,
     moe_combine,
     moe_dispatch,
     one_launch_projection,
@@ -390,21 +390,20 @@ class InklingModel:
         """x @ W^T plus each token's (sliced) LoRA delta from `buf`.
 
         At decode sizes on CUDA (`one_launch_projection`) this is one Triton GEMM: the shrink beside it, the
-        expand in its epilogue. Otherwise, with `lora_stream`, the delta goes into a zeroed buffer on the side
-        stream while the base GEMM runs and is added after the join: the kernels round the delta the same way
-        either way, so the result is bitwise the in-place one.
+        expand in its epilogue. Otherwise, with `lora_stream`, the shrink runs on the side stream while the base
+        GEMM runs, and after the join the expand adds into the GEMM's output in place: the same kernels in the
+        same order on each output as `lora_linear`'s, so the result is bitwise its.
         """
         if buf is None:
             return linear(x, weight)
         offsets = buf.slice_offsets
         if self.lora_stream is None or one_launch_projection(x, weight.shape[0]):
             return lora_linear(x, weight, buf.a, buf.b, slots, buf.scalings, offsets)
-        delta = x.new_empty(x.shape[0], weight.shape[0])
         with self.lora_stream.fork():
-            lora_shrink_expand(x, buf.a, buf.b, slots, buf.scalings, delta.zero_(), offsets)
+            shrunk = lora_shrink(x, buf.a, slots)
         y = F.linear(x, weight)
         self.lora_stream.join()
-        return y.add_(delta)
+        return lora_expand_sliced(shrunk, buf.b, slots, buf.scalings, y, offsets)
 
     # ---- experts with LoRA: routed and shared experts as one id space ---------------------------
 

@@ -109,14 +109,15 @@ def test_graph_decode_records_the_eager_routing(tiny_model_dir, tiny_adapters):
 
 
 def test_side_stream_gives_the_one_stream_results(tiny_model_dir, tiny_adapters):
-    """The side stream (the default on CUDA) adds the same rounded delta the in-place kernels do, and each token's
-    expert rows are summed in the token's own order: the results should be bitwise the same."""
+    """On the side stream a projection's shrink runs beside its base GEMM and the expand adds into the GEMM's output
+    as on one stream (the prompts' prefill step, over 64 tokens, takes that path), and each token's expert rows are
+    summed in the token's own order: the results should be bitwise the same."""
     one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=False)
-    two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16")
+    two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=True)
     requests = mixed_requests()
     assert_close(one.generate(requests), two.generate(requests), 1e-6)
     eager_one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=False)
-    eager_two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False)
+    eager_two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", cuda_graphs=False, lora_side_stream=True)
     assert_close(eager_one.generate(requests), eager_two.generate(requests), 1e-6)
 
 
