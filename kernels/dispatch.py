@@ -110,6 +110,8 @@ def _torch_expand_sliced(
 ) -> torch.Tensor:
     offsets = (0, lora_b.shape[1]) if slice_offsets is None else tuple(slice_offsets)
     parts, rank = len(offsets) - 1, lora_b.shape[2]
+    if y.dim() == 3:  # every slot's shrink: each row's own (slot -1 rows are left untouched below)
+        y = y[torch.arange(y.shape[0], device=y.device), token_slots.clamp(min=0)]
     if y.shape[1] != parts * rank:
         raise ValueError(f"y has {y.shape[1]} columns; {parts} slice(s) of B's rank {rank} need {parts * rank}")
     for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
@@ -128,7 +130,8 @@ def lora_expand_sliced(
 ) -> torch.Tensor:
     """Expand of a fused projection (q/k/v/r, gate/up), in place.
 
-    y [T, P*R] is `lora_shrink` over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
+    y [T, P*R] is `lora_shrink` over A stacked [S, P*R, K], or [T, S, P*R] every slot's shrink (a GEMM over a weight
+    with every slot's A below it), of which each row reads its own slot's; lora_b [S, N, R] is B stacked along N;
     `slice_offsets` (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P]
     (a target an adapter leaves alone has scaling 0 in its slot). Slice p adds
     scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_{p+1}]^T to out[:, o_p:o_{p+1}].

@@ -166,6 +166,7 @@ class Engine:
             dtype,
             device,
         )
+        model.stack_lora_a(lora)
         return model, state, lora
 
     def _prefix_store(self) -> PrefixStore:
