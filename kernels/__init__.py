@@ -24,6 +24,7 @@ from inkwell.kernels.dispatch import (
     shared_sink_route,
     silu_mul,
     silu_mul_shrink,
+    stacked_projection,
 )
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 
@@ -49,4 +50,5 @@ __all__ = [
     "shared_sink_route",
     "silu_mul",
     "silu_mul_shrink",
+    "stacked_projection",
 ]

@@ -33,6 +33,12 @@ CHAINED_GEMM_MAX_N = 64
 # GEMMs (a `RowExpand`), one dot per adapter slot in a tile (docs/benchmarks.md, "The experts' expand as one dot
 # per slot").
 EXPERT_MATMUL_MAX_TOKENS = 128
+# Past the one-launch sizes, up to STACKED_MAX_TOKENS tokens (decode), a projection whose weight has every adapter
+# slot's A below it (`InklingModel.stack_lora_a`) is one GEMM for its output and every slot's shrink, then the
+# expand: there the shrink's rows cost cuBLAS next to nothing and a shrink launch of 4-6 µs goes (H100, 64-256
+# tokens, docs/benchmarks.md). Longer steps (prefill) keep cuBLAS and the LoRA kernels, where the rows of slots no
+# token uses would be work.
+STACKED_MAX_TOKENS = 256
 
 
 def _triton_dense() -> ModuleType:
@@ -168,6 +174,12 @@ def fused_linear(tokens: int, columns: int) -> bool:
 def one_launch_projection(x: torch.Tensor, columns: int) -> bool:
     """Whether `lora_linear` of x [T,K] to `columns` outputs is the one-GEMM path (decode sizes on CUDA)."""
     return x.is_cuda and fused_linear(x.shape[0], columns)
+
+
+def stacked_projection(x: torch.Tensor, columns: int) -> bool:
+    """Whether a projection of x [T,K] to `columns` outputs takes its weight with every slot's A below it, where it
+    has one (see STACKED_MAX_TOKENS); the same rule on every device, so the CPU runs the path CUDA runs."""
+    return x.shape[0] <= STACKED_MAX_TOKENS and not one_launch_projection(x, columns)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

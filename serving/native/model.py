@@ -32,10 +32,10 @@ from inkwell.kernels import (
     lora_shrink,
     moe_combine,
     moe_dispatch,
-    one_launch_projection,
     shared_sink_route,
     silu_mul,
     silu_mul_shrink,
+    stacked_projection,
 )
 from inkwell.serving.native.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
@@ -414,15 +414,16 @@ class InklingModel:
         """x @ W^T plus each token's (sliced) LoRA delta from `buf`.
 
         At decode sizes on CUDA (`one_launch_projection`) this is one Triton GEMM: the shrink beside it, the
-        expand in its epilogue. Otherwise, where the weight has every slot's A below it (`stack_lora_a`), one GEMM
-        gives the output and every slot's shrink side by side, and the expand adds each row's own into the output,
-        a view of the GEMM's (its rows strided past the shrink's columns); else the base GEMM, then the LoRA.
+        expand in its epilogue. Past them at decode sizes (`stacked_projection`), where the weight has every slot's
+        A below it (`stack_lora_a`), one GEMM gives the output and every slot's shrink side by side, and the expand
+        adds each row's own into the output, a view of the GEMM's (its rows strided past the shrink's columns);
+        otherwise the base GEMM, then the LoRA.
         """
         weight = self.w[f"{module}.weight"]
         if buf is None:
             return linear(x, weight)
         offsets, stacked = buf.slice_offsets, self.stacked.get(module)
-        if stacked is None or one_launch_projection(x, weight.shape[0]):
+        if stacked is None or not stacked_projection(x, weight.shape[0]):
             return lora_linear(x, weight, buf.a, buf.b, slots, buf.scalings, offsets)
         y = F.linear(x, stacked)
         n = weight.shape[0]
