@@ -24,7 +24,6 @@ from inkwell.kernels.dispatch import (
     shared_sink_route,
     silu_mul,
     silu_mul_shrink,
-    stacked_projection,
 )
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 
@@ -50,5 +49,4 @@ __all__ = [
     "shared_sink_route",
     "silu_mul",
     "silu_mul_shrink",
-    "stacked_projection",
 ]

@@ -33,12 +33,6 @@ CHAINED_GEMM_MAX_N = 64
 # GEMMs (a `RowExpand`), one dot per adapter slot in a tile (docs/benchmarks.md, "The experts' expand as one dot
 # per slot").
 EXPERT_MATMUL_MAX_TOKENS = 128
-# Past the one-launch sizes, up to STACKED_MAX_TOKENS tokens (decode), a projection whose weight has every adapter
-# slot's A below it (`InklingModel.stack_lora_a`) is one GEMM for its output and every slot's shrink, then the
-# expand: there the shrink's rows cost cuBLAS next to nothing and a shrink launch of 4-6 µs goes (H100, 64-256
-# tokens, docs/benchmarks.md). Longer steps (prefill) keep cuBLAS and the LoRA kernels, where the rows of slots no
-# token uses would be work.
-STACKED_MAX_TOKENS = 256
 
 
 def _triton_dense() -> ModuleType:
@@ -116,8 +110,6 @@ def _torch_expand_sliced(
 ) -> torch.Tensor:
     offsets = (0, lora_b.shape[1]) if slice_offsets is None else tuple(slice_offsets)
     parts, rank = len(offsets) - 1, lora_b.shape[2]
-    if y.dim() == 3:  # every slot's shrink: each row's own (slot -1 rows are left untouched below)
-        y = y[torch.arange(y.shape[0], device=y.device), token_slots.clamp(min=0)]
     if y.shape[1] != parts * rank:
         raise ValueError(f"y has {y.shape[1]} columns; {parts} slice(s) of B's rank {rank} need {parts * rank}")
     for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
@@ -136,8 +128,7 @@ def lora_expand_sliced(
 ) -> torch.Tensor:
     """Expand of a fused projection (q/k/v/r, gate/up), in place.
 
-    y [T, P*R] is `lora_shrink` over A stacked [S, P*R, K], or [T, S, P*R] every slot's shrink (a GEMM over a weight
-    with every slot's A below it), of which each row reads its own slot's; lora_b [S, N, R] is B stacked along N;
+    y [T, P*R] is `lora_shrink` over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
     `slice_offsets` (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P]
     (a target an adapter leaves alone has scaling 0 in its slot). Slice p adds
     scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_{p+1}]^T to out[:, o_p:o_{p+1}].
@@ -174,12 +165,6 @@ def fused_linear(tokens: int, columns: int) -> bool:
 def one_launch_projection(x: torch.Tensor, columns: int) -> bool:
     """Whether `lora_linear` of x [T,K] to `columns` outputs is the one-GEMM path (decode sizes on CUDA)."""
     return x.is_cuda and fused_linear(x.shape[0], columns)
-
-
-def stacked_projection(x: torch.Tensor, columns: int) -> bool:
-    """Whether a projection of x [T,K] to `columns` outputs takes its weight with every slot's A below it, where it
-    has one (see STACKED_MAX_TOKENS); the same rule on every device, so the CPU runs the path CUDA runs."""
-    return x.shape[0] <= STACKED_MAX_TOKENS and not one_launch_projection(x, columns)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

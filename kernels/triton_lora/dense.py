@@ -331,12 +331,11 @@ def lora_expand_sliced(
 ) -> torch.Tensor:
     """Expand of a fused projection: out[:, o_p:o_p+1] += scaling[slot, p] * y[:, pR:(p+1)R] @ B[slot, o_p:o_p+1]^T.
 
-    y [T, P*R] is the shrink over A stacked [S, P*R, K], or [T, S, P*R] every slot's shrink, of which each row reads
-    its own slot's; lora_b [S, N, R] is B stacked along N; slice_offsets (0, o_1, ..., N) are the slices' output
-    starts; scalings [S] or [S, P]. `chained`: y comes from `lora_shrink(..., chained=True)` launched just before,
-    and the expand launches while it runs (`launch_expand`).
+    y [T, P*R] is the shrink over A stacked [S, P*R, K]; lora_b [S, N, R] is B stacked along N;
+    slice_offsets (0, o_1, ..., N) are the slices' output starts; scalings [S] or [S, P]. `chained`: y comes from
+    `lora_shrink(..., chained=True)` launched just before, and the expand launches while it runs (`launch_expand`).
     """
-    require(y.dim() in (2, 3) and lora_b.dim() == 3, "lora_expand needs y [T,R] or [T,S,R] and lora_b [S,N,R]")
+    require(y.dim() == 2 and lora_b.dim() == 3, "lora_expand needs y [T,R] and lora_b [S,N,R]")
     check_token_slots(token_slots, y.shape[0])
     require(tuple(out.shape) == (y.shape[0], lora_b.shape[1]), f"out must be [T={y.shape[0]}, N={lora_b.shape[1]}]")
     return launch_expand(y, lora_b[:, None], token_slots, scalings, out, slice_offsets, chained=chained)

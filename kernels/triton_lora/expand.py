@@ -49,7 +49,6 @@ def _expand_kernel(
     o2,
     o3,
     stride_yt,
-    stride_ys,
     stride_yr,
     stride_bs,
     stride_bg,
@@ -72,10 +71,8 @@ def _expand_kernel(
 
     Column n belongs to slice p = p(n) of B stacked along N; a row's expert, as e = expert - first, is in group
     g = (e >= split) of G, each with its own B (linears: g = 0, G = 1). SLOT_LOOP as in _shrink_kernel; otherwise
-    program_id(1) is the slot. A row reads its y at y_ptr + slot * stride_ys (0: one y per row; otherwise y holds
-    every slot's rank blocks side by side, as a GEMM over a weight with every slot's A below it writes them).
-    CHAINED (`triton_pdl`): launched while the chained shrink that writes y runs, the program waits for it before
-    its first read.
+    program_id(1) is the slot. CHAINED (`triton_pdl`): launched while the chained shrink that writes y runs, the
+    program waits for it before its first read.
     """
     chain_start(CHAINED)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -99,8 +96,8 @@ def _expand_kernel(
         group = (key % E >= split).to(tl.int32)
         b_base = b_ptr + slot.to(tl.int64) * stride_bs + group.to(tl.int64) * stride_bg
         acc = expand_acc(
-            y_ptr + slot.to(tl.int64) * stride_ys, rt, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part,
-            r_lo, r_hi, R, in_n, DOT_FP32, PRECISION, BLOCK_T, BLOCK_N, BLOCK_R,
+            y_ptr, rt, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, in_n, DOT_FP32,
+            PRECISION, BLOCK_T, BLOCK_N, BLOCK_R,
         )  # fmt: skip
         scale = tl.load(scale_ptr + slot * stride_ss + (part * G + group) * stride_sp, mask=in_n, other=0.0)
         add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale.to(tl.float32)[None, :])
@@ -127,20 +124,17 @@ def launch_expand(
     chained: bool = False,
 ) -> torch.Tensor:
     """out [M, N] += the expand of y's rank blocks over P slices of out's columns; b is [S, G, N, R] as
-    `_expand_kernel` reads it (linears [S, 1, N, R]). y is [M, P*R], or [M, S, P*R] where each row reads its own
-    slot's blocks. `chained`: y comes from a chained shrink launched just before (`launch_shrink`),
-    and the expand launches while it runs, its own launch hidden behind the shrink's work."""
+    `_expand_kernel` reads it (linears [S, 1, N, R]). `chained`: y comes from a chained shrink launched just before
+    (`launch_shrink`), and the expand launches while it runs, its own launch hidden behind the shrink's work."""
     num_slots, _, _, rank = b.shape
     tokens, n = out.shape
     parts, o1, o2, o3 = parse_slices(slice_offsets, n)
     groups = ExpertGroups(0, 1) if rows is None else rows.groups
     require(
-        y.shape[-1] == parts * rank,
-        f"y has {y.shape[-1]} columns; {parts} block(s) of B's rank {rank} need {parts * rank}",
+        y.shape[1] == parts * rank,
+        f"y has {y.shape[1]} columns; {parts} block(s) of B's rank {rank} need {parts * rank}",
     )
     require(y.shape[0] == tokens, f"out must be [T={y.shape[0]}, N], got {tuple(out.shape)}")
-    require(y.dim() == 2 or y.shape[1] == num_slots, f"a slotted y must be [T, S={num_slots}, P*R]")
-    stride_yt, stride_ys, stride_yr = y.stride() if y.dim() == 3 else (y.stride(0), 0, y.stride(1))
     ss, sp = scale_strides(scalings, num_slots, parts * groups.groups)
     if tokens == 0 or rank == 0 or n == 0:
         return out
@@ -168,9 +162,7 @@ def launch_expand(
         o1,
         o2,
         o3,
-        stride_yt,
-        stride_ys,
-        stride_yr,
+        *y.stride(),
         *b.stride(),
         *out.stride(),
         ss,

@@ -174,8 +174,8 @@ SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for `lora_shrink` (204
 # the engine never runs two split shrinks at once (on one stream launches run in turn: a chained shrink touches
 # nothing before its wait, its GEMM, `lora_linear`'s or `expert_matmul`'s after a `TokenShrink`, waits for it before
 # letting the next kernel launch; the experts' shrink on the LoRA side stream, past decode sizes, runs while the
-# main stream routes and runs the experts' GEMMs, no shrink); two streams running split shrinks at the same time
-# would share the counts, and must not.
+# main stream routes and runs the experts' GEMMs, no shrink; a projection's shrink on the side stream runs beside
+# its base GEMM alone); two streams running split shrinks at the same time would share the counts, and must not.
 
 
 def launch_shrink(

@@ -166,7 +166,6 @@ class Engine:
             dtype,
             device,
         )
-        model.stack_lora_a(lora)
         return model, state, lora
 
     def _prefix_store(self) -> PrefixStore:

@@ -48,22 +48,20 @@ class RankGroup:
         return cls(shard, control, world_backend, tp)
 
     def sum_over_tp(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` summed over the TP ranks (attention's and the dense MLP's row-parallel outputs)."""
+        """Sum `tensor` in place over the TP ranks (attention's and the dense MLP's row-parallel outputs)."""
         if self.shard.tp == 1:
             return tensor
-        return self._all_reduce(self.tp or self.world, tensor)
+        self._all_reduce(self.tp or self.world, tensor)
+        return tensor
 
     def sum_over_all(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` summed over every rank (each holds some experts, and a slice of each)."""
-        return self._all_reduce(self.world, tensor)
+        """Sum `tensor` in place over every rank (each holds some experts, and a slice of each)."""
+        self._all_reduce(self.world, tensor)
+        return tensor
 
     @staticmethod
-    def _all_reduce(backend: dist.Backend, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum, in place where `tensor` is contiguous: a collective reduces whole buffers, so a strided view (a
-        projection's output beside its shrink's columns, `InklingModel._project`) is summed as a copy."""
-        tensor = tensor.contiguous()
+    def _all_reduce(backend: dist.Backend, tensor: torch.Tensor) -> None:
         backend.allreduce([tensor]).wait()
-        return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor` on every rank, in place (the same shape and dtype everywhere)."""

@@ -81,13 +81,9 @@ def rank_parts(
         device,
     )
     if plan is None:
-        model = ShardedInklingModel(base, weights, shard, dtype, device)
-        pool, slots = StatePool(*state), LoraSlots(*lora)
-    else:
-        model = LeadingModel(plan, base, weights, shard, dtype, device)
-        pool, slots = RecordingStatePool(plan, *state), RecordingLoraSlots(plan, *lora)
-    model.stack_lora_a(slots)
-    return model, pool, slots
+        return ShardedInklingModel(base, weights, shard, dtype, device), StatePool(*state), LoraSlots(*lora)
+    model = LeadingModel(plan, base, weights, shard, dtype, device)
+    return model, RecordingStatePool(plan, *state), RecordingLoraSlots(plan, *lora)
 
 
 def follower_main(rank: int, store_path: str, model_dir: str, config: EngineConfig, threads: int) -> None:

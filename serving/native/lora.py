@@ -106,7 +106,6 @@ class LoraSlots:
             scalings = self.scalings[:, stack.first_entry : stack.first_entry + len(stack.modules)]
             self.stacks[stack.modules] = StackedBuffer(a, b, scalings, stack.slice_offsets)
         self.experts = {layer: lora for layer in range(config.num_hidden_layers) if (lora := self._experts(layer))}
-        self._mirrors: list[tuple[torch.Tensor, torch.Tensor]] = []  # (A [S, ...] here, its copy elsewhere)
         self._slot_of: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._users: dict[str, int] = {}
@@ -180,23 +179,13 @@ class LoraSlots:
         self.check(adapter)
         return self.layout.image(adapter, device)
 
-    def mirror_a(self, a: torch.Tensor, copy: torch.Tensor) -> None:
-        """Keep `copy` equal to the slots' A `a` (one of these buffers' A) from now on: each slot write copies the
-        slot's A there too (`InklingModel.stack_lora_a`: A below a base weight)."""
-        if copy.shape != a.shape:
-            raise ValueError(f"a copy of A {list(a.shape)} must have its shape, got {list(copy.shape)}")
-        copy.copy_(a)
-        self._mirrors.append((a, copy))
-
     def write_image(self, slot: int, flat: torch.Tensor) -> None:
-        """Overwrite slot `slot` with a slot image: one copy of its bytes, then of its A into each `mirror_a` copy."""
+        """Overwrite slot `slot` with a slot image: one copy of its bytes."""
         if flat.shape != (self.layout.slot_elems,) or flat.dtype != self.layout.dtype:
             raise ValueError(
                 f"a slot image is [{self.layout.slot_elems}] {self.layout.dtype}, got {list(flat.shape)} {flat.dtype}"
             )
         self._slot_memory[slot].copy_(flat, non_blocking=True)
-        for a, copy in self._mirrors:
-            copy[slot].copy_(a[slot], non_blocking=True)
 
     def evict(self, key: str) -> int:
         """Free `key`'s slot (it must be idle); returns the slot number."""

@@ -32,10 +32,10 @@ from inkwell.kernels import (
     lora_shrink,
     moe_combine,
     moe_dispatch,
+    one_launch_projection,
     shared_sink_route,
     silu_mul,
     silu_mul_shrink,
-    stacked_projection,
 )
 from inkwell.serving.native.lora import ExpertLora, LoraSlots, SlotBuffer, StackedBuffer
 from inkwell.serving.native.state import ATTN_SITE, KV_SITE, MLP_SITE, StatePool
@@ -363,39 +363,15 @@ class InklingModel:
         # The experts' gate/up and down as one grouped GEMM each over the dispatched rows, where rows are 16-byte
         # aligned as torch._grouped_mm wants; otherwise one GEMM per expert.
         self.grouped_mm = config.hidden_size % 8 == 0 and config.moe_intermediate_size % 8 == 0
-        # CUDA only: where set, the experts' token shrink past decode sizes runs beside the routing (decode.py).
+        # CUDA only: where set, each projection's LoRA runs beside its base GEMM (see `linear`).
         self.lora_stream: SideStream | None = None
-        # The attention projections' weights with every adapter slot's A below their rows (`stack_lora_a`), by name.
-        self.stacked: dict[str, torch.Tensor] = {}
 
     # ---- projections with LoRA -------------------------------------------------------------
-
-    def stack_lora_a(self, lora: LoraSlots) -> None:
-        """Put every slot's A of the attention projections below their base weights, so that past the one-launch
-        sizes one GEMM computes a projection and its shrink for every slot (`_project`); `lora` keeps the copies
-        current through every slot write. The base weight becomes a view of the stacked one's first rows.
-
-        Past 64 tokens a projection was cuBLAS, then a shrink and an expand of a few µs each; the shrink's rows cost
-        cuBLAS almost nothing (H100, 128 tokens: q/k/v/r 8.4 µs with all 8 slots' rows against 7.7-8.5 without)."""
-        for layer in range(self.config.num_hidden_layers):
-            p = f"model.layers.{layer}.self_attn"
-            buffers = {
-                f"{p}.qkvr_proj": lora.stacks.get(tuple(f"{p}.{proj}" for proj in QKVR_STACK)),
-                f"{p}.o_proj": lora.buffers.get(f"{p}.o_proj"),
-            }
-            for module, buf in buffers.items():
-                if buf is None:
-                    continue
-                weight = self.w[f"{module}.weight"]
-                stacked = torch.cat([weight, buf.a.reshape(-1, weight.shape[1]).to(weight.dtype)])
-                lora.mirror_a(buf.a, stacked[weight.shape[0] :].view(buf.a.shape))
-                self.w[f"{module}.weight"] = stacked[: weight.shape[0]]
-                self.stacked[module] = stacked
 
     def linear(self, x: torch.Tensor, module: str, slots: torch.Tensor, lora: LoraSlots | None) -> torch.Tensor:
         """x @ W^T plus each token's LoRA delta."""
         buf = lora.buffers.get(module) if lora is not None else None
-        return self._project(x, module, slots, buf)
+        return self._project(x, self.w[f"{module}.weight"], slots, buf)
 
     def qkvr(self, x: torch.Tensor, layer: int, slots: torch.Tensor, lora: LoraSlots | None) -> list[torch.Tensor]:
         """q, k and v together, and r: column views of `qkvr_proj`'s one output."""
@@ -406,29 +382,28 @@ class InklingModel:
         p = f"model.layers.{layer}"
         modules = tuple(f"{p}.{proj}" for proj in QKVR_STACK)
         stack = lora.stacks.get(modules) if lora is not None else None  # None: attn not adapted
-        return self._project(x, f"{p}.self_attn.qkvr_proj", slots, stack)
+        return self._project(x, self.w[f"{p}.self_attn.qkvr_proj.weight"], slots, stack)
 
     def _project(
-        self, x: torch.Tensor, module: str, slots: torch.Tensor, buf: SlotBuffer | StackedBuffer | None
+        self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, buf: SlotBuffer | StackedBuffer | None
     ) -> torch.Tensor:
         """x @ W^T plus each token's (sliced) LoRA delta from `buf`.
 
         At decode sizes on CUDA (`one_launch_projection`) this is one Triton GEMM: the shrink beside it, the
-        expand in its epilogue. Past them at decode sizes (`stacked_projection`), where the weight has every slot's
-        A below it (`stack_lora_a`), one GEMM gives the output and every slot's shrink side by side, and the expand
-        adds each row's own into the output, a view of the GEMM's (its rows strided past the shrink's columns);
-        otherwise the base GEMM, then the LoRA.
+        expand in its epilogue. Otherwise, with `lora_stream`, the shrink runs on the side stream while the base
+        GEMM runs, and after the join the expand adds into the GEMM's output in place: the same kernels in the
+        same order on each output as `lora_linear`'s, so the result is bitwise its.
         """
-        weight = self.w[f"{module}.weight"]
         if buf is None:
             return linear(x, weight)
-        offsets, stacked = buf.slice_offsets, self.stacked.get(module)
-        if stacked is None or not stacked_projection(x, weight.shape[0]):
+        offsets = buf.slice_offsets
+        if self.lora_stream is None or one_launch_projection(x, weight.shape[0]):
             return lora_linear(x, weight, buf.a, buf.b, slots, buf.scalings, offsets)
-        y = F.linear(x, stacked)
-        n = weight.shape[0]
-        shrunk = y[:, n:].unflatten(1, buf.a.shape[:2])  # [T, S, P*R]
-        return lora_expand_sliced(shrunk, buf.b, slots, buf.scalings, y[:, :n], offsets)
+        with self.lora_stream.fork():
+            shrunk = lora_shrink(x, buf.a, slots)
+        y = F.linear(x, weight)
+        self.lora_stream.join()
+        return lora_expand_sliced(shrunk, buf.b, slots, buf.scalings, y, offsets)
 
     # ---- experts with LoRA: routed and shared experts as one id space ---------------------------
 

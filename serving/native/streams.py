@@ -1,7 +1,7 @@
 """A second CUDA stream for LoRA work that can overlap the base GEMMs, with fork/join by stream waits.
 
-The experts' LoRA shrink reads only the layer's input, so past decode sizes it can run on a side stream
-beside the routing and the experts' GEMMs (`EngineConfig.lora_side_stream`). `fork()`
+A projection's LoRA and its base GEMM read the same input, so the LoRA can run on a side stream beside
+the GEMM (`EngineConfig.lora_side_stream`; at decode, `lora_linear`'s one launch does better). `fork()`
 makes the side stream wait for everything already queued on the current stream and runs the block there;
 `join()` makes the current stream wait for the side stream before the result is used. Both are stream
 waits on events, which CUDA graph capture records as dependencies, so the schedule is capturable.

@@ -109,9 +109,9 @@ def test_graph_decode_records_the_eager_routing(tiny_model_dir, tiny_adapters):
 
 
 def test_side_stream_gives_the_one_stream_results(tiny_model_dir, tiny_adapters):
-    """On the side stream the experts' shrink runs beside the routing past decode sizes (the prompts' prefill step,
-    129 tokens, takes that path) and gives the rows the one stream gives, each token's expert rows summed in the
-    token's own order: the results should be bitwise the same."""
+    """On the side stream a projection's shrink runs beside its base GEMM and the expand adds into the GEMM's output
+    as on one stream (the prompts' prefill step, over 64 tokens, takes that path), and each token's expert rows are
+    summed in the token's own order: the results should be bitwise the same."""
     one = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=False)
     two = cuda_engine(tiny_model_dir, tiny_adapters, "bfloat16", lora_side_stream=True)
     requests = mixed_requests()
