@@ -133,7 +133,7 @@ class EngineConfig:
     graph_prefill_tokens: int = 8192
     # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: up to 64 tokens decode
     # projections take one launch each (lora_linear), and past them the shrink beside cuBLAS lost to the chained pair
-    # on one stream (H100, 128 sequences, 1 adapter: 0.98x decode; docs/benchmarks.md)
+    # on one stream (H100, 128 sequences, 1 adapter: 0.987x decode; docs/benchmarks.md)
     lora_side_stream: bool = False
     # Queue the next decode step before reading this one's tokens on the host (see `native.Engine.step`).
     overlap_decode: bool = True
