@@ -11,6 +11,8 @@ Columns:
   ours       inkwell: one rank-16 LoRA over all N (FACTS.md's problem); fused launch at decode
   ours_2l    inkwell: shrink + expand as two launches
   sliced     inkwell fused projection: one rank-16 LoRA per slice (q/k/v/r or gate/up), P x the rank
+  per_slot   the sliced expand alone, each adapter slot with programs of its own (decode and short prefill steps)
+  walk       the same, one program per tile walking its slots (`expand.walks` picks one of the two)
   serial     base GEMM then the sliced LoRA, on one stream
   side       base GEMM on the main stream, LoRA shrink on a side stream, expand after the join
   side_fused fused LoRA delta on a side stream into a zeroed buffer, added after the join
@@ -36,7 +38,8 @@ import triton
 from byte_floor import peak_bytes_s
 
 from inkwell.kernels import dispatch
-from inkwell.kernels.triton_lora import dense
+from inkwell.kernels.triton_lora import dense, expand
+from inkwell.kernels.triton_lora.common import SLOT_LOOP_MIN_TOKENS
 
 HIDDEN, RANK, SLOTS = 2048, 16, 8
 PROJECTIONS = {
@@ -187,6 +190,14 @@ def bench_case(case: str, proj: str, adapters: int, sgl, gen: torch.Generator, s
         lambda i: dense.lora_expand(dense.lora_shrink(x, a[i], slots), b[i], slots, scal, out),
     )
     measure(row, "sliced", lambda i: dispatch.lora_shrink_expand(x, a_stk[i], b[i], slots, scal_p, out, offsets))
+    if tokens <= SLOT_LOOP_MIN_TOKENS:  # where the expand's launcher picks each slot's programs or the walk
+        y_stk = dense.lora_shrink(x, a_stk[0], slots)
+        for name, walk in (("per_slot", False), ("walk", True)):
+            measure(
+                row,
+                name,
+                lambda i, w=walk: expand.launch_expand(y_stk, b[i][:, None], slots, scal_p, out, offsets, walk=w),
+            )
     measure(row, "serial", serial)
     measure(row, "side", side_stream)
     measure(row, "side_fused", side_fused)
@@ -236,8 +247,8 @@ def main() -> None:
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}))
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cols = ["base", "torch", "sglang", "ours", "ours_2l", "sliced", "serial", "side", "side_fused", "linear"]
-    cols += ["linear_sl", "floor"]
+    cols = ["base", "torch", "sglang", "ours", "ours_2l", "sliced", "per_slot", "walk", "serial", "side"]
+    cols += ["side_fused", "linear", "linear_sl", "floor"]
     print("\nµs per op (CUDA-graph replays); ratios: ours/sglang, (linear - base)/sglang, best with-LoRA/base")
     ratios = f"{'o/sgl':>7}{'lin/sgl':>8}{'proj/b':>7}"
     print(f"{'case':<13}{'proj':<8}{'ad':>3}" + "".join(f"{c:>11}" for c in cols) + ratios)

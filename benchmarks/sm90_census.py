@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 H, F, R, S, ROUTED, SHARED, TOP_K = 2048, 512, 16, 8, 16, 2, 4  # inkling-small's widths, rank 16, 8 adapter slots
+VOCAB = 32000  # inkling-small's vocabulary: the LM head's columns
 
 
 def compile_only() -> list[tuple[str, dict, object]]:
@@ -84,8 +85,9 @@ def decode_chain(rows: int = 8) -> None:
     widths (bf16; zeros, since nothing runs): the ShortConv step, the attention prologue and the decode attention,
     the router's gate GEMM and router, the dispatch, the experts' GEMMs with their LoRA, silu * up, the combines,
     the ShortConv step that combines; then a q/k/v/r projection with its LoRA at `rows` and at 128 tokens (cuBLAS,
-    then the chained shrink and expand). The size-dependent ops go through `kernels.dispatch` as the engine's do, so
-    a launch that is cuBLAS or torch at `rows` runs on the CPU and compiles nothing."""
+    then the chained shrink and expand), and the LM head's LoRA at 128 tokens. The size-dependent ops go through
+    `kernels.dispatch` as the engine's do, so a launch that is cuBLAS or torch at `rows` runs on the CPU and
+    compiles nothing."""
     from inkwell.kernels import dispatch, triton_moe
     from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
     from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
@@ -124,6 +126,9 @@ def decode_chain(rows: int = 8) -> None:
     wide = torch.zeros(128, H, **bf)  # past the one-launch sizes: the chained shrink, then the chained expand
     lora_out = torch.zeros(128, qkvr_offsets[-1], **bf)
     dense.lora_shrink_expand(wide, a_qkvr, b_qkvr, torch.zeros(128, dtype=torch.long), s_qkvr, lora_out, qkvr_offsets)
+    head_out = torch.zeros(128, VOCAB, **bf)  # the LM head's expand walks each tile's slots (`expand.walks`)
+    a_head, b_head = torch.zeros(S, R, H, **bf), torch.zeros(S, VOCAB, R, **bf)
+    dense.lora_shrink_expand(wide, a_head, b_head, torch.zeros(128, dtype=torch.long), torch.ones(S), head_out)
     gate_up_shrink = TokenShrink(torch.zeros(S, 2 * 2 * R, H, **bf), slots)
     gate_up_b = torch.zeros(S, 2, experts, F, R, **bf)
     shrink_in = RowExpand(gate_up_shrink, gate_up_b, row_slots, row_experts, torch.ones(S, 4), groups)

@@ -57,15 +57,14 @@ def expand_acc(
     r_hi,
     R,
     in_n,
+    acc,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """fp32 [BLOCK_T, BLOCK_N]: the selected rows' y rank blocks (virtual ranks r_lo .. r_hi-1) times B^T, each
-    column reading only its slice's block (see `_expand_kernel`)."""
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    """acc (fp32 [T, N]) plus the selected rows' y rank blocks (virtual ranks r_lo .. r_hi-1) times B^T, each
+    column reading only its slice's block (see `_expand_kernel`). Rows not selected add exact zeros, so one acc
+    gathers a tile's groups, each row its own group's product, as a fresh acc of its own would hold it."""
     for r0 in range(r_lo, r_hi, BLOCK_R):
         rj = r0 + tl.arange(0, BLOCK_R)
         yt = tl.load(

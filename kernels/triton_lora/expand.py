@@ -59,7 +59,7 @@ def _expand_kernel(
     stride_ss,
     stride_sp,
     HAS_EXPERTS: tl.constexpr,
-    SLOT_LOOP: tl.constexpr,
+    WALK: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -70,15 +70,17 @@ def _expand_kernel(
     """out[t, n] += scale[slot, p*G + g] * y[t, rank block p] @ B[slot, g, n]^T; slot -1 rows untouched.
 
     Column n belongs to slice p = p(n) of B stacked along N; a row's expert, as e = expert - first, is in group
-    g = (e >= split) of G, each with its own B (linears: g = 0, G = 1). SLOT_LOOP as in _shrink_kernel; otherwise
-    program_id(1) is the slot. CHAINED (`triton_pdl`): launched while the chained shrink that writes y runs, the
-    program waits for it before its first read.
+    g = (e >= split) of G, each with its own B (linears: g = 0, G = 1). WALK: one program per (token tile, column
+    tile) walks the tile's (slot, expert group) keys; otherwise program_id(1) picks the slot, so slots run in
+    parallel. Either way the keys' products gather in one accumulator and the tile is read and written once.
+    CHAINED (`triton_pdl`): launched while the chained shrink that writes y runs, the program waits for it before
+    its first read.
     """
     chain_start(CHAINED)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
     slots, local_e = row_slots(slot_ptr, expert_ptr, rt, in_t, first, E, HAS_EXPERTS)
-    rows = in_t & (slots >= 0) if SLOT_LOOP else in_t & (slots == tl.program_id(1))
+    rows = in_t & (slots >= 0) if WALK else in_t & (slots == tl.program_id(1))
     if tl.max(rows.to(tl.int32), 0) == 0:
         return
     keys = row_keys(rows, slots, local_e, E)
@@ -89,20 +91,40 @@ def _expand_kernel(
     r_lo = slice_of(n0, o1, o2, o3) * R  # rank blocks this column tile reads
     r_hi = (slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
     b_cols = rn * stride_bn
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     key = tl.min(keys, 0)
     while key < SENTINEL:
         sel = keys == key
-        slot = key // E
         group = (key % E >= split).to(tl.int32)
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs + group.to(tl.int64) * stride_bg
+        b_base = b_ptr + (key // E).to(tl.int64) * stride_bs + group.to(tl.int64) * stride_bg
         acc = expand_acc(
-            y_ptr, rt, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, in_n, DOT_FP32,
-            PRECISION, BLOCK_T, BLOCK_N, BLOCK_R,
+            y_ptr, rt, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, in_n, acc,
+            DOT_FP32, PRECISION, BLOCK_R,
         )  # fmt: skip
-        scale = tl.load(scale_ptr + slot * stride_ss + (part * G + group) * stride_sp, mask=in_n, other=0.0)
-        add_delta(out_ptr, rt, rn, stride_ot, stride_on, sel, in_n, acc, scale.to(tl.float32)[None, :])
         keys = tl.where(sel, SENTINEL, keys)
         key = tl.min(keys, 0)
+    if WALK or HAS_EXPERTS:  # rows of several slots or expert groups: each row's own scalings
+        groups = (local_e >= split).to(tl.int32)
+        scale_at = scale_ptr + slots[:, None] * stride_ss + (part[None, :] * G + groups[:, None]) * stride_sp
+        scale = tl.load(scale_at, mask=rows[:, None] & in_n[None, :], other=0.0)
+    else:  # one slot: its columns' scalings
+        scale = tl.load(scale_ptr + tl.program_id(1) * stride_ss + part * stride_sp, mask=in_n, other=0.0)[None, :]
+    add_delta(out_ptr, rt, rn, stride_ot, stride_on, rows, in_n, acc, scale.to(tl.float32))
+
+
+# Up to SLOT_LOOP_MIN_TOKENS tokens, an expand over one slice with fewer (token tile, column tile) programs than
+# WALK_MIN_TILES gives each slot programs of its own, so that the slots of a decode batch run in parallel (o: 4.3
+# against 7.2 µs walking, 8 adapters at 128 tokens); wider ones (the LM head's 32,000 columns: 250 tiles a token
+# tile) and sliced ones (q/k/v/r, gate/up: a 64-column tile reads one slice's rank block a step) walk their tiles'
+# slots, each tile read and written once (LM head 20.1 against 50.0 µs, q/k/v/r 6.4 against 10.4; H100,
+# bench_lora_kernels.py, docs/benchmarks.md).
+WALK_MIN_TILES = 128
+
+
+def walks(tokens: int, tiles: int, parts: int) -> bool:
+    """Whether the expand of `tokens` rows over `parts` slices and `tiles` (token tile, column tile) programs walks
+    each tile's slots."""
+    return tokens > SLOT_LOOP_MIN_TOKENS or parts > 1 or tiles >= WALK_MIN_TILES
 
 
 @dataclass(frozen=True)
@@ -122,10 +144,12 @@ def launch_expand(
     slice_offsets: tuple[int, ...] | None,
     rows: ExpertRows | None = None,
     chained: bool = False,
+    walk: bool | None = None,
 ) -> torch.Tensor:
     """out [M, N] += the expand of y's rank blocks over P slices of out's columns; b is [S, G, N, R] as
     `_expand_kernel` reads it (linears [S, 1, N, R]). `chained`: y comes from a chained shrink launched just before
-    (`launch_shrink`), and the expand launches while it runs, its own launch hidden behind the shrink's work."""
+    (`launch_shrink`), and the expand launches while it runs, its own launch hidden behind the shrink's work.
+    `walk` (None: `walks`) picks the kernel's WALK; the kernel benchmark sets it to time both."""
     num_slots, _, _, rank = b.shape
     tokens, n = out.shape
     parts, o1, o2, o3 = parse_slices(slice_offsets, n)
@@ -139,12 +163,13 @@ def launch_expand(
     if tokens == 0 or rank == 0 or n == 0:
         return out
     block_t = token_block(tokens)
-    slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
-    # prefill (slot walk) over slices: 64-column tiles reading one slice's rank block a step, 102 registers (ptxas,
-    # sm_90a) where 128 columns reading every slice's ranks took 255 and spilled; q/k/v/r's LoRA at 4,096 tokens
-    # 39-42 -> 34-36 µs (bench_lora_kernels, H200). One slice keeps 128 columns.
-    block_n = 256 if tokens <= 16 else 64 if slot_loop and parts > 1 else 128
-    grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots, triton.cdiv(n, block_n))
+    block_n = 256 if tokens <= 16 else 128
+    walk = walks(tokens, triton.cdiv(tokens, block_t) * triton.cdiv(n, block_n), parts) if walk is None else walk
+    # walking over slices: 64-column tiles reading one slice's rank block a step, 102 registers (ptxas, sm_90a)
+    # where 128 columns reading every slice's ranks took 255 and spilled; q/k/v/r's LoRA at 4,096 tokens 39-42 ->
+    # 34-36 µs (bench_lora_kernels, H200). One slice keeps its columns.
+    block_n = 64 if walk and parts > 1 else block_n
+    grid = (triton.cdiv(tokens, block_t), 1 if walk else num_slots, triton.cdiv(n, block_n))
     _expand_kernel[grid](
         y,
         b,
@@ -168,11 +193,11 @@ def launch_expand(
         ss,
         sp,
         HAS_EXPERTS=rows is not None,
-        SLOT_LOOP=slot_loop,
+        WALK=walk,
         **dot_operands(y.dtype, b.dtype),
         BLOCK_T=block_t,
         BLOCK_N=block_n,
-        BLOCK_R=pow2(rank, 16, 64) if slot_loop else pow2(rank * parts, 16, 64),
+        BLOCK_R=pow2(rank, 16, 64) if walk else pow2(rank * parts, 16, 64),
         **chain_launch(out, chained),
     )
     return out

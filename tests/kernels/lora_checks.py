@@ -100,6 +100,33 @@ def check_sliced(
     assert_close(fused, ref, dtype, f"lora_shrink_expand {offsets}")
 
 
+def check_expand_walk(
+    expand: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, rank: int, offsets: tuple
+):
+    """`expand.launch_expand` of a sliced projection with every slot's programs of its own and walking each tile's
+    slots (its `walk`, forced either way) equals one reference expand per slice; base-model rows stay untouched."""
+    gen = torch.Generator().manual_seed(tokens * 11 + num_slots + rank)
+    parts, n = len(offsets) - 1, offsets[-1]
+    slots = make_slots(tokens, num_slots, num_slots, gen)
+    y = torch.randn(tokens, parts * rank, generator=gen, dtype=torch.float64)
+    b = torch.randn(num_slots, n, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    scalings = torch.rand(num_slots, parts, generator=gen) + 0.5
+    base = torch.randn(tokens, n, generator=gen, dtype=torch.float64)
+    ref = base.clone()
+    for p, (lo, hi) in enumerate(zip(offsets, offsets[1:], strict=False)):
+        y_p = y[:, p * rank : (p + 1) * rank]
+        torch_ops.lora_expand(y_p, b[:, lo:hi], slots, scalings[:, p].double(), ref[:, lo:hi])
+    dev = dict(device=device, dtype=dtype)
+    base_rows = (slots < 0).to(device)
+    for walk in (False, True):
+        out = base.to(**dev)
+        before = out.clone()
+        expand.launch_expand(y.to(**dev), b.to(**dev)[:, None], slots.to(device), scalings.to(device), out, offsets,
+                             walk=walk)  # fmt: skip
+        assert_close(out, ref, dtype, f"launch_expand(walk={walk}) {tokens} tokens {offsets}")
+        assert torch.equal(out[base_rows], before[base_rows]), f"launch_expand(walk={walk}) touched base-model rows"
+
+
 def check_projection(
     ops: ModuleType, device: str, dtype: torch.dtype, tokens: int, num_slots: int, rank: int, k: int, offsets: tuple
 ):

@@ -146,8 +146,7 @@ def run_chain_cases() -> None:
     rows = sm90.census(compiled)  # what `python benchmarks/sm90_census.py` prints for these launches
     assert len(rows) == len(compiled) and all(row["registers"] > 0 for row in rows), rows
     spilling = {row["kernel"] for row in rows if row["spill_bytes"]}
-    # the dense sliced expand spills 12 bytes a thread at its 64 x 128 tiles (docs/benchmarks.md), noticed and left
-    assert spilling <= {"_expand_kernel"}, f"decode chain kernels that spill: {spilling}"
+    assert not spilling, f"decode chain kernels that spill: {spilling}"  # the expand's 12 bytes went with its RMWs
     print(f"chained for sm_90: {len(chained)} kernels, {len(pairs)} LoRA pair GEMMs")
 
 

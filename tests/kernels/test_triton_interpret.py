@@ -12,13 +12,20 @@ import torch
 
 from inkwell.kernels import dispatch
 from tests.kernels.helpers import run_in_interpreter
-from tests.kernels.lora_checks import check_experts, check_linear, check_plain_linear, check_projection, check_sliced
+from tests.kernels.lora_checks import (
+    check_expand_walk,
+    check_experts,
+    check_linear,
+    check_plain_linear,
+    check_projection,
+    check_sliced,
+)
 
 
 def run_interpreted_cases() -> None:
     """Small shapes that still cross every tile edge: several token tiles, rank tiles, K and N tails."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from inkwell.kernels.triton_lora import dense, expert
+    from inkwell.kernels.triton_lora import dense, expand, expert
 
     dev, expert_dev = dict(ops=dense, device="cpu"), dict(ops=expert, device="cpu")
     for dtype in (torch.float32, torch.float16):
@@ -32,6 +39,9 @@ def run_interpreted_cases() -> None:
         # the slot walk (prefill) over column tiles that straddle slices
         check_sliced(**dev, dtype=dtype, tokens=270, num_slots=3, rank=8, k=32, offsets=(0, 20, 36, 52, 60))
         check_sliced(**dev, dtype=dtype, tokens=260, num_slots=2, rank=16, k=48, offsets=(0, 80, 160))
+        # decode sizes, each slot's programs and the walk over a tile's slots alike: 2 token tiles of mixed slots
+        check_expand_walk(expand, "cpu", dtype, tokens=70, num_slots=4, rank=8, offsets=(0, 20, 36, 52, 60))
+        check_expand_walk(expand, "cpu", dtype, tokens=70, num_slots=3, rank=16, offsets=(0, 130))
         check_projection(**dev, dtype=dtype, tokens=5, num_slots=3, rank=8, k=40, offsets=(0, 20, 36, 52, 60))
         check_projection(**dev, dtype=dtype, tokens=20, num_slots=4, rank=24, k=300, offsets=(0, 70))  # 2 K tiles
         # slices on tile edges (one rank block of y per tile), then a rank past the early-loaded block of B

@@ -15,6 +15,7 @@ import torch
 from inkwell.kernels import dispatch, torch_ops
 from tests.kernels.helpers import assert_close
 from tests.kernels.lora_checks import (
+    check_expand_walk,
     check_experts,
     check_linear,
     check_plain_linear,
@@ -75,6 +76,14 @@ def test_linear_matches_torch(tokens, n):
 @pytest.mark.parametrize("tokens,rank", [(8, 16), (32, 64), (512, 16)])
 def test_sliced_ops_match_torch(offsets, tokens, rank):
     check_sliced(dispatch, "cuda", torch.bfloat16, tokens, num_slots=8, rank=rank, k=2048, offsets=offsets)
+
+
+@pytest.mark.parametrize("tokens,offsets", [(128, QKVR), (128, (0, 32000)), (64, (0, 2048)), (200, GATE_UP)])
+def test_expand_walk_matches_torch(tokens, offsets):
+    """The expand past the one-launch sizes with each slot's programs and walking each tile's slots, 8 adapters."""
+    from inkwell.kernels.triton_lora import expand
+
+    check_expand_walk(expand, "cuda", torch.bfloat16, tokens, num_slots=8, rank=16, offsets=offsets)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
