@@ -21,6 +21,7 @@ bandwidth).
 With --timeline N (CUDA), one more batch per adapter count lists the first N kernels of one decode step in the
 order they ran, with each one's start, duration and own time (a layer's kernels one after another).
 Run: python benchmarks/bench_decode_graphs.py [--preset inkling-small] [--profile] [--timeline 40] [--out f.json]
+[--targets attn mlp experts shared_experts lm_head] (the adapters' target groups; default: LoraSpec's, no LM head)
 CPU smoke run (graph modes are skipped off CUDA): python benchmarks/bench_decode_graphs.py --preset inkling-tiny
 --device cpu --prompt 16 --new 8 --repeats 1
 """
@@ -52,6 +53,7 @@ from bench_serving import (
 from byte_floor import decode_step_bytes, peak_bytes_s
 from torch.profiler import ProfilerActivity, profile
 
+from inkwell.adapters.spec import TARGET_GROUPS
 from inkwell.models import init_base_model
 
 MODES = {
@@ -293,6 +295,7 @@ def main() -> None:
     ap.add_argument(
         "--adapters", type=int, nargs="+", default=list(COUNTS), choices=COUNTS, help="the adapter counts to run"
     )
+    ap.add_argument("--targets", nargs="+", choices=TARGET_GROUPS, help="the adapters' targets (default: LoraSpec's)")
     ap.add_argument("--out", type=Path)
     args = parse_engine_args(ap)
     if 0 not in args.adapters:
@@ -312,7 +315,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="bench-decode-graphs-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
-        adapters = random_adapters(model_dir, args.rank)
+        adapters = random_adapters(model_dir, args.rank, tuple(args.targets) if args.targets else None)
         prompts = make_prompts(args.batch, args.prompt)
         for mode in modes:
             t0 = time.perf_counter()
