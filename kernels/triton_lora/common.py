@@ -12,9 +12,10 @@ from inkwell.kernels.torch_ops import ExpertGroups
 
 SENTINEL = tl.constexpr(2**30)  # above every group key and local expert id: "no row left", "no second group"
 MAX_SLICES = 4
-# Above this many tokens a program walks its token tile's slots (prefill: long runs of one slot); up to it one
-# program per (tile, slot) runs them in parallel, the shrink's K loop split too. Decode batches of 64-256 sequences
-# hold every slot in each tile, and a few programs walking 8 slots each left most of the GPU idle.
+# Above this many tokens a program walks its token tile's slots (prefill: long runs of one slot); up to it the shrink
+# runs one program per (tile, slot), its K loop split too, and so does the expand of a narrow one-slice projection
+# (`expand.walks`: sliced and wide ones walk, with programs enough). Decode batches of 64-256 sequences hold every
+# slot in each tile, and a few programs walking 8 slots each left most of the GPU idle.
 SLOT_LOOP_MIN_TOKENS = 256
 
 
