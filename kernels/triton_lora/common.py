@@ -44,7 +44,7 @@ def row_keys(rows, slots, local, E):
 
 
 @triton.jit
-def expand_block(
+def expand_acc(
     y_ptr,
     rt,
     sel,
@@ -54,7 +54,7 @@ def expand_block(
     b_cols,
     stride_br,
     part,
-    r0,
+    r_lo,
     r_hi,
     R,
     in_n,
@@ -63,21 +63,22 @@ def expand_block(
     PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """acc (fp32 [T, N]) plus the selected rows' y rank block at virtual ranks r0 .. (below r_hi) times B^T, each
-    column reading only its slice's ranks (see `_expand_kernel`); columns off `in_n` load no B. Rows not selected
-    add exact zeros, so one acc gathers a tile's groups, each row its own group's product, as a fresh acc of its own
-    would hold it."""
-    rj = r0 + tl.arange(0, BLOCK_R)
-    yt = tl.load(
-        y_ptr + rt[:, None] * stride_yt + rj[None, :] * stride_yr,
-        mask=sel[:, None] & (rj[None, :] < r_hi),
-        other=0.0,
-    )
-    local = rj[:, None] - (part * R)[None, :]  # rank inside column n's slice
-    bt = tl.load(
-        b_base + b_cols[None, :] + local * stride_br, mask=(local >= 0) & (local < R) & in_n[None, :], other=0.0
-    )
-    return lora_dot(yt, bt, acc, DOT_FP32, PRECISION)
+    """acc (fp32 [T, N]) plus the selected rows' y rank blocks (virtual ranks r_lo .. r_hi-1) times B^T, each
+    column reading only its slice's block (see `_expand_kernel`). Rows not selected add exact zeros, so one acc
+    gathers a tile's groups, each row its own group's product, as a fresh acc of its own would hold it."""
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        rj = r0 + tl.arange(0, BLOCK_R)
+        yt = tl.load(
+            y_ptr + rt[:, None] * stride_yt + rj[None, :] * stride_yr,
+            mask=sel[:, None] & (rj[None, :] < r_hi),
+            other=0.0,
+        )
+        local = rj[:, None] - (part * R)[None, :]  # rank inside column n's slice
+        bt = tl.load(
+            b_base + b_cols[None, :] + local * stride_br, mask=(local >= 0) & (local < R) & in_n[None, :], other=0.0
+        )
+        acc = lora_dot(yt, bt, acc, DOT_FP32, PRECISION)
+    return acc
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from inkwell.kernels.triton_lora.common import (
     SLOT_LOOP_MIN_TOKENS,
     add_delta,
     dot_operands,
-    expand_block,
+    expand_acc,
     local_split,
     parse_slices,
     pow2,
@@ -92,33 +92,17 @@ def _expand_kernel(
     r_hi = (slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, o1, o2, o3) + 1) * R
     b_cols = rn * stride_bn
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    if HAS_EXPERTS:  # keys (slot, expert group): a tile's few, one after another
+    key = tl.min(keys, 0)
+    while key < SENTINEL:
+        sel = keys == key
+        group = (key % E >= split).to(tl.int32)
+        b_base = b_ptr + (key // E).to(tl.int64) * stride_bs + group.to(tl.int64) * stride_bg
+        acc = expand_acc(
+            y_ptr, rt, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r_lo, r_hi, R, in_n, acc,
+            DOT_FP32, PRECISION, BLOCK_R,
+        )  # fmt: skip
+        keys = tl.where(sel, SENTINEL, keys)
         key = tl.min(keys, 0)
-        while key < SENTINEL:
-            sel = keys == key
-            group = (key % E >= split).to(tl.int32)
-            b_base = b_ptr + (key // E).to(tl.int64) * stride_bs + group.to(tl.int64) * stride_bg
-            for r0 in range(r_lo, r_hi, BLOCK_R):
-                acc = expand_block(
-                    y_ptr, rt, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r0, r_hi, R, in_n, acc,
-                    DOT_FP32, PRECISION, BLOCK_R,
-                )  # fmt: skip
-            keys = tl.where(sel, SENTINEL, keys)
-            key = tl.min(keys, 0)
-    else:  # keys are slots: one loop over (slot, rank block) from the tile's least slot to its greatest, whose
-        # next step's loads can be in flight while this one's dot runs; a slot no row holds loads nothing
-        least = tl.min(keys, 0)
-        blocks = tl.cdiv(r_hi - r_lo, BLOCK_R)
-        for i in range(0, (tl.max(tl.where(rows, slots, -1), 0) - least + 1) * blocks):
-            slot = least + i // blocks
-            sel = rows & (slots == slot)
-            held = in_n & (tl.max(sel.to(tl.int32), 0) > 0)
-            b_base = b_ptr + slot.to(tl.int64) * stride_bs
-            r0 = r_lo + (i % blocks) * BLOCK_R
-            acc = expand_block(
-                y_ptr, rt, sel, stride_yt, stride_yr, b_base, b_cols, stride_br, part, r0, r_hi, R, held, acc,
-                DOT_FP32, PRECISION, BLOCK_R,
-            )  # fmt: skip
     if WALK or HAS_EXPERTS:  # rows of several slots or expert groups: each row's own scalings
         groups = (local_e >= split).to(tl.int32)
         scale_at = scale_ptr + slots[:, None] * stride_ss + (part[None, :] * G + groups[:, None]) * stride_sp
