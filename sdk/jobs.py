@@ -6,6 +6,7 @@ The two differ only in how they iterate the event stream; refresh/cancel/outcome
 import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -180,17 +181,15 @@ class Job(_JobBase):
         wait, not the job (its KeyboardInterrupt says how to cancel it)."""
         self.refresh()
         if not self.done:
-            history = list(self._client.jobs.history(self.id)) if progress else []
-            bar = _ProgressBar(self, progress, history)
-            try:
-                if not _ended(history):
-                    for event in self.events(after=_last_id(history), timeout=timeout):
-                        bar.update(event)
+            try:  # from the first event read on: a Ctrl+C as the bar appears says what the wait left behind too
+                history = list(self._client.jobs.history(self.id)) if progress else []
+                with closing(_ProgressBar(self, progress, history)) as bar:
+                    if not _ended(history):
+                        for event in self.events(after=_last_id(history), timeout=timeout):
+                            bar.update(event)
             except KeyboardInterrupt as exc:  # the wait stops here, the job does not
                 exc.add_note(_goes_on(self.id))
                 raise
-            finally:
-                bar.close()
             self.refresh()
         return self._outcome()
 
@@ -204,16 +203,14 @@ class AsyncJob(_JobBase):
         CancelledError says how to cancel it, and asyncio.run's KeyboardInterrupt shows it as its context."""
         await self.refresh()
         if not self.done:
-            history = [event async for event in self._client.jobs.history(self.id)] if progress else []
-            bar = _ProgressBar(self, progress, history)
             try:
-                if not _ended(history):
-                    async for event in self.events(after=_last_id(history), timeout=timeout):
-                        bar.update(event)
+                history = [event async for event in self._client.jobs.history(self.id)] if progress else []
+                with closing(_ProgressBar(self, progress, history)) as bar:
+                    if not _ended(history):
+                        async for event in self.events(after=_last_id(history), timeout=timeout):
+                            bar.update(event)
             except asyncio.CancelledError as exc:
                 exc.add_note(_goes_on(self.id))
                 raise
-            finally:
-                bar.close()
             await self.refresh()
         return self._outcome()

@@ -265,6 +265,24 @@ def test_cancelled_async_wait_says_the_job_goes_on(api, sqlite_service):
     asyncio.run(main())
 
 
+def test_ctrl_c_as_the_wait_bar_appears_says_the_job_goes_on(api, sqlite_service, monkeypatch):
+    """A Ctrl+C landing while the wait's progress bar first draws (injected there: the bar's first draw raises it)
+    still stops the wait, not the job, and says so; it once came before the wait's handler and said nothing."""
+    from inkwell.sdk import jobs
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    _, key = api
+    with sdk.Client(sqlite_service.url, key) as client:
+        job = client.train("inkling-tiny", CHAT, adapter_name="ctrl-c-bar", wait=False)  # no worker: queued
+        monkeypatch.setattr(jobs._ProgressBar, "_show", interrupted)
+        with pytest.raises(KeyboardInterrupt) as err:
+            job.wait()
+        assert f"job {job.id} goes on running on the service" in "".join(err.value.__notes__)
+        assert client.jobs.get(job.id).state == "queued"
+
+
 def test_async_client(api, adapter_dir, sqlite_service, tmp_path):
     _, key = api
 
