@@ -295,8 +295,9 @@ class DecodeForward:
                 shrunk = m.expert_shrink(x, slots, experts)
         elif not few:
             shrunk = m.expert_shrink(x, slots, experts)
-        index, rows = m.route_and_dispatch(x, layer, slots)
+        index, weights = m.route(x, layer)
         routing.append(index[:, : m.config.num_experts_per_tok])
+        rows = Dispatch.of(index, weights, slots, m.num_experts)
         if few:
             down, down_lora = m.few_experts(x, layer, rows, slots, experts)
         else:
