@@ -1,11 +1,13 @@
 """The shared-sink router on one GPU: the Triton kernel (`inkwell.kernels.triton_router`) against the torch ops it
 replaces, at inkling-small's sizes (hidden 2048, 16 routed experts, top 4, 2 shared), bf16, decode (8 tokens) and
-prefill (8192 tokens), and 1, 32 and 128 tokens (decode batches).
+prefill (8192 tokens), and 1, 32 and 128 tokens (decode batches); and at decode sizes the MoE layer's head, the gate
+GEMM, the routing and the dispatch, as the engine ran them apart and as one kernel (`triton_route_dispatch`).
 
 Every figure is µs per call from CUDA-graph replays (bench_lora_kernels.time_graph: each graph runs the op REPS
 times over SETS inputs), median of replays. Columns: gemm (the gate's F.linear alone, cuBLAS, the same in both
-paths), torch and kernel (what follows it), and the whole route (gemm + each). Before timing, the kernel's indices
-are checked equal to torch's on these inputs and its weights' largest difference is printed.
+paths), torch and kernel (what follows it), and the whole route (gemm + each); head apart (the chained Triton gate
+GEMM, the router kernel, the one-program dispatch) and head kernel. Before timing, the kernel's indices are checked
+equal to torch's on these inputs and its weights' largest difference is printed.
 Run: python benchmarks/bench_router.py [--out router.json]
 """
 
@@ -17,6 +19,9 @@ import torch.nn.functional as F
 from bench_lora_kernels import SETS, time_graph
 
 from inkwell.kernels import torch_ops
+from inkwell.kernels.dispatch import ROUTE_DISPATCH_MAX_TOKENS, linear
+from inkwell.kernels.triton_moe import moe_dispatch
+from inkwell.kernels.triton_route_dispatch import gate_route_dispatch
 from inkwell.kernels.triton_router import shared_sink_route
 from inkwell.models.presets import preset_config
 
@@ -45,6 +50,16 @@ def bench(tokens: int, gen: torch.Generator) -> dict:
     row["kernel"] = time_graph(lambda i: shared_sink_route(logits[i], *rest))
     row["route_torch"] = time_graph(lambda i: torch_ops.shared_sink_route(F.linear(xs[i], gate), *rest))
     row["route_kernel"] = time_graph(lambda i: shared_sink_route(F.linear(xs[i], gate), *rest))
+    if tokens <= ROUTE_DISPATCH_MAX_TOKENS:
+        slots = torch.arange(tokens, device="cuda") % 8
+        experts = routed + shared
+
+        def apart(i: int) -> tuple:
+            index, weights = shared_sink_route(linear(xs[i], gate), *rest)
+            return moe_dispatch(index, weights, slots, experts)
+
+        row["head_apart"] = time_graph(apart)
+        row["head_kernel"] = time_graph(lambda i: gate_route_dispatch(xs[i], gate, *rest, slots))
     return row
 
 
@@ -55,14 +70,18 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = [bench(tokens, gen) for tokens in TOKENS]
     print(f"{torch.cuda.get_device_name()}, inkling-small router, bf16, µs per call (CUDA graphs)\n")
-    print("| tokens | gemm | torch | kernel | speedup | route: torch | kernel | speedup | same indices | max dw |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | gemm | torch | kernel | speedup | route: torch | kernel | speedup | same indices | max dw "
+          "| head: apart | kernel | speedup |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         after, whole = r["torch"] / r["kernel"], r["route_torch"] / r["route_kernel"]
+        head = "| - | - | - |"
+        if "head_kernel" in r:
+            head = f"| {r['head_apart']:.1f} | {r['head_kernel']:.1f} | {r['head_apart'] / r['head_kernel']:.2f}x |"
         print(
             f"| {r['tokens']} | {r['gemm']:.1f} | {r['torch']:.1f} | {r['kernel']:.1f} | {after:.1f}x "
             f"| {r['route_torch']:.1f} | {r['route_kernel']:.1f} | {whole:.2f}x "
-            f"| {r['indices_equal']} | {r['max_weight_diff']:.1e} |"
+            f"| {r['indices_equal']} | {r['max_weight_diff']:.1e} {head}"
         )
     if args.out is not None:
         json.dump(rows, args.out, indent=2)

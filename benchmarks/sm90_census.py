@@ -83,11 +83,11 @@ def instructions(ptx: str, opcode: str) -> int:
 def decode_chain(rows: int = 8) -> None:
     """Launch each kernel of a decode step of `rows` sequences with adapters, in the step's order, at inkling-small's
     widths (bf16; zeros, since nothing runs): the ShortConv step, the attention prologue and the decode attention,
-    the router's gate GEMM and router, the dispatch, the experts' GEMMs with their LoRA, silu * up, the combines,
-    the ShortConv step that combines; then a q/k/v/r projection with its LoRA at `rows` and at 128 tokens (cuBLAS,
-    then the chained shrink and expand), and the LM head's LoRA at 128 tokens. The size-dependent ops go through
-    `kernels.dispatch` as the engine's do, so a launch that is cuBLAS or torch at `rows` runs on the CPU and
-    compiles nothing."""
+    the router's gate GEMM, routing and dispatch in one kernel (and apart), the experts' GEMMs with their LoRA,
+    silu * up, the combines, the ShortConv step that combines; then a q/k/v/r projection with its LoRA at `rows` and
+    at 128 tokens (cuBLAS, then the chained shrink and expand), and the LM head's LoRA at 128 tokens. The
+    size-dependent ops go through `kernels.dispatch` as the engine's do, so a launch that is cuBLAS or torch at
+    `rows` runs on the CPU and compiles nothing."""
     from inkwell.kernels import dispatch, triton_moe
     from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
     from inkwell.kernels.triton_attention_prologue import decode_attention_prologue
@@ -106,9 +106,11 @@ def decode_chain(rows: int = 8) -> None:
     q = decode_attention_prologue(qkvr, heads, conv_state, conv_weight, norm, norm, 1e-6, keys, values, seq, pos, 512)
     r = torch.zeros(rows, heads, d_rel, **bf)
     decode_attention(q, r, keys, values, torch.zeros(d_rel, 1024, **bf), seq, pos, entries, True)
-    logits = dispatch.linear(x, torch.zeros(ROUTED + SHARED, H, **bf))
-    index, weights = shared_sink_route(logits, torch.zeros(ROUTED, **bf), torch.ones(1, **bf), TOP_K, SHARED, 2.5)
     experts, slots = ROUTED + SHARED, torch.zeros(rows, dtype=torch.long)
+    gate, bias, scale = torch.zeros(experts, H, **bf), torch.zeros(ROUTED, **bf), torch.ones(1, **bf)
+    dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, slots)
+    # apart, as an expert-parallel rank runs them: the gate GEMM, the routing, the dispatch
+    index, weights = shared_sink_route(dispatch.linear(x, gate), bias, scale, TOP_K, SHARED, 2.5)
     _, row_tokens, row_experts, row_w, row_slots, ends, places = triton_moe.moe_dispatch(index, weights, slots, experts)
     gate_up = triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, None, ROUTED)
     triton_moe.silu_mul(gate_up)

@@ -33,6 +33,9 @@ CHAINED_GEMM_MAX_N = 64
 # GEMMs (a `RowExpand`), one dot per adapter slot in a tile (docs/benchmarks.md, "The experts' expand as one dot
 # per slot").
 EXPERT_MATMUL_MAX_TOKENS = 128
+# Up to ROUTE_DISPATCH_MAX_TOKENS tokens (decode) the router's gate GEMM, the routing and the dispatch are one Triton
+# kernel (`triton_route_dispatch`), where apart they are three chained launches of mostly latency.
+ROUTE_DISPATCH_MAX_TOKENS = 128
 
 
 def _triton_dense() -> ModuleType:
@@ -57,6 +60,12 @@ def _triton_moe() -> ModuleType:
     from inkwell.kernels import triton_moe
 
     return triton_moe
+
+
+def _triton_route_dispatch() -> ModuleType:
+    from inkwell.kernels import triton_route_dispatch
+
+    return triton_route_dispatch
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -215,6 +224,27 @@ def moe_dispatch(
     on CUDA one Triton program in place of a radix sort and a dozen small launches."""
     ops = _triton_moe() if index.is_cuda else torch_ops
     return ops.moe_dispatch(index, weights, slots, num_experts)
+
+
+def gate_route_dispatch(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor,
+    global_scale: torch.Tensor,
+    top_k: int,
+    n_shared: int,
+    route_scale: float,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A MoE layer's head: the router logits x @ gate^T [T, E + n], each token's experts and weights [T, k + n]
+    from them (`shared_sink_route`) and their rows dispatched by expert (`moe_dispatch` over E + n experts, with
+    the tokens' LoRA slots [T]); returns (index, weights, the dispatch's outputs). On CUDA at decode sizes one
+    Triton kernel (`triton_route_dispatch`), the logits rounded to x's dtype as `linear` rounds them."""
+    if x.is_cuda and 1 <= x.shape[0] <= ROUTE_DISPATCH_MAX_TOKENS and x.dtype == gate.dtype:
+        ops = _triton_route_dispatch()
+        return ops.gate_route_dispatch(x, gate, bias, global_scale, top_k, n_shared, route_scale, slots)
+    index, weights = shared_sink_route(linear(x, gate), bias, global_scale, top_k, n_shared, route_scale)
+    return index, weights, moe_dispatch(index, weights, slots, gate.shape[0])
 
 
 def moe_combine(

@@ -34,27 +34,19 @@ def _log_sigmoid(x, dtype: tl.constexpr, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, scale_ptr, index_ptr, weights_ptr,
-    T, route_scale, stride_lt, stride_it, stride_wt,
-    ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr,
+def route_rows(
+    x, x_shared, in_rows, e, s, bias_ptr, scale_ptr, route_scale,
+    ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
+    dtype: tl.constexpr,
 ):  # fmt: skip
-    """Rows [BLOCK_T] of logits [T, ROUTED + SHARED] -> index [T, TOP_K + SHARED] and weights (like logits)."""
-    chain_start(CHAINED)
-    dtype = weights_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_rows = (rows < T)[:, None]
-    e = tl.arange(0, BLOCK_E)[None, :]
-    s = tl.arange(0, BLOCK_S)[None, :]
+    """The routing of a block of rows (`in_rows` [BLOCK_T, 1] those that exist) from their logits, fp32 values of
+    `dtype`: routed x [BLOCK_T, BLOCK_E] (experts e [1, BLOCK_E]) and shared x_shared [BLOCK_T, BLOCK_S] (s).
+    Returns which routed experts each row picked, each pick's place among the row's first TOP_K, and the weights
+    (in `dtype`) of the picks and of the shared experts."""
     routed = in_rows & (e < ROUTED)
     shared = in_rows & (s < SHARED)
-    row_logits = logits_ptr + rows[:, None].to(tl.int64) * stride_lt
-    x = tl.load(row_logits + e, mask=routed, other=0.0).to(tl.float32)
-    x_shared = tl.load(row_logits + ROUTED + s, mask=shared, other=0.0).to(tl.float32)
-
     # the scores top-k compares: sigmoid and sigmoid + bias, each rounded to the model's dtype as torch does
-    sig = tl.math.div_rn(tl.full([BLOCK_T, BLOCK_E], 1.0, tl.float32), 1.0 + exp(-x, PRECISE)).to(dtype).to(tl.float32)
+    sig = tl.math.div_rn(tl.zeros_like(x) + 1.0, 1.0 + exp(-x, PRECISE)).to(dtype).to(tl.float32)
     bias = tl.load(bias_ptr + e, mask=e < ROUTED, other=0.0).to(tl.float32)
     score = tl.where(routed, (sig + bias).to(dtype).to(tl.float32), _NEG_INF)
     # the k-th largest score, counted with multiplicity: take the largest k times, one expert at a time
@@ -68,7 +60,7 @@ def _route_kernel(
     n_above = tl.sum(above, axis=1)[:, None]
     tie_rank = tl.cumsum(tied, axis=1) - tied
     picked = (above > 0) | ((tied > 0) & (tie_rank < TOP_K - n_above))
-    slot = tl.where(above > 0, tl.cumsum(above, axis=1) - 1, n_above + tie_rank)
+    place = tl.where(above > 0, tl.cumsum(above, axis=1) - 1, n_above + tie_rank)
 
     # weights: softmax of the log-sigmoids of the picked and shared logits (torch's logsumexp, step by step)
     lp = _log_sigmoid(x, dtype, PRECISE)
@@ -88,12 +80,45 @@ def _route_kernel(
     w = (w * route_scale).to(dtype).to(tl.float32) * global_scale
     w_shared = exp((lp_shared - lse).to(dtype).to(tl.float32), PRECISE).to(dtype).to(tl.float32)
     w_shared = (w_shared * route_scale).to(dtype).to(tl.float32) * global_scale
+    return picked, place, w.to(dtype), w_shared.to(dtype)
 
+
+@triton.jit
+def store_routes(
+    index_ptr, weights_ptr, rows, stride_it, stride_wt, e, s, picked, place, w, shared, w_shared,
+    ROUTED: tl.constexpr, TOP_K: tl.constexpr,
+):  # fmt: skip
+    """`route_rows`' picks into rows [BLOCK_T] of index and weights [T, TOP_K + SHARED], the shared experts last."""
     out = rows[:, None].to(tl.int64)
-    tl.store(index_ptr + out * stride_it + slot, e.to(tl.int64), mask=picked)
-    tl.store(weights_ptr + out * stride_wt + slot, w.to(dtype), mask=picked)
+    tl.store(index_ptr + out * stride_it + place, e.to(tl.int64), mask=picked)
+    tl.store(weights_ptr + out * stride_wt + place, w, mask=picked)
     tl.store(index_ptr + out * stride_it + TOP_K + s, (ROUTED + s).to(tl.int64), mask=shared)
-    tl.store(weights_ptr + out * stride_wt + TOP_K + s, w_shared.to(dtype), mask=shared)
+    tl.store(weights_ptr + out * stride_wt + TOP_K + s, w_shared, mask=shared)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, scale_ptr, index_ptr, weights_ptr,
+    T, route_scale, stride_lt, stride_it, stride_wt,
+    ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr,
+):  # fmt: skip
+    """Rows [BLOCK_T] of logits [T, ROUTED + SHARED] -> index [T, TOP_K + SHARED] and weights (like logits)."""
+    chain_start(CHAINED)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_rows = (rows < T)[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    s = tl.arange(0, BLOCK_S)[None, :]
+    shared = in_rows & (s < SHARED)
+    row_logits = logits_ptr + rows[:, None].to(tl.int64) * stride_lt
+    x = tl.load(row_logits + e, mask=in_rows & (e < ROUTED), other=0.0).to(tl.float32)
+    x_shared = tl.load(row_logits + ROUTED + s, mask=shared, other=0.0).to(tl.float32)
+    picked, place, w, w_shared = route_rows(
+        x, x_shared, in_rows, e, s, bias_ptr, scale_ptr, route_scale, ROUTED, SHARED, TOP_K, PRECISE, BLOCK_E,
+        weights_ptr.dtype.element_ty,
+    )  # fmt: skip
+    store_routes(index_ptr, weights_ptr, rows, stride_it, stride_wt, e, s, picked, place, w, shared, w_shared, ROUTED,
+                 TOP_K)  # fmt: skip
 
 
 def shared_sink_route(

@@ -295,9 +295,8 @@ class DecodeForward:
                 shrunk = m.expert_shrink(x, slots, experts)
         elif not few:
             shrunk = m.expert_shrink(x, slots, experts)
-        index, weights = m.route(x, layer)
+        index, rows = m.route_and_dispatch(x, layer, slots)
         routing.append(index[:, : m.config.num_experts_per_tok])
-        rows = Dispatch.of(index, weights, slots, m.num_experts)
         if few:
             down, down_lora = m.few_experts(x, layer, rows, slots, experts)
         else:

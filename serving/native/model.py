@@ -26,6 +26,7 @@ from inkwell.kernels import (
     TokenShrink,
     expert_lora_shrink,
     expert_matmul,
+    gate_route_dispatch,
     linear,
     lora_expand_sliced,
     lora_linear,
@@ -655,15 +656,28 @@ class InklingModel:
         out = self.linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
         return out * self.w[f"{p}.global_scale"]
 
+    def router(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A MoE layer's gate weight [E + n, H], its correction bias [E] and its global scale [1]."""
+        p = f"model.layers.{layer}.mlp.gate"
+        return self.w[f"{p}.weight"], self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"]
+
     def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
         sink) weighted by their gammas. On CUDA at decode sizes the gate GEMM and the routing are two Triton kernels
         chained into the step (`kernels.triton_pdl`); past them the routing alone (`kernels.triton_router`)."""
         cfg = self.config
-        p = f"model.layers.{layer}.mlp.gate"
-        logits = linear(x, self.w[f"{p}.weight"])
-        bias, scale = self.w[f"{p}.e_score_correction_bias"], self.w[f"{p}.global_scale"]
+        weight, bias, scale = self.router(layer)
+        logits = linear(x, weight)
         return shared_sink_route(logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale)
+
+    def route_and_dispatch(self, x: torch.Tensor, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, Dispatch]:
+        """Each token's experts [T, k + n] (as `route` picks them) and their rows grouped by expert, with the tokens'
+        LoRA `slots`; on CUDA at decode sizes the gate GEMM, the routing and the dispatch are one Triton kernel
+        (`kernels.gate_route_dispatch`)."""
+        cfg = self.config
+        k, n = cfg.num_experts_per_tok, cfg.n_shared_experts
+        index, _, rows = gate_route_dispatch(x, *self.router(layer), k, n, cfg.route_scale, slots)
+        return index, Dispatch(*rows)
 
     def routing_table(self, ids: list[torch.Tensor], rows: int) -> torch.Tensor:
         """The routed ids [rows, top_k] of each MoE layer (as `forward` appends them) as one [rows, layers, top_k]."""
@@ -676,9 +690,8 @@ class InklingModel:
     ) -> torch.Tensor:
         """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`."""
         experts = lora.experts.get(layer) if lora is not None else None
-        index, weights = self.route(x, layer)
+        index, rows = self.route_and_dispatch(x, layer, slots)  # rows grouped by expert
         routing.append(index[:, : self.config.num_experts_per_tok])
-        rows = Dispatch.of(index, weights, slots, self.num_experts)  # grouped by expert
         down, down_lora = self.run_experts(x, layer, slots, rows, experts)
         return rows.combine(down, x.shape[0], x.dtype, down_lora)
 

@@ -30,7 +30,7 @@ def run_compile_cases() -> None:
 
     compiled = sm90.compile_only()
     import inkwell.kernels.triton_lora as triton_lora
-    from inkwell.kernels import triton_moe, triton_router
+    from inkwell.kernels import triton_moe, triton_route_dispatch, triton_router
     from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
     from inkwell.kernels.triton_lora import dense, expert
 
@@ -74,11 +74,15 @@ def run_compile_cases() -> None:
         dense.lora_expand_sliced(dense.lora_shrink(x, a, token_slots), b, token_slots, torch.ones(S, 4), out, qkvr)
         logits, bias, scale = torch.zeros(tokens, ROUTED + SHARED, **bf), torch.zeros(ROUTED, **bf), torch.ones(1, **bf)
         triton_router.shared_sink_route(logits, bias, scale, TOP_K, SHARED, 2.5)
+        if tokens <= 128:  # decode: the gate GEMM, the routing and the dispatch in one kernel
+            gate = torch.zeros(ROUTED + SHARED, H, **bf)
+            triton_route_dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, token_slots)
     kernels = {
         name
         for module in (
             triton_moe,
             triton_router,
+            triton_route_dispatch,
             *(getattr(triton_lora, m) for m in ("dense", "expand", "expert", "shrink")),
         )
         for name, value in vars(module).items()
@@ -111,7 +115,8 @@ def run_chain_cases() -> None:
 
     A LoRA pair's shrink waits before it lets its GEMM launch, so the GEMM may read x before its own wait (every
     kernel before the shrink has finished); the GEMM waits for y after its K loop and lets the next kernel launch
-    only then. The decode attention reads before its wait (cache entries of earlier steps) but writes after it."""
+    only then. The decode attention reads before its wait (cache entries of earlier steps) and so does the MoE
+    layer's head (its slice of the router's gate), but both write after it."""
     compiled = sm90.compile_only()
     sm90.decode_chain()
 
@@ -121,10 +126,18 @@ def run_chain_cases() -> None:
         return ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"), first
 
     shrinks = {"_split_shrink_kernel", "_shrink_kernel"}
-    early_readers = {"_decode_attention_kernel"}  # reads cache entries of earlier steps before its wait
+    # read before their waits what no kernel of the step writes: cache entries of earlier steps, the router's gate
+    early_readers = {"_decode_attention_kernel", "_gate_route_dispatch_kernel"}
     chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
-    want |= {"_route_kernel", "_dispatch_kernel", "_expert_matmul_kernel", "_silu_mul_kernel", "_combine_kernel"}
+    want |= {
+        "_gate_route_dispatch_kernel",
+        "_route_kernel",
+        "_dispatch_kernel",
+        "_expert_matmul_kernel",
+        "_silu_mul_kernel",
+        "_combine_kernel",
+    }
     want |= {"_combine_down_kernel", "_split_shrink_kernel", "_expand_kernel"}
     assert want <= {name for name, _ in chained}, f"not compiled chained: {sorted(want - {n for n, _ in chained})}"
     for name, kernel in chained:

@@ -1,6 +1,8 @@
 """The fused shared-sink router (`triton_router`) against its torch twin (`torch_ops.shared_sink_route`, which
-`InklingModel.route` runs off CUDA) at the presets' expert counts and one count off a power of two. Run by Triton's
-CPU interpreter in a child process, and compiled on the GPU (marked gpu).
+`InklingModel.route` runs off CUDA) at the presets' expert counts and one count off a power of two; and the MoE
+layer's head in one kernel (`triton_route_dispatch`: the gate GEMM, that routing and the dispatch) against the
+router kernel and `torch_ops.moe_dispatch`. Run by Triton's CPU interpreter in a child process, and compiled on the
+GPU (marked gpu).
 
 Indices: the routed ones must follow torch.topk(sorted=False)'s CUDA rule (`topk_order`) on every row, ties
 included; on the GPU they must equal torch's in order. On the CPU torch breaks ties its own way, so rows tied at
@@ -84,8 +86,46 @@ def check_route(device: str, dtype: torch.dtype, tokens: int, shape: str, bias: 
         assert float((w == ref).double().mean()) >= 0.99, "weights not rounded where the twin rounds"
 
 
+def exact_gate_inputs(tokens: int, hidden: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] in {-1, 0, 1} and a gate [E + n, H] of multiples of 2^-6 below 2 (logits of std about 2): every
+    product and partial sum is exact in fp32, so the logits are the same in any summation order and round to the
+    same fp16/bf16 value as the float64 product."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-1, 2, (tokens, hidden), generator=gen).float()
+    gate = (torch.randn(experts, hidden, generator=gen) * 2.5 / hidden**0.5 * 64).round().clamp(-127, 127) / 64
+    return x, gate
+
+
+def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shape: str, hidden: int) -> None:
+    """Twice (the second launch finds its split count reset): the kernel's routing equals the router kernel's on the
+    exact logits, bitwise; its dispatch equals the stable argsort's of its own routing."""
+    from inkwell.kernels.triton_route_dispatch import gate_route_dispatch
+    from inkwell.kernels.triton_router import shared_sink_route
+
+    routed, k, shared = SHAPES[shape]
+    for seed in (tokens, tokens + 1):
+        x, gate = exact_gate_inputs(tokens, hidden, routed + shared, seed)
+        gen = torch.Generator().manual_seed(seed)
+        correction = 0.05 * torch.randn(routed, generator=gen)
+        slots = torch.randint(-1, 4, (tokens,), generator=gen)
+        x, gate, correction, scale = (t.to(device=device, dtype=dtype) for t in (x, gate, correction, torch.ones(1)))
+        slots = slots.to(device)
+        index, weights, rows = gate_route_dispatch(x, gate, correction, scale, k, shared, ROUTE_SCALE, slots)
+        logits = (x.double() @ gate.double().T).to(dtype)
+        want_index, want_weights = shared_sink_route(logits, correction, scale, k, shared, ROUTE_SCALE)
+        assert torch.equal(index, want_index), "routed experts differ from the router kernel's on the same logits"
+        assert torch.equal(weights, want_weights), "weights differ from the router kernel's on the same logits"
+        want_rows = torch_ops.moe_dispatch(index.cpu(), weights.cpu(), slots.cpu(), routed + shared)
+        names = ("order", "tokens", "experts", "weights", "slots", "ends", "places")
+        for name, got, want in zip(names, rows, want_rows, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got.cpu(), want), f"dispatch {name} differs"
+
+
 def run_interpreted_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    for tokens in (1, 5, 37):  # K = 300: ten programs of 32 columns, the last one short
+        check_gate_route_dispatch("cpu", torch.float32, tokens, "small", 300)
+    check_gate_route_dispatch("cpu", torch.float16, 9, "odd", 300)
     for tokens in TOKENS:
         check_route("cpu", torch.float32, tokens, "small", "random")
     for shape in SHAPES:  # the interpreter rounds bf16 by truncation; fp16 as the GPU does
@@ -120,3 +160,13 @@ def test_router_on_gpu(dtype, shape, tokens, bias):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     check_route("cuda", dtype, tokens, shape, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 8, 32, 128])
+def test_gate_route_dispatch_on_gpu(dtype, shape, tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    check_gate_route_dispatch("cuda", dtype, tokens, shape, 2048)
