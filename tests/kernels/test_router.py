@@ -98,7 +98,7 @@ def exact_gate_inputs(tokens: int, hidden: int, experts: int, seed: int) -> tupl
 
 def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shape: str, hidden: int) -> None:
     """Twice (the second launch finds its split count reset): the kernel's routing equals the router kernel's on the
-    exact logits (indices bitwise, weights within an ulp); its dispatch equals the stable argsort's of its own
+    exact logits (indices bitwise, weights to rounding); its dispatch equals the stable argsort's of its own
     routing."""
     from inkwell.kernels.triton_route_dispatch import gate_route_dispatch
     from inkwell.kernels.triton_router import shared_sink_route
@@ -115,9 +115,11 @@ def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shap
         logits = (x.double() @ gate.double().T).to(dtype)
         want_index, want_weights = shared_sink_route(logits, correction, scale, k, shared, ROUTE_SCALE)
         assert torch.equal(index, want_index), "routed experts differ from the router kernel's on the same logits"
-        # within an ulp of the dtype: the two kernels' programs sum a row's scores in their own layouts' orders
-        ulp = torch.finfo(dtype).eps
-        torch.testing.assert_close(weights, want_weights, rtol=ulp, atol=0, msg="weights differ from the router's")
+        # the two kernels' layouts sum a row's scores in their own orders: 16-bit weights within an ulp (bitwise on an
+        # H100 and an H200), fp32's last bits apart (an H100 and an H200 at 32 and 128 tokens), within the router's
+        # own tolerance against torch
+        rtol = RTOL[dtype] if dtype == torch.float32 else torch.finfo(dtype).eps
+        torch.testing.assert_close(weights, want_weights, rtol=rtol, atol=0)
         want_rows = torch_ops.moe_dispatch(index.cpu(), weights.cpu(), slots.cpu(), routed + shared)
         names = ("order", "tokens", "experts", "weights", "slots", "ends", "places")
         for name, got, want in zip(names, rows, want_rows, strict=True):
