@@ -16,8 +16,9 @@ obey it):
   - on CUDA, each ShortConv step (with the residual add and the next RMSNorm), the attention's prologue (the K/V
     ShortConv, the Q/K norms and the cache write) and each attention over the cache are one Triton kernel
     (`inkwell.kernels.triton_short_conv`, `triton_attention_prologue`, `triton_decode_attention`), and so are the
-    MoE layer's dispatch, combine, silu * up and expert GEMMs (`kernels.triton_moe`): 239 launches a step for
-    inkling-small where the torch ops took 668, rounding where the torch ops round; with adapters the experts'
+    MoE layer's head (the router's gate GEMM, the routing and the dispatch: `kernels.triton_route_dispatch`), its
+    combine, silu * up and expert GEMMs (`kernels.triton_moe`), rounding where the torch ops round (668 launches a
+    step for inkling-small with the torch ops, 239 with the first of these kernels); with adapters the experts'
     LoRA adds one launch per MoE layer (the gate/up shrink, beside the gate/up GEMM), its expands riding in the
     GEMMs' epilogues. The combine runs inside the ShortConv step after the MoE layer (`Uncombined`), summing as
     the combine kernel of the eager forward sums, so the two round alike.
