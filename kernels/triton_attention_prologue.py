@@ -12,10 +12,9 @@ row's cache place. Sums run in another order than torch's, so results agree to f
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from inkwell.kernels.triton_pdl import chain_launch
-from inkwell.kernels.triton_short_conv import conv_step, conv_taps, rms_norm_rows
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
+from inkwell.kernels.triton_short_conv import conv_step, rms_norm_rows
 
 
 @triton.jit
@@ -30,8 +29,7 @@ def _decode_prologue_kernel(
 ):  # fmt: skip
     """Row b, kv head g: k and v of head g through their conv step (kv channels g*D.. and KV_COLS + g*D..), k
     normalized, both stored at the row's place; q heads g*GROUPS .. normalized into q_out."""
-    if CHAINED:
-        gdc_launch_dependents()
+    chain_start(CHAINED)
     b = tl.program_id(0)
     g = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -44,27 +42,19 @@ def _decode_prologue_kernel(
     state_row = state_ptr + seq * stride_ss
     cache = seq * stride_cs + place * stride_cl + g * stride_ch + d
     c_k = g * head_dim + d
-    c_v = KV_COLS + c_k
-    k_ptrs, k_saved, k_later, k_w = conv_taps(
-        c_k, in_d, state_row, conv_w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL, BLOCK_W
-    )
-    v_ptrs, v_saved, v_later, v_w = conv_taps(
-        c_v, in_d, state_row, conv_w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL, BLOCK_W
-    )
-    k_weight = tl.load(k_norm_ptr + d, mask=in_d, other=0.0).to(tl.float32)
-    q_weight = tl.load(q_norm_ptr + d, mask=in_d, other=0.0).to(tl.float32)
-    if CHAINED:
-        gdc_wait()  # the conv state, the weights and the rows' slots and positions are read; qkvr is the step's
     k_in = tl.load(row + Q_COLS + c_k, mask=in_d, other=0.0).to(tl.float32)
-    k = conv_step(k_in, in_d, k_ptrs, k_saved, k_later, k_w, KERNEL, BLOCK_W)
+    k = conv_step(k_in, c_k, in_d, state_row, conv_w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL, BLOCK_W)
+    k_weight = tl.load(k_norm_ptr + d, mask=in_d, other=0.0).to(tl.float32)
     k = rms_norm_rows(k.to(dtype).to(tl.float32)[None, :], k_weight, head_dim, eps, dtype)
     tl.store(k_cache_ptr + cache, tl.reshape(k, (BLOCK_D,)), mask=in_d)
+    c_v = KV_COLS + c_k
     v_in = tl.load(row + Q_COLS + c_v, mask=in_d, other=0.0).to(tl.float32)
-    v = conv_step(v_in, in_d, v_ptrs, v_saved, v_later, v_w, KERNEL, BLOCK_W)
+    v = conv_step(v_in, c_v, in_d, state_row, conv_w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL, BLOCK_W)
     tl.store(v_cache_ptr + cache, v.to(dtype), mask=in_d)
     heads = g * GROUPS + tl.arange(0, BLOCK_G)
     in_q = (tl.arange(0, BLOCK_G) < GROUPS)[:, None] & in_d[None, :]
     q = tl.load(row + heads[:, None] * head_dim + d[None, :], mask=in_q, other=0.0).to(tl.float32)
+    q_weight = tl.load(q_norm_ptr + d, mask=in_d, other=0.0).to(tl.float32)
     q = rms_norm_rows(q, q_weight, head_dim, eps, dtype)
     tl.store(q_out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], q, mask=in_q)
 

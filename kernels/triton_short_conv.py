@@ -23,38 +23,29 @@ so no order between programs matters.
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.triton_moe import combine_row
-from inkwell.kernels.triton_pdl import chain_launch
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 
 @triton.jit
-def conv_taps(
-    c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL: tl.constexpr, BLOCK_W: tl.constexpr
+def conv_step(
+    xf, c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk,
+    KERNEL: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
-    """What a conv step of channels `c` (mask `in_c`) reads besides its new input: the saved taps of `state_row`,
-    the same taps one later (the shifted window's) and the depthwise weights (fp32). No kernel of a decode step
-    writes them before the step's own conv (the state is the previous step's), so a chained kernel reads them
-    before its wait (`triton_pdl`). Returns (the taps' pointers, saved, later, weights) for `conv_step`."""
+    """One causal-conv step of channels `c` (mask `in_c`): the window [saved taps of `state_row`, new input xf]
+    (fp32) times the depthwise weights, plus xf -> fp32; the saved taps shift by one to end at xf."""
     j = tl.arange(0, BLOCK_W)
     taps = state_row + c[:, None] * stride_sc + j[None, :] * stride_sk  # [BLOCK_C, BLOCK_W]
     saved = tl.load(taps, mask=in_c[:, None] & (j < KERNEL - 1)[None, :], other=0.0)
-    later = tl.load(taps + stride_sk, mask=in_c[:, None] & (j < KERNEL - 2)[None, :], other=0.0)
+    window = tl.where((j == KERNEL - 1)[None, :], xf[:, None], saved)
     w = tl.load(
         w_ptr + c[:, None] * stride_wc + j[None, :] * stride_wk, mask=in_c[:, None] & (j < KERNEL)[None, :], other=0.0
     )
-    return taps, saved, later, w.to(tl.float32)
-
-
-@triton.jit
-def conv_step(xf, in_c, taps, saved, later, w, KERNEL: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One causal-conv step over what `conv_taps` read: the window [saved taps, new input xf] (fp32) times the
-    depthwise weights w, plus xf -> fp32; the saved taps shift by one to end at xf."""
-    j = tl.arange(0, BLOCK_W)
-    window = tl.where((j == KERNEL - 1)[None, :], xf[:, None], saved)
-    conv = tl.sum(window * w, axis=1)
-    shifted = tl.where((j == KERNEL - 2)[None, :], xf[:, None], later)  # taps 1 .. KERNEL-2, then x
+    conv = tl.sum(window * w.to(tl.float32), axis=1)
+    # the window shifted by one: taps 1 .. KERNEL-2 of the state, then x (both loaded before the store below)
+    later = tl.load(taps + stride_sk, mask=in_c[:, None] & (j < KERNEL - 2)[None, :], other=0.0)
+    shifted = tl.where((j == KERNEL - 2)[None, :], xf[:, None], later)
     tl.store(taps, shifted, mask=in_c[:, None] & (j < KERNEL - 1)[None, :])
     return conv + xf
 
@@ -101,31 +92,25 @@ def _short_conv_step_kernel(
     and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps. With COMBINE (k > 0), x holds the
     MoE's dispatched rows and x_b is row b's combine of its k rows (`triton_moe.combine_row`), rounded as
     `moe_combine` rounds it."""
-    if CHAINED:
-        gdc_launch_dependents()
+    chain_start(CHAINED)
     b = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     in_c = c < C
     seq = tl.load(seq_ptr + b).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
-    state_row = state_ptr + seq * stride_ss
-    taps, saved, later, w = conv_taps(c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL,
-                                      BLOCK_W)  # fmt: skip
-    if NORM:
-        weight = tl.load(norm_ptr + c, mask=in_c, other=0.0).to(tl.float32)
-    if CHAINED:
-        gdc_wait()  # the state, the weights and the sequence slots are read; x and h are the step's
     if COMBINE > 0:
         mixed = combine_row(x_ptr, mix_ptr, places_ptr, b.to(tl.int64), c, in_c, stride_xb, COMBINE)
         xf = mixed.to(dtype).to(tl.float32)
     else:
         xf = tl.load(x_ptr + b * stride_xb + c, mask=in_c, other=0.0).to(tl.float32)
-    conv = conv_step(xf, in_c, taps, saved, later, w, KERNEL, BLOCK_W)
+    state_row = state_ptr + seq * stride_ss
+    conv = conv_step(xf, c, in_c, state_row, w_ptr, stride_sc, stride_sk, stride_wc, stride_wk, KERNEL, BLOCK_W)
     y = conv.to(dtype)
     if NORM:
         h = tl.load(h_ptr + b * stride_hb + c, mask=in_c, other=0.0).to(tl.float32)
         h = (h + y.to(tl.float32)).to(dtype)
         tl.store(h_out_ptr + b * stride_hob + c, h, mask=in_c)
+        weight = tl.load(norm_ptr + c, mask=in_c, other=0.0).to(tl.float32)
         y = tl.reshape(rms_norm_rows(h.to(tl.float32)[None, :], weight, C, eps, dtype), (BLOCK_C,))
     tl.store(out_ptr + b * stride_ob + c, y, mask=in_c)
 

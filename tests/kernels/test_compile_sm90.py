@@ -115,9 +115,8 @@ def run_chain_cases() -> None:
 
     A LoRA pair's shrink waits before it lets its GEMM launch, so the GEMM may read x before its own wait (every
     kernel before the shrink has finished); the GEMM waits for y after its K loop and lets the next kernel launch
-    only then. The decode attention reads before its wait (cache entries of earlier steps), and so do the MoE
-    layer's head (its slice of the router's gate), the ShortConv step and the attention prologue (their conv state,
-    the previous step's, and weights), but all write after it."""
+    only then. The decode attention reads before its wait (cache entries of earlier steps) and so does the MoE
+    layer's head (its slice of the router's gate), but both write after it."""
     compiled = sm90.compile_only()
     sm90.decode_chain()
 
@@ -127,10 +126,8 @@ def run_chain_cases() -> None:
         return ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"), first
 
     shrinks = {"_split_shrink_kernel", "_shrink_kernel"}
-    # read before their waits what no kernel of the step writes: cache entries and conv states of earlier steps,
-    # weights (the router's gate, the convs' and norms')
+    # read before their waits what no kernel of the step writes: cache entries of earlier steps, the router's gate
     early_readers = {"_decode_attention_kernel", "_gate_route_dispatch_kernel"}
-    early_readers |= {"_short_conv_step_kernel", "_decode_prologue_kernel"}
     chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
     want |= {
