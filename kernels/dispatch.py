@@ -217,6 +217,20 @@ def shared_sink_route(
     return ops.shared_sink_route(logits, bias, global_scale, top_k, n_shared, route_scale)
 
 
+def gate_route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor,
+    global_scale: torch.Tensor,
+    top_k: int,
+    n_shared: int,
+    route_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and weights [T, k + n] from the router's gate [E + n, H]: its logits x @ gate^T
+    (`linear`, rounded to x's dtype), then `shared_sink_route`."""
+    return shared_sink_route(linear(x, gate), bias, global_scale, top_k, n_shared, route_scale)
+
+
 def moe_dispatch(
     index: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, ...]:
@@ -237,13 +251,13 @@ def gate_route_dispatch(
     slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """A MoE layer's head: the router logits x @ gate^T [T, E + n], each token's experts and weights [T, k + n]
-    from them (`shared_sink_route`) and their rows dispatched by expert (`moe_dispatch` over E + n experts, with
+    from them (`gate_route`) and their rows dispatched by expert (`moe_dispatch` over E + n experts, with
     the tokens' LoRA slots [T]); returns (index, weights, the dispatch's outputs). On CUDA at decode sizes one
     Triton kernel (`triton_route_dispatch`), the logits rounded to x's dtype as `linear` rounds them."""
     if x.is_cuda and 1 <= x.shape[0] <= ROUTE_DISPATCH_MAX_TOKENS and x.dtype == gate.dtype:
         ops = _triton_route_dispatch()
         return ops.gate_route_dispatch(x, gate, bias, global_scale, top_k, n_shared, route_scale, slots)
-    index, weights = shared_sink_route(linear(x, gate), bias, global_scale, top_k, n_shared, route_scale)
+    index, weights = gate_route(x, gate, bias, global_scale, top_k, n_shared, route_scale)
     return index, weights, moe_dispatch(index, weights, slots, gate.shape[0])
 
 

@@ -26,6 +26,7 @@ from inkwell.kernels import (
     TokenShrink,
     expert_lora_shrink,
     expert_matmul,
+    gate_route,
     gate_route_dispatch,
     linear,
     lora_expand_sliced,
@@ -34,7 +35,6 @@ from inkwell.kernels import (
     moe_combine,
     moe_dispatch,
     one_launch_projection,
-    shared_sink_route,
     silu_mul,
     silu_mul_shrink,
 )
@@ -663,12 +663,11 @@ class InklingModel:
 
     def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights [T, k + n]: the top-k routed ones, then the shared experts (the
-        sink) weighted by their gammas. On CUDA at decode sizes the gate GEMM and the routing are two Triton kernels
-        chained into the step (`kernels.triton_pdl`); past them the routing alone (`kernels.triton_router`)."""
+        sink) weighted by their gammas (`kernels.gate_route`), without the dispatch `route_and_dispatch` adds: an
+        expert-parallel rank dispatches its own experts' rows."""
         cfg = self.config
-        weight, bias, scale = self.router(layer)
-        logits = linear(x, weight)
-        return shared_sink_route(logits, bias, scale, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.route_scale)
+        k, n = cfg.num_experts_per_tok, cfg.n_shared_experts
+        return gate_route(x, *self.router(layer), k, n, cfg.route_scale)
 
     def route_and_dispatch(self, x: torch.Tensor, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, Dispatch]:
         """Each token's experts [T, k + n] (as `route` picks them) and their rows grouped by expert, with the tokens'
