@@ -5,9 +5,12 @@ For each number of concurrent sequences (`--batches`, 1 8 32 64 128) and adapter
 ones; request i on adapter i mod n): prompts of `--prompt` random tokens (512), `--new` greedy tokens each (128),
 all submitted at once. The first step prefills every prompt (one forward); a decode step is the time between two
 step() returns after it (the engine overlaps steps, so this is the steady state's cost per token of each
-sequence), median over the run. Each configuration runs once short to warm up (Triton compiles, graph buckets),
-then once timed. Aggregate tok/s = sequences / step, per-sequence tok/s = 1 / step; ratios are of decode
-throughput at the same batch: n adapters / no adapter, and 8 adapters / 1 adapter.
+sequence), median over the run. Every configuration first runs once short to warm up (Triton compiles, graph
+buckets); then each is timed `--repeats` times (3), interleaved (the first run of every configuration, then the
+second, ...) so a drift of the machine hits them all alike, and reports its median run by step (of an even count the
+lower middle one, a real run): one disturbed run no longer becomes the figure. The JSON keeps every run's step
+(step_ms_runs), the table their spread (min-max). Aggregate tok/s = sequences / step, per-sequence tok/s = 1 / step;
+ratios are of the medians' decode throughput at the same batch: n adapters / no adapter, and 8 adapters / 1 adapter.
 Prints a markdown table; --out writes the figures as JSON, --plot a PNG of aggregate throughput against per-user
 speed (one line per adapter count, points labelled by batch).
 Run: python benchmarks/bench_serving_sweep.py --out sweep.json --plot sweep.png      (inkling-small, bf16, CUDA)
@@ -62,6 +65,13 @@ def run_batch(engine: Engine, prompts: list[list[int]], n: int, new: int) -> dic
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """A configuration's figures from its timed runs: the median run by step (the lower middle of an even count, so
+    every figure comes from one real run), with every run's step in run order to show the spread."""
+    mid = sorted(runs, key=lambda r: r["step_ms"])[(len(runs) - 1) // 2]
+    return {**mid, "step_ms_runs": [r["step_ms"] for r in runs]}
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Each row's decode throughput against no adapter and (8 adapters) against 1 adapter at the same batch."""
     by_key = {(r["batch"], r["adapters"]): r for r in rows}
@@ -78,12 +88,14 @@ def table(rows: list[dict]) -> str:
         return f"{r[key]:.2f}" if key in r else "-"
 
     lines = [
-        "| sequences | adapters | decode ms/step | aggregate tok/s | per-sequence tok/s | / no adapter | 8 / 1 |",
-        "|---|---|---|---|---|---|---|",
+        "| sequences | adapters | decode ms/step | runs ms (min-max) | aggregate tok/s | per-sequence tok/s "
+        "| / no adapter | 8 / 1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        spread = f"{min(r['step_ms_runs']):.2f}-{max(r['step_ms_runs']):.2f}"
         lines.append(
-            f"| {r['batch']} | {r['adapters']} | {r['step_ms']:.2f} | {r['aggregate_tok_s']:,.0f} | "
+            f"| {r['batch']} | {r['adapters']} | {r['step_ms']:.2f} | {spread} | {r['aggregate_tok_s']:,.0f} | "
             f"{r['per_seq_tok_s']:.1f} | {cell(r, 'vs_none')} | {cell(r, 'vs_one')} |"
         )
     return "\n".join(lines)
@@ -120,10 +132,13 @@ def main() -> None:
     ap.set_defaults(prompt=512)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each configuration, interleaved")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--tiny", action="store_true", help="inkling-tiny on the CPU, short prompts: a smoke run")
     args = parse_engine_args(ap)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.tiny:
         vars(args).update(TINY)
     args.batch = max(args.batches)  # make_engine sizes the engine (sequences, prefill tokens) from it
@@ -137,25 +152,28 @@ def main() -> None:
         "gpu": gpu,
         "rows": [],
     }
-    rows = results["rows"]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-serving-sweep-") as tmp:
         model_dir = init_base_model(args.preset, Path(tmp) / args.preset, seed=0)
         adapters = random_adapters(model_dir, args.rank)[: max(ADAPTERS)]
         engine = make_engine(model_dir, adapters, args)  # the prefix cache off: every run prefills its prompts
         print(f"[setup] {time.perf_counter() - t0:.1f}s", flush=True)
-        for batch in args.batches:
-            prompts = make_prompts(batch, args.prompt, seed=batch)
-            for n in ADAPTERS:
-                run_batch(engine, prompts, n, WARMUP_NEW)
-                rows.append(run_batch(engine, prompts, n, args.new))
-                add_ratios(rows)
-                print(f"batch {batch}, {n} adapters: {rows[-1]['step_ms']:.2f} ms/step", flush=True)
-                if args.out is not None:  # after every row, so a run cut short keeps what it measured
+        prompts = {batch: make_prompts(batch, args.prompt, seed=batch) for batch in args.batches}
+        runs: dict[tuple[int, int], list[dict]] = {(batch, n): [] for batch in args.batches for n in ADAPTERS}
+        for batch, n in runs:
+            run_batch(engine, prompts[batch], n, WARMUP_NEW)
+        for i in range(args.repeats):  # round-robin: a drift of the machine falls on every configuration alike
+            for (batch, n), done in runs.items():
+                done.append(run_batch(engine, prompts[batch], n, args.new))
+                step_ms = done[-1]["step_ms"]
+                print(f"run {i + 1}/{args.repeats}, batch {batch}, {n} adapters: {step_ms:.2f} ms/step", flush=True)
+                results["rows"] = [median_run(cell) for cell in runs.values() if cell]
+                add_ratios(results["rows"])
+                if args.out is not None:  # after every run, so a sweep cut short keeps what it measured
                     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\n{title}\n\n{table(rows)}")
+    print(f"\n{title}\n\n{table(results['rows'])}")
     if args.plot is not None:
-        plot(rows, title, args.plot)
+        plot(results["rows"], title, args.plot)
     print(f"[total] {time.perf_counter() - t0:.1f}s")
 
 
