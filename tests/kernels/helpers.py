@@ -1,9 +1,14 @@
 """What the kernel tests share: the tolerance check against a float64 reference, and running a test module's cases
-in a child process (with Triton's CPU interpreter, or with a stand-in driver that only compiles)."""
+in a child process (with Triton's CPU interpreter, or with a stand-in driver that only compiles), started ahead of
+their tests on a second core."""
 
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,20 +40,114 @@ def assert_close(
     assert err <= bound, f"{what}: worst row relative error {err:.2e} (allowed {bound:.2e})"
 
 
-def run_in_child(module: str, function: str, done: str, env: dict[str, str] | None = None, timeout: int = 300) -> None:
-    """Run `module`'s `function()` in a child process (with `env` added to this one's); fail with its output unless
-    it exits 0 and prints `done`."""
-    code = f"from {module} import {function}; {function}()"
-    root = Path(__file__).resolve().parents[2]  # where `tests` is importable from
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **(env or {})}, cwd=root, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert done in proc.stdout
+INTERPRETER_ENV = (("OMP_NUM_THREADS", "1"), ("TRITON_INTERPRET", "1"))
 
 
-def run_in_interpreter(module: str) -> None:
-    """Run `module`'s `run_interpreted_cases()` in a child process with TRITON_INTERPRET=1; fail with its output."""
-    env = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    run_in_child(module, "run_interpreted_cases", "interpreted cases passed", env)
+@dataclass(frozen=True)
+class ChildRun:
+    """`module`'s `function()` in a child process (with `env` added to this one's): it passes where it exits 0 and
+    prints `done`. A test marked `@pytest.mark.child(run)` checks it (`check`), and the suite starts it ahead of the
+    test on a second core (`LANE`)."""
+
+    module: str
+    function: str
+    done: str
+    env: tuple[tuple[str, str], ...] = ()
+    timeout: int = 300
+
+    @classmethod
+    def interpreted(cls, module: str) -> "ChildRun":
+        """`module`'s `run_interpreted_cases()` under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+        return cls(module, "run_interpreted_cases", "interpreted cases passed", INTERPRETER_ENV)
+
+    def start(self) -> subprocess.Popen:
+        code = f"from {self.module} import {self.function}; {self.function}()"
+        root = Path(__file__).resolve().parents[2]  # where `tests` is importable from
+        return subprocess.Popen(
+            [sys.executable, "-c", code], env={**os.environ, **dict(self.env)}, cwd=root, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    def check(self) -> None:
+        """Fail with the child's output unless it passed."""
+        code, out, err = LANE.result(self)
+        assert code == 0, out[-3000:] + err[-6000:]
+        assert self.done in out, out[-3000:]
+
+
+class ChildLane:
+    """Runs the child runs the session's selected tests will check, one at a time on a thread of this process, from
+    the first check on: two children at a time, one on the lane and one on the checking test's thread, where the
+    tests alone keep one core busy. A test whose run the lane has not begun runs it itself; while the lane runs
+    it, the test runs the next waiting one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[ChildRun] = []
+        self._results: dict[ChildRun, Future] = {}
+        self._running: set[subprocess.Popen] = set()
+        self._started = False
+
+    def expect(self, runs: Iterable[ChildRun]) -> None:
+        """The runs the session's tests will check, in the tests' order."""
+        with self._lock:
+            for run in runs:
+                if run not in self._results:
+                    self._results[run] = Future()
+                    self._waiting.append(run)
+
+    def result(self, run: ChildRun) -> tuple[int, str, str]:
+        """`run`'s exit code, stdout and stderr: run here, or by the lane."""
+        self.expect([run])
+        with self._lock:
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._work, name="child-lane", daemon=True).start()
+        if self._claim(run) is not None:
+            self._complete(run)
+        future = self._results[run]
+        while not future.done() and (other := self._claim(None)) is not None:  # the lane has it: run the next
+            self._complete(other)
+        return future.result()
+
+    def stop(self) -> None:
+        """Kill the children still running (a session cut short)."""
+        with self._lock:
+            for proc in self._running:
+                proc.kill()
+
+    def _claim(self, run: ChildRun | None) -> ChildRun | None:
+        """Take `run` (None: the next waiting one) off the waiting list; None where it is not on it."""
+        with self._lock:
+            if run is None:
+                return self._waiting.pop(0) if self._waiting else None
+            if run in self._waiting:
+                self._waiting.remove(run)
+                return run
+            return None
+
+    def _complete(self, run: ChildRun) -> None:
+        future = self._results[run]
+        try:
+            proc = run.start()
+            with self._lock:
+                self._running.add(proc)
+            try:
+                out, err = proc.communicate(timeout=run.timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                err += f"\nkilled after {run.timeout} s"
+            finally:
+                with self._lock:
+                    self._running.discard(proc)
+            future.set_result((proc.returncode, out, err))
+        except BaseException as exc:  # the checking test raises it
+            future.set_exception(exc)
+
+    def _work(self) -> None:
+        while (run := self._claim(None)) is not None:
+            self._complete(run)
+
+
+LANE = ChildLane()

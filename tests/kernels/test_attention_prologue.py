@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import ChildRun, assert_close
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_attention_prologue")
 
 EPS = 1e-6
 
@@ -88,8 +90,9 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
+@pytest.mark.child(INTERPRETED)
 def test_prologue_matches_reference_in_interpreter():
-    run_in_interpreter("tests.kernels.test_attention_prologue")
+    INTERPRETED.check()
 
 
 @pytest.mark.gpu

@@ -13,9 +13,10 @@ modules must compile at least once: a new kernel needs a call here. The kernels 
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.kernels.helpers import run_in_child
+from tests.kernels.helpers import ChildRun
 
 # benchmarks/sm90_census.py holds the compile-only launches and the chain's calls, and prints what this test reads
 CENSUS = Path(__file__).parents[2] / "benchmarks" / "sm90_census.py"
@@ -23,6 +24,8 @@ spec = importlib.util.spec_from_file_location("sm90_census", CENSUS)
 sm90 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sm90)
 H, F, R, S, ROUTED, SHARED, TOP_K = sm90.H, sm90.F, sm90.R, sm90.S, sm90.ROUTED, sm90.SHARED, sm90.TOP_K
+COMPILE = ChildRun("tests.kernels.test_compile_sm90", "run_compile_cases", "compiled for sm_90", timeout=600)
+CHAIN = ChildRun("tests.kernels.test_compile_sm90", "run_chain_cases", "chained for sm_90", timeout=600)
 
 
 def run_compile_cases() -> None:
@@ -99,8 +102,9 @@ def run_compile_cases() -> None:
     print(f"compiled for sm_90: {len(kernels)} kernels")
 
 
+@pytest.mark.child(COMPILE)
 def test_moe_router_and_lora_kernels_compile_for_sm90():
-    run_in_child("tests.kernels.test_compile_sm90", "run_compile_cases", "compiled for sm_90", timeout=600)
+    COMPILE.check()
 
 
 # the PTX of a global memory access; the L2 prefetch (cp.async.bulk.prefetch) is a hint a chained kernel may issue
@@ -163,8 +167,9 @@ def run_chain_cases() -> None:
     print(f"chained for sm_90: {len(chained)} kernels, {len(pairs)} LoRA pair GEMMs")
 
 
+@pytest.mark.child(CHAIN)
 def test_decode_chain_kernels_wait_before_their_first_access():
-    run_in_child("tests.kernels.test_compile_sm90", "run_chain_cases", "chained for sm_90", timeout=600)
+    CHAIN.check()
 
 
 def test_the_census_counts_instructions_not_their_mentions():

@@ -9,7 +9,9 @@ import os
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import ChildRun, assert_close
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_decode_attention")
 
 
 def reference(q, r, keys, values, proj, seq, pos, entries, sliding, log_scaling):
@@ -107,8 +109,9 @@ def check_rows_alone_equal_batched(dtype, rows, heads, kv_heads, head_dim, d_rel
         assert torch.equal(alone[0], batched[b]), f"row {b} alone differs from its batch (sliding={sliding})"
 
 
+@pytest.mark.child(INTERPRETED)
 def test_decode_attention_matches_reference_in_interpreter():
-    run_in_interpreter("tests.kernels.test_decode_attention")
+    INTERPRETED.check()
 
 
 def test_decode_attention_rejects_mismatched_shapes():

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from inkwell.kernels import torch_ops
-from tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import ChildRun, assert_close
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_moe_rows")
 
 
 def routed(tokens: int, top_k: int, routed_experts: int, shared: int, beyond: int, seed: int):
@@ -203,8 +205,9 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
+@pytest.mark.child(INTERPRETED)
 def test_moe_rows_match_torch_in_interpreter():
-    run_in_interpreter("tests.kernels.test_moe_rows")
+    INTERPRETED.check()
 
 
 def test_torch_dispatch_sorts_stably_and_combines_in_token_order():

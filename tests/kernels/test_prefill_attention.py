@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.kernels.helpers import TOLERANCE, assert_close, row_error, run_in_interpreter
+from tests.kernels.helpers import TOLERANCE, ChildRun, assert_close, row_error
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_prefill_attention")
 
 
 def reference(q, k, v, r, proj, cache_k, cache_v, seq, starts, lengths, window, log_scaling):
@@ -121,8 +123,9 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
+@pytest.mark.child(INTERPRETED)
 def test_prefill_attention_matches_reference_in_interpreter():
-    run_in_interpreter("tests.kernels.test_prefill_attention")
+    INTERPRETED.check()
 
 
 def via_attend(q, k, v, r, proj, cache_k, cache_v, seq, starts, lengths, window, log_scaling):

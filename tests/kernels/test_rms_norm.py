@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import ChildRun, assert_close
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_rms_norm")
 
 EPS = 1e-6
 # (tokens, heads, head dim): q and k heads of inkling-small, a whole 2,048-wide row, odd sizes that mask
@@ -42,8 +44,9 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
+@pytest.mark.child(INTERPRETED)
 def test_rms_norm_matches_float64_in_interpreter():
-    run_in_interpreter("tests.kernels.test_rms_norm")
+    INTERPRETED.check()
 
 
 def test_rms_norm_rejects_bad_shapes():

@@ -19,7 +19,9 @@ import torch
 
 from inkwell.kernels import torch_ops
 from inkwell.models.presets import PRESETS
-from tests.kernels.helpers import run_in_interpreter
+from tests.kernels.helpers import ChildRun
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_router")
 
 RTOL = {torch.float32: 1e-5, torch.float16: 2**-8, torch.bfloat16: 2**-5}
 TOKENS = (1, 8, 128, 1000)
@@ -140,8 +142,9 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
+@pytest.mark.child(INTERPRETED)
 def test_router_matches_torch_twin_in_interpreter():
-    run_in_interpreter("tests.kernels.test_router")
+    INTERPRETED.check()
 
 
 def test_router_rejects_bad_shapes():

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, run_in_interpreter
+from tests.kernels.helpers import ChildRun, assert_close
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_short_conv")
 
 
 def reference(x, state, seq_slots, weight, residual, norm_weight, eps):
@@ -226,8 +228,9 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
+@pytest.mark.child(INTERPRETED)
 def test_short_conv_kernels_match_reference_in_interpreter():
-    run_in_interpreter("tests.kernels.test_short_conv")
+    INTERPRETED.check()
 
 
 def test_short_conv_step_rejects_mismatched_state():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inkwell.kernels import dispatch
-from tests.kernels.helpers import run_in_interpreter
+from tests.kernels.helpers import ChildRun
 from tests.kernels.lora_checks import (
     check_expand_walk,
     check_experts,
@@ -20,6 +20,8 @@ from tests.kernels.lora_checks import (
     check_projection,
     check_sliced,
 )
+
+INTERPRETED = ChildRun.interpreted("tests.kernels.test_triton_interpret")
 
 
 def run_interpreted_cases() -> None:
@@ -58,8 +60,9 @@ def run_interpreted_cases() -> None:
     print("interpreted cases passed")
 
 
+@pytest.mark.child(INTERPRETED)
 def test_triton_kernels_match_torch_twins_in_interpreter():
-    run_in_interpreter("tests.kernels.test_triton_interpret")
+    INTERPRETED.check()
 
 
 def test_dispatch_torch_path_of_sliced_and_fused_ops():
