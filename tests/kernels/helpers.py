@@ -76,10 +76,10 @@ class ChildRun:
 
 
 class ChildLane:
-    """Runs the child runs the session's selected tests will check, one at a time on a thread of this process, from
-    the first check on: two children at a time, one on the lane and one on the checking test's thread, where the
-    tests alone keep one core busy. A test whose run the lane has not begun runs it itself; while the lane runs
-    it, the test runs the next waiting one."""
+    """Runs the child runs the session's selected tests will check, in their order, from the first check on: one at
+    a time on a thread of this process and one on the checking test's thread, two children where the tests alone
+    keep one core busy. A test whose run the lane has not begun runs it itself; while the lane runs it, the test
+    runs the next waiting one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -111,8 +111,9 @@ class ChildLane:
         return future.result()
 
     def stop(self) -> None:
-        """Kill the children still running (a session cut short)."""
+        """Start no more children and kill those still running (a session cut short)."""
         with self._lock:
+            self._waiting.clear()
             for proc in self._running:
                 proc.kill()
 
