@@ -7,7 +7,8 @@ folder of links laid out as that tree's setup.py maps its folders, first on PYTH
 installing. The benchmark (a script in benchmarks/, with its own arguments after `--`) runs from each tree's
 benchmarks/ with `--out` pointing at a JSON file, `--rounds` times: base, change, base, change... Every number
 the two JSONs hold at the same place (its keys and list indices, joined by '.') is printed with the median of its
-rounds and change / base; `--match` keeps the places that contain any of its words.
+rounds, change / base and each round's change / base (the spread), after every round (a run cut short keeps the
+rounds it finished); `--match` keeps the places that contain any of its words.
 Run: python benchmarks/ab.py --base /tmp/base [--rounds 2] [--match tok_s] -- bench_decode_graphs.py --batch 8
 """
 
@@ -69,15 +70,32 @@ def run_once(tree: Path, path_root: Path, bench: list[str], out: Path) -> dict[s
     return flatten(json.loads(out.read_text()))
 
 
+def ratio(new: float, base: float) -> float:
+    return new / base if base else float("nan")
+
+
 def compare(base: list[dict[str, float]], new: list[dict[str, float]], match: list[str]) -> list[tuple]:
-    """(place, base median, change median, change / base) for each place both runs hold in every round."""
+    """(place, base median, change median, change / base, each round's change / base) for each place both runs
+    hold in every round."""
     places = set.intersection(*(set(r) for r in base + new))
     rows = []
     for place in sorted(p for p in places if not match or any(m in p for m in match)):
         b = statistics.median(r[place] for r in base)
         n = statistics.median(r[place] for r in new)
-        rows.append((place, b, n, n / b if b else float("nan")))
+        rounds = [ratio(rn[place], rb[place]) for rb, rn in zip(base, new, strict=True)]
+        rows.append((place, b, n, ratio(n, b), rounds))
     return rows
+
+
+def table(rows: list[tuple], done: int, rounds: int) -> str:
+    """The comparison after `done` of `rounds` rounds: medians, their ratio and each round's (the spread)."""
+    lines = [
+        f"\nafter round {done} of {rounds}",
+        f"{'place':<60} {'base':>14} {'change':>14} {'change/base':>12}  rounds",
+    ]
+    for place, b, n, r, each in rows:
+        lines.append(f"{place:<60} {b:>14.6g} {n:>14.6g} {r:>12.4f}  {'/'.join(f'{x:.4f}' for x in each)}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -100,9 +118,8 @@ def main() -> None:
         for i in range(args.rounds):
             for name, tree in trees.items():
                 runs[name].append(run_once(tree, roots[name], bench, Path(tmp) / f"{name}-{i}.json"))
-    print(f"\n{'place':<60} {'base':>14} {'change':>14} {'change/base':>12}")
-    for place, b, n, ratio in compare(runs["base"], runs["change"], args.match):
-        print(f"{place:<60} {b:>14.6g} {n:>14.6g} {ratio:>12.4f}")
+            # after every round, so a run cut short (a time limit) keeps the rounds it finished
+            print(table(compare(runs["base"], runs["change"], args.match), i + 1, args.rounds), flush=True)
 
 
 if __name__ == "__main__":

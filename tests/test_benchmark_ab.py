@@ -1,5 +1,5 @@
 """benchmarks/ab.py: each tree's own code runs (as `inkwell`, from links, though the venv installs this checkout),
-in turn, and each figure is printed with its median and change / base."""
+in turn, and each figure is printed with its median, change / base and each round's ratio, after every round."""
 
 import shutil
 import subprocess
@@ -42,14 +42,20 @@ def test_ab_runs_each_tree_in_turn_and_prints_the_ratios(tmp_path):
     lines = run.stdout.splitlines()
     order = [line.split("(inkwell from ")[1].rstrip(")") for line in lines if line.startswith("$ ")]
     assert order == [str(base), str(change)] * 2
-    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2 :]}
+    assert [line for line in lines if line.startswith("after round")] == ["after round 1 of 2", "after round 2 of 2"]
+    first = lines.index("after round 1 of 2")
+    third_run = [i for i, line in enumerate(lines) if line.startswith("$ ")][2]
+    assert first < third_run, "the first round's table is printed before the second round runs"
+    assert lines[first + 4].split() == ["speed", "20", "30", "1.5000", "1.5000"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("after round 2 of 2") + 2 :]}
     assert rows == {
-        "runs.0.ms": ["4", "4", "1.0000"],
-        "runs.1.ms": ["2", "3", "1.5000"],
-        "speed": ["20", "30", "1.5000"],
+        "runs.0.ms": ["4", "4", "1.0000", "1.0000/1.0000"],
+        "runs.1.ms": ["2", "3", "1.5000", "1.5000/1.5000"],
+        "speed": ["20", "30", "1.5000", "1.5000/1.5000"],
     }
     matched = subprocess.run([*cmd, "--match", "speed", "--", "bench_probe.py", "--scale", "1"], capture_output=True)
-    assert matched.returncode == 0 and matched.stdout.decode().splitlines()[-1].split() == ["speed", "2", "3", "1.5000"]
+    last = matched.stdout.decode().splitlines()[-1].split()
+    assert matched.returncode == 0 and last == ["speed", "2", "3", "1.5000", "1.5000/1.5000"]
 
 
 def test_ab_refuses_a_benchmark_a_tree_lacks(tmp_path):
