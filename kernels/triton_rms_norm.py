@@ -46,10 +46,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = tokens * heads
     if rows == 0:
         return out
-    block_d = triton.next_power_of_2(dim)
-    block_r = max(1, min(64, 4096 // block_d))
+    block_r, block_d, warps = norm_launch(dim)
     _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
         x3, weight, out, rows, heads, dim, eps, x3.stride(0), x3.stride(1),
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4 if block_r * block_d <= 2048 else 8,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
     return out
+
+
+def norm_launch(dim: int) -> tuple[int, int, int]:
+    """(rows a program, its block of columns, warps) for rows of `dim`: the layout fixes a row's sum order, so every
+    kernel norming with it rounds as this one does (`triton_embed`)."""
+    block_d = triton.next_power_of_2(dim)
+    block_r = max(1, min(64, 4096 // block_d))
+    return block_r, block_d, 4 if block_r * block_d <= 2048 else 8

@@ -108,16 +108,15 @@ class DecodeForward:
     def __call__(
         self, inputs: DecodeInputs, context: int, use_lora: bool = True, routing: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """fp32 next-token logits [B, vocab] of every row; full-attention keys cover positions < `context`,
+        """Next-token logits [B, vocab] of every row in the model's dtype (`sampling.greedy_scores` makes them fp32
+        with each row's greedy token); full-attention keys cover positions < `context`,
         which must exceed every row's position. Updates each row's sequence state. Each MoE layer's routed expert
         ids [B, top_k] are appended to `routing` where one is given (in layer order)."""
         routing = [] if routing is None else routing
         m, cfg = self.model, self.model.config
         lora = self.lora if use_lora else None
         slots = self._row_lora_slots(inputs)
-        h = F.embedding(self._row_ids(inputs), m.w["model.embed_tokens.weight"])
-        h = rms_norm(h, m.w["model.embed_tokens.embed_norm.weight"], m.eps)
-        x = rms_norm(h, m.w["model.layers.0.input_layernorm.weight"], m.eps)
+        h, x = m.embed(self._row_ids(inputs))
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}"
             out = self._attention(x, layer, inputs, slots, context, lora)
@@ -133,7 +132,7 @@ class DecodeForward:
         logits = m.linear(x / cfg.logits_mup_width_multiplier, "lm_head", slots, lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]
-        return logits.float()
+        return logits
 
     # ---- rows: one per sequence here; `extend.ExtendForward` has a chunk of tokens per sequence -----------------
 

@@ -32,6 +32,7 @@ from inkwell.serving.native.decode import DecodeForward, DecodeInputs
 from inkwell.serving.native.extend import ExtendForward, ExtendInputs
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import InklingModel
+from inkwell.serving.native.sampling import greedy_scores
 from inkwell.serving.native.state import StatePool
 
 MIN_CONTEXT_BUCKET = 256
@@ -150,8 +151,8 @@ class StepGraphs:
 
         def step() -> Decoded:
             routing: list[torch.Tensor] = []
-            logits = self.decode_forward(inputs, context, use_lora, routing)
-            return Decoded(logits, logits.argmax(-1), self.decode_forward.model.routing_table(routing, batch))
+            logits, greedy = greedy_scores(self.decode_forward(inputs, context, use_lora, routing))
+            return Decoded(logits, greedy, self.decode_forward.model.routing_table(routing, batch))
 
         def fill() -> None:
             inputs.packed.copy_(packed, non_blocking=True)  # pageable memory: staged before the call returns
@@ -197,9 +198,9 @@ class StepGraphs:
 
         def step() -> Decoded:
             routing: list[torch.Tensor] = []
-            logits = self.extend_forward(inputs, context, use_lora, routing)
+            logits, greedy = greedy_scores(self.extend_forward(inputs, context, use_lora, routing))
             table = self.extend_forward.model.routing_table(routing, batch * places)
-            return Decoded(logits, logits.argmax(-1), table.view(batch, places, *table.shape[1:]))
+            return Decoded(logits, greedy, table.view(batch, places, *table.shape[1:]))
 
         def fill() -> None:
             inputs.packed.copy_(packed, non_blocking=True)

@@ -656,6 +656,19 @@ class InklingModel:
         out = self.linear(F.silu(gate) * up, f"{p}.down_proj", slots, lora)
         return out * self.w[f"{p}.global_scale"]
 
+    def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `ids` [T] into the residual stream h (each one's embedding row, RMS-normed) and the first layer's
+        input x = RMSNorm(h) [T, H]; on CUDA one Triton kernel (`kernels.triton_embed`) in place of a gather and
+        two norms."""
+        table, embed_norm = self.w["model.embed_tokens.weight"], self.w["model.embed_tokens.embed_norm.weight"]
+        input_norm = self.w["model.layers.0.input_layernorm.weight"]
+        if ids.is_cuda:
+            from inkwell.kernels.triton_embed import embed_norms
+
+            return embed_norms(ids, table, embed_norm, input_norm, self.eps)
+        h = rms_norm(F.embedding(ids, table), embed_norm, self.eps)
+        return h, rms_norm(h, input_norm, self.eps)
+
     def router(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A MoE layer's gate weight [E + n, H], its correction bias [E] and its global scale [1]."""
         p = f"model.layers.{layer}.mlp.gate"
@@ -771,9 +784,7 @@ class InklingModel:
         slots = batch.lora_slots
         if lora is not None and not bool((slots >= 0).any()):
             lora = None
-        h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
-        h = rms_norm(h, self.w["model.embed_tokens.embed_norm.weight"], self.eps)
-        x = rms_norm(h, self.w["model.layers.0.input_layernorm.weight"], self.eps)
+        h, x = self.embed(batch.input_ids)
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}"
             out = self._attention(x, layer, batch, state, lora)

@@ -20,6 +20,17 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
+def greedy_scores(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's fp32 logits [N, V] and each row's greedy token (its argmax: the first of equal values) from the LM
+    head's output [N, V]; on CUDA one Triton kernel (`kernels.triton_greedy`) in place of a cast and an argmax."""
+    if logits.is_cuda:
+        from inkwell.kernels.triton_greedy import logits_greedy
+
+        return logits_greedy(logits)
+    scores = logits.float()
+    return scores, scores.argmax(-1)
+
+
 def sample_rows(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The MoE, router and LoRA Triton kernels compile for the H200 (sm_90a, ptxas included) on a machine without a GPU.
+"""The MoE, router, LoRA and step-edge (embedding, greedy) Triton kernels compile for the H200 (sm_90a, ptxas
+included) on a machine without a GPU.
 
 CI has no GPU, and Triton's interpreter runs a kernel's Python, not its compile: a kernel that does not compile
 (a dot below 16 rows, a type or layout error) would pass every CPU test and fail only on a device. Here, in a child
@@ -24,6 +25,7 @@ spec = importlib.util.spec_from_file_location("sm90_census", CENSUS)
 sm90 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sm90)
 H, F, R, S, ROUTED, SHARED, TOP_K = sm90.H, sm90.F, sm90.R, sm90.S, sm90.ROUTED, sm90.SHARED, sm90.TOP_K
+VOCAB = sm90.VOCAB
 COMPILE = ChildRun("tests.kernels.test_compile_sm90", "run_compile_cases", "compiled for sm_90", timeout=600)
 CHAIN = ChildRun("tests.kernels.test_compile_sm90", "run_chain_cases", "chained for sm_90", timeout=600)
 
@@ -33,7 +35,7 @@ def run_compile_cases() -> None:
 
     compiled = sm90.compile_only()
     import inkwell.kernels.triton_lora as triton_lora
-    from inkwell.kernels import triton_moe, triton_route_dispatch, triton_router
+    from inkwell.kernels import triton_embed, triton_greedy, triton_moe, triton_route_dispatch, triton_router
     from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
     from inkwell.kernels.triton_lora import dense, expert
 
@@ -80,9 +82,14 @@ def run_compile_cases() -> None:
         if tokens <= 128:  # decode: the gate GEMM, the routing and the dispatch in one kernel
             gate = torch.zeros(ROUTED + SHARED, H, **bf)
             triton_route_dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, token_slots)
+        ids, norm = torch.zeros(tokens, dtype=torch.long), torch.ones(H, **bf)
+        triton_embed.embed_norms(ids, torch.zeros(VOCAB, H, **bf), norm, norm, 1e-6)  # a step's first op, its last
+        triton_greedy.logits_greedy(torch.zeros(tokens, VOCAB, **bf))
     kernels = {
         name
         for module in (
+            triton_embed,
+            triton_greedy,
             triton_moe,
             triton_router,
             triton_route_dispatch,
