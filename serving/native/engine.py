@@ -46,7 +46,7 @@ from inkwell.serving.native.graphs import StepGraphs
 from inkwell.serving.native.lora import LoraSlots
 from inkwell.serving.native.model import ForwardBatch, InklingModel, Segment
 from inkwell.serving.native.prefix_cache import Match, PrefixCache, PrefixStore
-from inkwell.serving.native.sampling import make_generator, sample_rows, token_logprobs
+from inkwell.serving.native.sampling import greedy_scores, make_generator, sample_rows, token_logprobs
 from inkwell.serving.native.state import StatePool
 from inkwell.serving.native.streams import SideStream
 from inkwell.serving.rules import AdapterTable, Finisher, context_limit, validate_request
@@ -439,8 +439,7 @@ class Engine:
                 logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             )
             routing: list[torch.Tensor] = []
-            logits = self.model.forward(batch, self.state, self.lora, routing)
-            greedy = logits.argmax(-1)
+            logits, greedy = greedy_scores(self.model.forward(batch, self.state, self.lora, routing))
             table = self.model.routing_table(routing, len(ids)) if records else None
         for c in chunks:  # copies queued after the forward, so they read the state it leaves
             end = c.start + c.length

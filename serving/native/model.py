@@ -777,8 +777,9 @@ class InklingModel:
         lora: LoraSlots | None = None,
         routing: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """fp32 next-token logits [N, vocab] at `batch.logit_rows`; updates every sequence's state. Each MoE layer's
-        routed expert ids [T, top_k] of every row are appended to `routing` where one is given (in layer order)."""
+        """Next-token logits [N, vocab] at `batch.logit_rows` in the model's dtype (`sampling.greedy_scores` makes
+        them fp32 with each row's greedy token); updates every sequence's state. Each MoE layer's routed expert ids
+        [T, top_k] of every row are appended to `routing` where one is given (in layer order)."""
         routing = [] if routing is None else routing
         cfg = self.config
         slots = batch.lora_slots
@@ -800,4 +801,4 @@ class InklingModel:
         logits = self.linear(h, "lm_head", slots[batch.logit_rows], lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
             logits = logits[:, : cfg.unpadded_vocab_size]
-        return logits.float()
+        return logits
