@@ -109,9 +109,9 @@ class DecodeForward:
         self, inputs: DecodeInputs, context: int, use_lora: bool = True, routing: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """Next-token logits [B, vocab] of every row in the model's dtype (`sampling.greedy_scores` makes them fp32
-        with each row's greedy token); full-attention keys cover positions < `context`,
-        which must exceed every row's position. Updates each row's sequence state. Each MoE layer's routed expert
-        ids [B, top_k] are appended to `routing` where one is given (in layer order)."""
+        with each row's greedy token); full-attention keys cover positions < `context`, which must exceed every
+        row's position. Updates each row's sequence state. Each MoE layer's routed expert ids [B, top_k] are
+        appended to `routing` where one is given (in layer order)."""
         routing = [] if routing is None else routing
         m, cfg = self.model, self.model.config
         lora = self.lora if use_lora else None
