@@ -127,7 +127,8 @@ class DecodeForward:
                 out = self._moe(x, layer, slots, lora, routing)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
-            h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, inputs, norm)
+            then = None if last else m.w[f"model.layers.{layer + 1}.self_attn.qkvr_proj.weight"]
+            h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, inputs, norm, then)
         x, slots = self._scored(x, slots, inputs)
         logits = m.linear(x / cfg.logits_mup_width_multiplier, "lm_head", slots, lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
@@ -162,12 +163,20 @@ class DecodeForward:
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self, x: torch.Tensor | Uncombined, h: torch.Tensor, layer: int, site: int, inputs: DecodeInputs, norm: str
+        self,
+        x: torch.Tensor | Uncombined,
+        h: torch.Tensor,
+        layer: int,
+        site: int,
+        inputs: DecodeInputs,
+        norm: str,
+        then: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h plus the site's ShortConv of the block output x (or of the combine of `Uncombined`
-        rows), and that sum's RMSNorm by weight `norm` (the next block's input): one kernel on CUDA."""
+        rows), and that sum's RMSNorm by weight `norm` (the next block's input): one kernel on CUDA, which asks L2
+        for the weight `then` (the next GEMM's)."""
         m = self.model
-        residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps)
+        residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps, then=then)
         if isinstance(x, Uncombined):
             if x.rows.is_cuda:
                 combine = (x.dispatch.weights, x.dispatch.places)
