@@ -122,10 +122,7 @@ def decode_chain(rows: int = 8) -> None:
     triton_moe.moe_combine(out, row_w, places, rows, torch.bfloat16)
     triton_moe.moe_combine(out, row_w, places, rows, torch.bfloat16, down)
     conv_weight_h, norm_h = torch.zeros(H, 1, 4, **bf), torch.ones(H, **bf)
-    qkvr_weight = torch.zeros(qkvr.shape[1], H, **bf)  # the next layer's, asked into L2 by the ShortConv step
-    short_conv_step(
-        out, torch.zeros(seqs, H, 3), seq, conv_weight_h, x, norm_h, 1e-6, combine=(row_w, places), then=qkvr_weight
-    )
+    short_conv_step(out, torch.zeros(seqs, H, 3), seq, conv_weight_h, x, norm_h, 1e-6, combine=(row_w, places))
     qkvr_offsets, s_qkvr = (0, 2048, 2560, 3072, 3328), torch.ones(S, 4)
     a_qkvr, b_qkvr = torch.zeros(S, 4 * R, H, **bf), torch.zeros(S, qkvr_offsets[-1], R, **bf)
     dispatch.lora_linear(x, torch.zeros(qkvr_offsets[-1], H, **bf), a_qkvr, b_qkvr, slots, s_qkvr, qkvr_offsets)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from inkwell.kernels.triton_moe import combine_row
-from inkwell.kernels.triton_pdl import chain_launch, chain_start, l2_shares, prefetch_share_l2
+from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
 
 @triton.jit
@@ -70,9 +70,6 @@ def _short_conv_step_kernel(
     norm_ptr,
     mix_ptr,
     places_ptr,
-    then_ptr,
-    then_share,
-    then_bytes,
     C,
     eps,
     stride_xb,
@@ -90,17 +87,13 @@ def _short_conv_step_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_W: tl.constexpr,
     CHAINED: tl.constexpr,
-    THEN: tl.constexpr,
 ):
     """Row b: window = [state[seq_b], x_b] (KERNEL taps), conv + x_b -> out (or, with NORM, h_b + that -> h_out
     and its RMSNorm -> out); state[seq_b] <- the window's last KERNEL-1 taps. With COMBINE (k > 0), x holds the
     MoE's dispatched rows and x_b is row b's combine of its k rows (`triton_moe.combine_row`), rounded as
-    `moe_combine` rounds it. THEN: after its wait (the GEMM before it no longer streams) the program asks L2 for
-    its share of the weight at `then_ptr`, the next GEMM's."""
+    `moe_combine` rounds it."""
     chain_start(CHAINED)
     b = tl.program_id(0)
-    if THEN:
-        prefetch_share_l2(then_ptr, b, then_share, then_bytes)
     c = tl.arange(0, BLOCK_C)
     in_c = c < C
     seq = tl.load(seq_ptr + b).to(tl.int64)
@@ -131,7 +124,6 @@ def short_conv_step(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     combine: tuple[torch.Tensor, torch.Tensor] | None = None,
-    then: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One ShortConv step of rows x [B, C] (rows may be strided), each continuing the fp32 state [S, C, kernel-1]
     of its sequence `seq_slots` [B] (updated in place), with the depthwise conv `weight` [C, 1, kernel].
@@ -139,9 +131,7 @@ def short_conv_step(
     Returns conv + x in x's dtype; with `residual` h [B, C] and `norm_weight` [C], returns (h + that, its RMSNorm
     with `eps`). Rows sharing a sequence slot (padding) race on its state: give real rows distinct slots.
     With `combine` (weights [B*k], places [B*k]), x is the MoE's dispatched rows [B*k, C] and row b's input their
-    `moe_combine` (no combine kernel of its own: one launch fewer per MoE layer at decode). `then`: the weight the
-    next GEMM reads (the next layer's q/k/v/r projection's), asked into L2 by the rows' programs in equal shares
-    once the kernel before this one has finished (chained on CUDA).
+    `moe_combine` (no combine kernel of its own: one launch fewer per MoE layer at decode).
     """
     rows, channels = seq_slots.shape[0], x.shape[1]
     kernel = weight.shape[-1]
@@ -169,8 +159,6 @@ def short_conv_step(
     h_out = torch.empty_like(out) if norm else out
     h = residual if norm else out
     mix, places = combine if combine is not None else (weight, seq_slots)  # unread without COMBINE
-    chain = chain_launch(x)
-    then_share, then_bytes = l2_shares(then, rows, chain["CHAINED"])
     _short_conv_step_kernel[(rows,)](
         x,
         state,
@@ -182,9 +170,6 @@ def short_conv_step(
         norm_weight if norm else weight,
         mix,
         places,
-        then if then_bytes else weight,
-        then_share,
-        then_bytes,
         channels,
         eps,
         x.stride(0),
@@ -202,8 +187,7 @@ def short_conv_step(
         BLOCK_C=triton.next_power_of_2(channels),
         BLOCK_W=triton.next_power_of_2(kernel),
         num_warps=8 if channels >= 1024 else 4,
-        THEN=then_bytes > 0,
-        **chain,
+        **chain_launch(x),
     )
     return (h_out, out) if norm else out
 

@@ -127,8 +127,7 @@ class DecodeForward:
                 out = self._moe(x, layer, slots, lora, routing)
             last = layer + 1 == cfg.num_hidden_layers
             norm = "model.norm.weight" if last else f"model.layers.{layer + 1}.input_layernorm.weight"
-            then = None if last else m.w[f"model.layers.{layer + 1}.self_attn.qkvr_proj.weight"]
-            h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, inputs, norm, then)
+            h, x = self._sconv_add_norm(out, h, layer, MLP_SITE, inputs, norm)
         x, slots = self._scored(x, slots, inputs)
         logits = m.linear(x / cfg.logits_mup_width_multiplier, "lm_head", slots, lora)
         if cfg.unpadded_vocab_size is not None and cfg.unpadded_vocab_size < logits.shape[-1]:
@@ -163,20 +162,12 @@ class DecodeForward:
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self,
-        x: torch.Tensor | Uncombined,
-        h: torch.Tensor,
-        layer: int,
-        site: int,
-        inputs: DecodeInputs,
-        norm: str,
-        then: torch.Tensor | None = None,
+        self, x: torch.Tensor | Uncombined, h: torch.Tensor, layer: int, site: int, inputs: DecodeInputs, norm: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h plus the site's ShortConv of the block output x (or of the combine of `Uncombined`
-        rows), and that sum's RMSNorm by weight `norm` (the next block's input): one kernel on CUDA, which asks L2
-        for the weight `then` (the next GEMM's)."""
+        rows), and that sum's RMSNorm by weight `norm` (the next block's input): one kernel on CUDA."""
         m = self.model
-        residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps, then=then)
+        residual_norm = dict(residual=h, norm_weight=m.w[norm], eps=m.eps)
         if isinstance(x, Uncombined):
             if x.rows.is_cuda:
                 combine = (x.dispatch.weights, x.dispatch.places)

@@ -146,16 +146,8 @@ class ExtendForward(DecodeForward):
         return (out + xf).to(x.dtype)
 
     def _sconv_add_norm(
-        self,
-        x: torch.Tensor,
-        h: torch.Tensor,
-        layer: int,
-        site: int,
-        inputs: ExtendInputs,
-        norm: str,
-        then: torch.Tensor | None = None,
+        self, x: torch.Tensor, h: torch.Tensor, layer: int, site: int, inputs: ExtendInputs, norm: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the decode step's, without asking L2 for `then`: a chunk's GEMMs stream many rows of weights."""
         m = self.model
         if x.is_cuda:
             return self._sconv_chunks(x, layer, site, inputs, residual=h, norm_weight=m.w[norm], eps=m.eps)
