@@ -105,8 +105,7 @@ def decode_chain(rows: int = 8) -> None:
     conv_state, conv_weight, norm = torch.zeros(seqs, 2 * kv * d, 3), torch.zeros(2 * kv * d, 1, 4, **bf), torch.ones(d)
     q = decode_attention_prologue(qkvr, heads, conv_state, conv_weight, norm, norm, 1e-6, keys, values, seq, pos, 512)
     r = torch.zeros(rows, heads, d_rel, **bf)
-    o_weight = torch.zeros(H, heads * d, **bf)  # asked into L2 by the attention's programs
-    decode_attention(q, r, keys, values, torch.zeros(d_rel, 1024, **bf), seq, pos, entries, True, then=o_weight)
+    decode_attention(q, r, keys, values, torch.zeros(d_rel, 1024, **bf), seq, pos, entries, True)
     experts, slots = ROUTED + SHARED, torch.zeros(rows, dtype=torch.long)
     gate, bias, scale = torch.zeros(experts, H, **bf), torch.zeros(ROUTED, **bf), torch.ones(1, **bf)
     dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, slots)

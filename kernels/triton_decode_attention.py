@@ -22,7 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.split_counts import SPLIT_COUNTS, split_counts
 from inkwell.kernels.triton_lora.common import dot_precision
-from inkwell.kernels.triton_pdl import chain_launch, l2_shares, prefetch_share_l2
+from inkwell.kernels.triton_pdl import chain_launch
 
 # a masked score (torch's composite fills finfo.min): exp() of it minus any real score is 0
 _MASKED = tl.constexpr(-3.0e38)
@@ -81,28 +81,23 @@ def _decode_attention_kernel(
     P, scale, log_floor, log_alpha,
     stride_qb, stride_qh, stride_rb, stride_rh, stride_ks, stride_kl, stride_kh, stride_pi, stride_pe,
     stride_ob, stride_oh,
-    head_dim, d_rel, then_ptr, then_share, then_bytes,
+    head_dim, d_rel,
     GROUPS: tl.constexpr, SLIDING: tl.constexpr, LOG_SCALE: tl.constexpr, EXTENT: tl.constexpr, RUNS: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_REL: tl.constexpr,
-    BLOCK_P: tl.constexpr, CHAINED: tl.constexpr, EARLY: tl.constexpr, THEN: tl.constexpr,
+    BLOCK_P: tl.constexpr, CHAINED: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """One run of a row's keys for the GROUPS query heads of one kv head (a tile of BLOCK_G rows, those past GROUPS
     unused), so each key and value is read once for them all. SPLITS programs per (row, kv head) are launched, at
     least as many as any row's runs; those past a row's last run return at once. Chained with EARLY, it reads its
     first block before its wait: the step's inputs (sequence slot, position) and the cache entries of earlier steps,
     which no kernel of this step writes; only the row's own entry, which the prologue before it writes, is read again
-    after the wait. THEN: each program first asks L2 for its `then_share` bytes of the weight at `then_ptr` (the
-    next GEMM's), so that GEMM reads it from L2 where this latency-bound kernel leaves the memory idle."""
+    after the wait."""
     if CHAINED:
         gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if THEN:
-        prefetch_share_l2(
-            then_ptr, (b * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split, then_share, then_bytes
-        )
     dtype = out_ptr.dtype.element_ty
     seq = tl.load(seq_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int32)
@@ -226,7 +221,6 @@ def decode_attention(
     num_warps: int = 4,
     runs: int = MAX_RUNS,
     early: bool = True,
-    then: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row: q [B, H, D] and r [B, H, d_rel] (rows may be strided) against the first
     `entries` cache entries of sequence `seq_slots[b]` in keys/values [S, L, KV, D], which already hold the row's
@@ -241,8 +235,6 @@ def decode_attention(
     alone, so its result does not depend on the launch), a program per run and kv head for all the kv head's query
     heads; the last of a row's programs to finish weighs and sums their partials. With `early` (chained on CUDA),
     each program reads its first block before it waits for the kernel before it (see `_decode_attention_kernel`).
-    `then`: the weight the kernel after this one reads (the o projection's); chained on CUDA the programs ask L2
-    for it in equal shares as they start.
     """
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
@@ -272,18 +264,15 @@ def decode_attention(
         parts = torch.empty(rows * heads * splits * block_d, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=q.device)
         counts = split_counts("decode_attention", q.device)
-    chain = chain_launch(q)
-    then_share, then_bytes = l2_shares(then, rows * kv_heads * splits, chain["CHAINED"])
     _decode_attention_kernel[(rows, kv_heads, splits)](
         q, r, keys, values, proj, seq_slots, positions, out, parts, stats, counts,
         entries, 1.0 / head_dim, floor, alpha,
         q.stride(0), q.stride(1), r.stride(0), r.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         proj.stride(0), proj.stride(1), out.stride(0), out.stride(1), head_dim, d_rel,
-        then if then_bytes else q, then_share, then_bytes,
         GROUPS=heads // kv_heads, SLIDING=sliding, LOG_SCALE=log_scaling is not None and not sliding, EXTENT=extent,
         RUNS=runs if splits > 1 else 1, SPLITS=splits, PRECISION=dot_precision(q.dtype),
         BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
         BLOCK_D=block_d, BLOCK_REL=max(16, triton.next_power_of_2(d_rel)), BLOCK_P=block_p, EARLY=early,
-        THEN=then_bytes > 0, num_warps=num_warps, **chain,
+        num_warps=num_warps, **chain_launch(q),
     )  # fmt: skip
     return out

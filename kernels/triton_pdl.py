@@ -75,22 +75,3 @@ def prefetch_l2(base, nbytes, CHUNKS: tl.constexpr):
         is_pure=False,
         pack=1,
     )
-
-
-def l2_shares(weight: torch.Tensor | None, programs: int, chained: bool) -> tuple[int, int]:
-    """(each program's share, the total) in bytes of `weight` for `prefetch_share_l2` over `programs` programs: (0, 0)
-    where there is no weight, the kernel is not chained (the CPU interpreter has no L2 to ask) or the weight's rows
-    are not one aligned run (`rows_prefetchable`)."""
-    if weight is None or not chained or not rows_prefetchable(weight):
-        return 0, 0
-    total = weight.numel() * weight.element_size()
-    return triton.cdiv(triton.cdiv(total, programs), 16) * 16, total
-
-
-@triton.jit
-def prefetch_share_l2(base, index, share, total):
-    """Ask L2 for program `index`'s share of the `total` bytes at `base` (`l2_shares`): a latency-bound kernel's
-    programs fetch the next GEMM's weight between them while the memory is otherwise idle."""
-    start = index.to(tl.int64) * share
-    size = tl.maximum(tl.minimum(share, total - start), 0).to(tl.int32)
-    prefetch_l2(base.to(tl.pointer_type(tl.int8)) + start, size, 8)

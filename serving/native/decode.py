@@ -270,16 +270,12 @@ class DecodeForward:
         entries: int,
         sliding: bool,
     ) -> torch.Tensor:
-        """`InklingModel.attend` of one query per row as one Triton kernel over the cache in place (CUDA), which asks
-        L2 for the o projection's weight as it starts."""
+        """`InklingModel.attend` of one query per row as one Triton kernel over the cache in place (CUDA)."""
         from inkwell.kernels.triton_decode_attention import decode_attention
 
-        p = f"model.layers.{layer}.self_attn"
+        proj = self.model.w[f"model.layers.{layer}.self_attn.rel_logits_proj.proj"]
         keys, values = self.state.keys[layer], self.state.values[layer]
-        return decode_attention(
-            q, r, keys, values, self.model.w[f"{p}.rel_logits_proj.proj"], seq, pos, entries, sliding,
-            self.model.log_scaling, then=self.model.w[f"{p}.o_proj.weight"],
-        )  # fmt: skip
+        return decode_attention(q, r, keys, values, proj, seq, pos, entries, sliding, self.model.log_scaling)
 
     # ---- MoE ------------------------------------------------------------------------------------
 
