@@ -1,6 +1,6 @@
-"""What the kernel tests share: the tolerance check against a float64 reference, and running a test module's cases
-in a child process (with Triton's CPU interpreter, or with a stand-in driver that only compiles), started ahead of
-their tests on a second core."""
+"""What the kernel tests share: the float64 RMSNorm and the tolerance check against a float64 reference, and running a
+test module's cases in a child process (with Triton's CPU interpreter, or with a stand-in driver that only compiles),
+started ahead of their tests on a second core."""
 
 import os
 import subprocess
@@ -14,6 +14,11 @@ from pathlib import Path
 import torch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of float64 rows x by `weight`, in float64: the kernels' norms' reference."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
 
 
 def row_error(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -8,15 +8,11 @@ import os
 import pytest
 import torch
 
-from tests.kernels.helpers import ChildRun, assert_close
+from tests.kernels.helpers import ChildRun, assert_close, rms_norm_f64
 
 INTERPRETED = ChildRun.interpreted("tests.kernels.test_attention_prologue")
 
 EPS = 1e-6
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
 
 
 def check_prologue(
@@ -41,9 +37,9 @@ def check_prologue(
     kv = qkvr[:, q_cols : q_cols + 2 * kv_cols].double()
     window = torch.cat([pool[seq, 8:].double(), kv[:, :, None]], dim=-1)  # [rows, 2*KV*D, kernel]
     conv = (window * conv_weight[:, 0].double()).sum(-1) + kv
-    k = rms_norm(conv[:, :kv_cols].view(rows, kv_heads, head_dim), k_norm)
+    k = rms_norm_f64(conv[:, :kv_cols].view(rows, kv_heads, head_dim), k_norm, EPS)
     v = conv[:, kv_cols:].view(rows, kv_heads, head_dim)
-    q = rms_norm(qkvr[:, :q_cols].double().view(rows, heads, head_dim), q_norm)
+    q = rms_norm_f64(qkvr[:, :q_cols].double().view(rows, heads, head_dim), q_norm, EPS)
     places = positions % ring if ring else positions
 
     d_wide, d_pool, d_keys, d_values = (t.to(device) for t in (wide, pool, keys, values))

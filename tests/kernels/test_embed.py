@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.kernels.helpers import ChildRun, assert_close
+from tests.kernels.helpers import ChildRun, assert_close, rms_norm_f64
 
 INTERPRETED = ChildRun.interpreted("tests.kernels.test_embed")
 
@@ -20,12 +20,8 @@ def reference(ids: torch.Tensor, table: torch.Tensor, embed_norm: torch.Tensor, 
     """h and x in float64, an id outside the table a zero row."""
     known = (ids >= 0) & (ids < table.shape[0])
     rows = torch.where(known[:, None], table.double()[ids.clamp(0, table.shape[0] - 1)], 0.0)
-
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
-
-    h = norm(rows, embed_norm)
-    return h, norm(h, input_norm)
+    h = rms_norm_f64(rows, embed_norm, EPS)
+    return h, rms_norm_f64(h, input_norm, EPS)
 
 
 def check_embed_norms(device: str, dtype: torch.dtype, tokens: int, vocab: int, dim: int) -> None:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.kernels.helpers import ChildRun, assert_close
+from tests.kernels.helpers import ChildRun, assert_close, rms_norm_f64
 
 INTERPRETED = ChildRun.interpreted("tests.kernels.test_rms_norm")
 
@@ -27,7 +27,7 @@ def check_rms_norm(device: str, dtype: torch.dtype, tokens: int, heads: int, dim
         x, d_x = x[:, 0], d_x[:, 0]
     weight = (1 + 0.2 * torch.randn(dim, generator=gen)).to(dtype)
     xd = x.double()
-    expected = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    expected = rms_norm_f64(xd, weight, EPS)
     got = rms_norm(d_x, weight.to(device), EPS)
     assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
     assert_close(got.reshape(-1, dim), expected.reshape(-1, dim), dtype, "rms_norm")

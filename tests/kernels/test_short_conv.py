@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.kernels.helpers import ChildRun, assert_close
+from tests.kernels.helpers import ChildRun, assert_close, rms_norm_f64
 
 INTERPRETED = ChildRun.interpreted("tests.kernels.test_short_conv")
 
@@ -25,7 +25,7 @@ def reference(x, state, seq_slots, weight, residual, norm_weight, eps):
     if residual is None:
         return y, new_state
     h = residual.double() + y
-    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    normed = rms_norm_f64(h, norm_weight, eps)
     return (h, normed), new_state
 
 
@@ -121,7 +121,7 @@ def chunks_reference(x, state, seq_slots, lengths, weight, residual, norm_weight
     if residual is None:
         return y, pool
     h = residual.double() + y
-    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    normed = rms_norm_f64(h, norm_weight, eps)
     return (h, normed), pool
 
 
