@@ -348,44 +348,58 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
 
 
 @triton.jit
-def _slot_deltas(
-    e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols, first, count, split,
-    groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
-    PER_EXPERT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+def _delta_operands(
+    e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, R, num_slots, part_cols, first, count, split, groups,
+    stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, LATE_Y: tl.constexpr,
+    PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) for columns n (one part, starting at n0) of expert e:
-    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot from the tile's least slot to its greatest (the tile is one
-    expert's, so a slot's B is one [R, BLOCK_N] block; B's load masked off for a slot between them that no row
-    holds), so a tile of one adapter's rows does one dot however many slots the pool has. Each row gets its own
-    slot's product only, so the rows' scalings apply once, after the loop."""
+    """What `_slot_deltas` needs of columns n (one part, starting at n0) of expert e's tile, loaded before the GEMM's K
+    loop so the loads fly beside it: the rows' slots, their y rows (with LATE_Y, y being written beside this kernel:
+    y's pointers, for a load after the wait for it), the block of B of the tile's least slot, and B's pointers at that
+    slot. The tile is one expert's, so a slot's B for it is one [R, BLOCK_N] block."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
     block = part * groups + (local >= split).to(tl.int32)
     which = local if PER_EXPERT else (local >= split).to(tl.int32)
     j = tl.arange(0, BLOCK_R)
-    in_j = j < R
-    y = tl.load(
-        y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :],
-        mask=(slots >= 0)[:, None] & in_j[None, :],
-        other=0.0,
-    )
+    y_ptrs = y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :]
+    y_mask = (slots >= 0)[:, None] & (j < R)[None, :]
+    y = y_ptrs
+    if not LATE_Y:
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
     b_block = (
         b_ptr + part * stride_bp + which.to(tl.int64) * stride_be
         + (n - part * part_cols)[None, :] * stride_bn + j[:, None] * stride_br
     )  # fmt: skip
-    b_mask = in_j[:, None] & in_n[None, :]
-    delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    b_mask = (j < R)[:, None] & in_n[None, :]
     least = tl.min(tl.where(slots >= 0, slots, num_slots), 0)  # num_slots: the tile holds no slot
     b_block += least.to(tl.int64) * stride_bs
-    for slot in range(least, tl.max(slots, 0) + 1):  # the slots from the tile's least to its greatest
+    b_least = tl.load(b_block, mask=b_mask & (least < num_slots), other=0.0)
+    return slots, block, y, y_mask, least, b_least, b_block, b_mask
+
+
+@triton.jit
+def _slot_deltas(
+    slots, block, y, y_mask, least, b_least, b_block, b_mask, scale_ptr, stride_bs, stride_ss, stride_sb,
+    LATE_Y: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) from `_delta_operands`' (with LATE_Y, y loaded here):
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot, the tile's least slot's (its B loaded before the K loop) ahead of
+    a loop over the rest up to its greatest (B's load masked off for a slot between them that no row holds), so a
+    tile of one adapter's rows does one dot however many slots the pool has. Each row gets its own slot's product
+    only, so the rows' scalings apply once, after the loop."""
+    if LATE_Y:
+        y = tl.load(y, mask=y_mask, other=0.0)
+    y_least = tl.where((slots == least)[:, None], y, tl.zeros_like(y))
+    delta = tl.dot(y_least, b_least, input_precision="ieee" if IEEE else None)
+    for slot in range(least + 1, tl.max(slots, 0) + 1):  # the tile's other slots, up to its greatest
+        b_block += stride_bs
         rows_of_slot = slots == slot
         held = tl.max(rows_of_slot.to(tl.int32), 0) > 0
         b = tl.load(b_block, mask=b_mask & held, other=0.0)
         y_slot = tl.where(rows_of_slot[:, None], y, tl.zeros_like(y))
         delta = tl.dot(y_slot, b, delta, input_precision="ieee" if IEEE else None)
-        b_block += stride_bs
     scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=slots >= 0, other=0.0).to(tl.float32)
     return delta * scale[:, None]
 
@@ -402,9 +416,9 @@ def _expert_matmul_kernel(
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
     output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per slot
-    (`_slot_deltas`). With WAIT_FOR_Y (y is being written by the chained shrink launched
-    before this one, which waited for the kernels before it) the delta follows the loop and the wait, which is when
-    the next kernel may launch.
+    (`_slot_deltas`), the rows' y and the least slot's B loaded before the loop (`_delta_operands`). With WAIT_FOR_Y
+    (y is being written by the chained shrink launched before this one, which waited for the kernels before it) y is
+    read after the loop and the wait, which is when the next kernel may launch.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
     whose row counts it reads) first; the first program of each column block of an expert that every token routes
@@ -429,6 +443,12 @@ def _expert_matmul_kernel(
     src = tl.load(tokens_ptr + r, mask=in_r, other=0).to(tl.int64) if GATHER else r
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < N
+    if EXPAND:  # y is written before this kernel unless the shrink beside it writes it (WAIT_FOR_Y)
+        slots, block, y, y_mask, least, b_least, b_block, b_mask = _delta_operands(
+            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, R, num_slots, part_cols, first,
+            count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
+            WAIT_FOR_Y, PER_EXPERT, BLOCK_R,
+        )  # fmt: skip
     k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]
@@ -444,9 +464,8 @@ def _expert_matmul_kernel(
         wait_then_trigger()  # triggering before the K loop instead made the step slower
     if EXPAND:  # a row without LoRA adds an exact 0
         delta = _slot_deltas(
-            e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols,
-            first, count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
-            stride_ss, stride_sb, PER_EXPERT, IEEE, BLOCK_M, BLOCK_N, BLOCK_R,
+            slots, block, y, y_mask, least, b_least, b_block, b_mask, scale_ptr, stride_bs, stride_ss, stride_sb,
+            WAIT_FOR_Y, IEEE, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         out = (out.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
     tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
