@@ -249,16 +249,20 @@ def gate_route_dispatch(
     n_shared: int,
     route_scale: float,
     slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    lora_a: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """A MoE layer's head: the router logits x @ gate^T [T, E + n], each token's experts and weights [T, k + n]
     from them (`gate_route`) and their rows dispatched by expert (`moe_dispatch` over E + n experts, with
-    the tokens' LoRA slots [T]); returns (index, weights, the dispatch's outputs). On CUDA at decode sizes one
-    Triton kernel (`triton_route_dispatch`), the logits rounded to x's dtype as `linear` rounds them."""
+    the tokens' LoRA slots [T]); returns (index, weights, the dispatch's outputs, y), y the experts' gate/up LoRA
+    shrink `lora_shrink(x, lora_a, slots)` where `lora_a` [S, R, H] is given (else None). On CUDA at decode sizes
+    one Triton kernel (`triton_route_dispatch`), the logits rounded to x's dtype as `linear` rounds them, the
+    shrink in programs of its own beside the routing."""
     if x.is_cuda and 1 <= x.shape[0] <= ROUTE_DISPATCH_MAX_TOKENS and x.dtype == gate.dtype:
         ops = _triton_route_dispatch()
-        return ops.gate_route_dispatch(x, gate, bias, global_scale, top_k, n_shared, route_scale, slots)
+        return ops.gate_route_dispatch(x, gate, bias, global_scale, top_k, n_shared, route_scale, slots, lora_a)
     index, weights = gate_route(x, gate, bias, global_scale, top_k, n_shared, route_scale)
-    return index, weights, moe_dispatch(index, weights, slots, gate.shape[0])
+    y = None if lora_a is None else lora_shrink(x, lora_a, slots)
+    return index, weights, moe_dispatch(index, weights, slots, gate.shape[0]), y
 
 
 def moe_combine(

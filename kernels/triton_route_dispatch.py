@@ -20,6 +20,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.split_counts import split_counts
 from inkwell.kernels.triton_lora.common import dot_precision, pow2, require
+from inkwell.kernels.triton_lora.shrink import (
+    SHRINK_SPLIT_K,
+    split_shrink_operands,
+    split_shrink_program,
+    split_shrinkable,
+)
 from inkwell.kernels.triton_pdl import chain_launch
 from inkwell.kernels.triton_router import route_rows, store_routes
 
@@ -46,15 +52,32 @@ def _gate_route_dispatch_kernel(
     x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, scale_ptr, slot_ptr,
     index_ptr, weights_ptr, order_ptr, tokens_ptr, experts_ptr, w_out_ptr, slots_out_ptr, ends_ptr, places_ptr,
     T, K, route_scale, stride_xt, stride_xk, stride_wn, stride_wk, stride_it, stride_wt,
+    s_x_ptr, s_a_ptr, s_part_ptr, s_y_ptr, s_slot_ptr, s_count_ptr, s_T, s_K, s_R, s_K_PER_SPLIT, s_stride_xt,
+    s_stride_xk, s_stride_as, s_stride_ar, s_stride_ak, s_stride_yt, s_stride_yr, s_slot_programs, s_r_splits,
     ROUTED: tl.constexpr, SHARED: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, CHAINED: tl.constexpr, SHRINK: tl.constexpr,
+    s_SPLIT_K: tl.constexpr, s_PRECISION: tl.constexpr, s_BLOCK_T: tl.constexpr, s_BLOCK_K: tl.constexpr,
+    s_BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Program p adds x[:, K block p] @ gate[:, K block p]^T into its fp32 partial [T, ROUTED + SHARED]; the last to
-    finish routes and dispatches every row of the sum, then resets the count for the next launch or replay."""
+    finish routes and dispatches every row of the sum, then resets the count for the next launch or replay.
+    With SHRINK the programs from SPLIT_K on are a split shrink's (`split_shrink_program`, its operands `s_*`): the
+    experts' gate/up LoRA shrink of x, written beside the routing, so the experts' GEMM after this kernel finds it."""
     N = ROUTED + SHARED
     if CHAINED:
         gdc_launch_dependents()
+    if SHRINK:  # noqa: SIM102 (a constexpr: the shrink programs compile out without it)
+        if tl.program_id(0) >= SPLIT_K:
+            q = tl.program_id(0) - SPLIT_K
+            per_tile = s_slot_programs * s_r_splits
+            split_shrink_program(
+                q // per_tile, (q % per_tile) // s_r_splits, q % s_r_splits, s_slot_programs, s_r_splits,
+                s_x_ptr, s_a_ptr, s_part_ptr, s_y_ptr, s_slot_ptr, s_count_ptr, s_T, s_K, s_R, s_K_PER_SPLIT,
+                s_stride_xt, s_stride_xk, s_stride_as, s_stride_ar, s_stride_ak, s_stride_yt, s_stride_yr,
+                s_SPLIT_K, s_PRECISION, s_BLOCK_T, s_BLOCK_K, s_BLOCK_R, CHAINED,
+            )  # fmt: skip
+            return
     rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     rn = tl.arange(0, BLOCK_N)
     in_k = rk < K
@@ -115,10 +138,12 @@ def gate_route_dispatch(
     n_shared: int,
     route_scale: float,
     slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    lora_a: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """`dispatch.gate_route_dispatch` in one launch: tokens x [T, H] (T >= 1, every row in one tile), gate [E + n, H]
-    of x's dtype, bias [E], one global scale, the tokens' LoRA slots [T]. Returns index and weights [T, k + n] and
-    the seven outputs of `moe_dispatch` over E + n experts."""
+    of x's dtype, bias [E], one global scale, the tokens' LoRA slots [T], and the experts' gate/up LoRA A [S, R, H]
+    or None. Returns index and weights [T, k + n], the seven outputs of `moe_dispatch` over E + n experts, and the
+    tokens' shrink x @ A[slot]^T [T, R] (`lora_shrink`) where `lora_a` is given, computed by programs of its own."""
     (tokens, k), experts = x.shape, gate.shape[0]
     routed = experts - n_shared
     require(
@@ -146,14 +171,34 @@ def gate_route_dispatch(
     split_k = triton.cdiv(k, block_k)
     partials = torch.empty(split_k, tokens, experts, dtype=torch.float32, device=device)
     block_t, block_e = pow2(tokens), triton.next_power_of_2(routed)
-    _gate_route_dispatch_kernel[(split_k,)](
+    y, shrink_programs, shrink, shrink_consts = _shrink_operands(x, lora_a, slots)
+    _gate_route_dispatch_kernel[(split_k + shrink_programs,)](
         x, gate, partials, split_counts("gate_route_dispatch", device), bias, global_scale, slots,
         index, weights, order, row_tokens, row_experts, row_weights, row_slots, ends, places,
-        tokens, k, route_scale, *x.stride(), *gate.stride(), index.stride(0), weights.stride(0),
+        tokens, k, route_scale, *x.stride(), *gate.stride(), index.stride(0), weights.stride(0), *shrink,
         ROUTED=routed, SHARED=n_shared, TOP_K=top_k, SPLIT_K=split_k, PRECISE=x.is_cuda,
         PRECISION=dot_precision(x.dtype), BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_N=pow2(experts),
         BLOCK_E=block_e, BLOCK_S=triton.next_power_of_2(n_shared),
         num_warps=min(16, max(4, block_t * block_e // 128)),  # at most 4 scores a lane in the routing
-        **chain_launch(x),
+        **shrink_consts, **chain_launch(x),
     )  # fmt: skip
-    return index, weights, (order, row_tokens, row_experts, row_weights, row_slots, ends, places)
+    return index, weights, (order, row_tokens, row_experts, row_weights, row_slots, ends, places), y
+
+
+def _shrink_operands(
+    x: torch.Tensor, lora_a: torch.Tensor | None, slots: torch.Tensor
+) -> tuple[torch.Tensor | None, int, list, dict]:
+    """The shrink's y, its programs, its `s_*` arguments and constexprs (SHRINK off: placeholders of the right kinds,
+    compiled out)."""
+    if lora_a is None:
+        return None, 0, [x] * 6 + [0] * 13, dict(SHRINK=False, s_SPLIT_K=1, s_PRECISION="ieee", s_BLOCK_T=16,
+                                                  s_BLOCK_K=16, s_BLOCK_R=16)  # fmt: skip
+    (tokens, k), (num_slots, rank, depth) = x.shape, lora_a.shape
+    require(
+        lora_a.dim() == 3 and depth == k and split_shrinkable(tokens, num_slots, rank),
+        f"the head's shrink needs lora_a [S, R, H={k}] whose groups the split counts serve; got {list(lora_a.shape)}",
+    )
+    y, grid, args, consts = split_shrink_operands(x, lora_a, slots, SHRINK_SPLIT_K, "gate_route_dispatch_shrink")
+    tiles, slot_programs, r_splits = grid
+    consts = {f"s_{name}": value for name, value in consts.items()}
+    return y, tiles * slot_programs * r_splits, [*args, slot_programs, r_splits], dict(SHRINK=True, **consts)

@@ -7,11 +7,10 @@ the shrink splits its K loop over several programs (`split_k`): one program stre
 bandwidth, and the GEMM beside it waits for all of it.
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.split_counts import SPLIT_COUNTS, split_counts
 from inkwell.kernels.triton_lora.common import SENTINEL, SLOT_LOOP_MIN_TOKENS, dot_precision, pow2, row_keys, row_slots
@@ -94,6 +93,100 @@ def _shrink_kernel(
 
 
 @triton.jit
+def _wait(WAIT: tl.constexpr, TRIGGER: tl.constexpr):
+    if WAIT:
+        gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def split_shrink_program(
+    tile,
+    slot_program,
+    r_split,
+    slot_programs,
+    r_splits,
+    x_ptr,
+    a_ptr,
+    part_ptr,
+    y_ptr,
+    slot_ptr,
+    count_ptr,
+    T,
+    K,
+    R,
+    K_PER_SPLIT,
+    stride_xt,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WAIT: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
+):
+    """Program (tile, slot_program, r_split) of a split shrink's grid (token tiles, slot_programs = slots + 1,
+    r_splits = rank blocks * SPLIT_K): y[t, r-block] = x[t] @ A[slot]^T, slot = slot_program - 1, its K loop split
+    over SPLIT_K programs; slot -1 rows get zeros. WAIT (a chained caller that has not waited, `triton_pdl`): the
+    program reads the tokens' slots and its first block of A, which no kernel of the step writes, then waits for
+    the kernel before it, before it reads x or writes; TRIGGER: then lets the next kernel launch (a LoRA pair's
+    GEMM, which reads x before its own wait).
+
+    Each program adds its K range into an fp32 partial ([SPLIT_K, T, R]); the last of a group to finish (an
+    atomic count, acquire-release) sums the partials in split order, writes y and resets the count, so the next
+    launch and every CUDA graph replay find it zero. Programs of slots absent from their tile exit at once.
+    """
+    slot = slot_program - 1
+    split = r_split % SPLIT_K
+    rt = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    rr = (r_split // SPLIT_K) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_t = rt < T
+    in_r = rr[None, :] < R
+    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
+    y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
+    if slot < 0:
+        if split == 0:
+            _wait(WAIT, TRIGGER)
+            zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
+            tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
+        return
+    rows = in_t & (slots == slot)
+    if tl.max(rows.to(tl.int32), 0) == 0:
+        return
+    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + rr[None, :] * stride_ar
+    x_ptrs = x_ptr + rt[:, None] * stride_xt
+    k_first = split * K_PER_SPLIT
+    k_end = tl.minimum(k_first + K_PER_SPLIT, K)
+    rk = k_first + tl.arange(0, BLOCK_K)
+    at = tl.load(a_ptrs + rk[:, None] * stride_ak, mask=(rk < k_end)[:, None] & in_r, other=0.0)
+    _wait(WAIT, TRIGGER)
+    xt = tl.load(x_ptrs + rk[None, :] * stride_xk, mask=rows[:, None] & (rk < K)[None, :], other=0.0)
+    acc = tl.dot(xt, at.to(xt.dtype), input_precision=PRECISION)
+    for k0 in range(k_first + BLOCK_K, k_first + K_PER_SPLIT, BLOCK_K):  # the first block is above
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptrs + rk[None, :] * stride_xk, mask=rows[:, None] & (rk < K)[None, :], other=0.0)
+        at = tl.load(a_ptrs + rk[:, None] * stride_ak, mask=(rk < k_end)[:, None] & in_r, other=0.0)
+        acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
+    written = rows[:, None] & in_r
+    part_rows = part_ptr + rt[:, None] * R + rr[None, :]
+    tl.store(part_rows + split * T * R, acc, mask=written)
+    group = (tile * slot_programs + slot_program) * (r_splits // SPLIT_K) + r_split // SPLIT_K
+    if tl.atomic_add(count_ptr + group, 1) == SPLIT_K - 1:  # the other splits' partials are visible now
+        total = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(part_rows + s * T * R, mask=written, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=written)
+        tl.atomic_xchg(count_ptr + group, 0)
+
+
+@triton.jit
 def _split_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -119,54 +212,41 @@ def _split_shrink_kernel(
     BLOCK_R: tl.constexpr,
     CHAINED: tl.constexpr = False,
 ):
-    """y[t, r-block] = x[t] @ A[slot]^T with the K loop split over SPLIT_K programs per (token tile, slot, rank
-    block); slot -1 rows get zeros. CHAINED as in `_shrink_kernel` (a dependent's wait is for the whole grid, the
-    programs that sum the partials included).
-
-    Each program adds its K range into an fp32 partial ([SPLIT_K, T, R]); the last of a group to finish (an
-    atomic count, acquire-release) sums the partials in split order, writes y and resets the count, so the next
-    launch and every CUDA graph replay find it zero. Programs of slots absent from their tile exit at once.
-    """
-    if CHAINED:
-        wait_then_trigger()
-    slot = tl.program_id(1) - 1
-    split = tl.program_id(2) % SPLIT_K
-    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rr = (tl.program_id(2) // SPLIT_K) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_t = rt < T
-    in_r = rr[None, :] < R
-    slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
-    y_ptrs = y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr
-    if slot < 0:
-        if split == 0:
-            zeros = tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty)
-            tl.store(y_ptrs, zeros, mask=(in_t & (slots < 0))[:, None] & in_r)
-        return
-    rows = in_t & (slots == slot)
-    if tl.max(rows.to(tl.int32), 0) == 0:
-        return
-    a_base = a_ptr + slot.to(tl.int64) * stride_as
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    k_first = split * K_PER_SPLIT
-    for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        in_k = rk < K
-        xt = tl.load(
-            x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=rows[:, None] & in_k[None, :], other=0.0
-        )
-        at = tl.load(a_base + rk[:, None] * stride_ak + rr[None, :] * stride_ar, mask=in_k[:, None] & in_r, other=0.0)
-        acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=PRECISION)
-    written = rows[:, None] & in_r
-    part_rows = part_ptr + rt[:, None] * R + rr[None, :]
-    tl.store(part_rows + split * T * R, acc, mask=written)
-    group = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // SPLIT_K)
-    group += tl.program_id(2) // SPLIT_K
-    if tl.atomic_add(count_ptr + group, 1) == SPLIT_K - 1:  # the other splits' partials are visible now
-        total = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            total += tl.load(part_rows + s * T * R, mask=written, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=written)
-        tl.atomic_xchg(count_ptr + group, 0)
+    """`split_shrink_program` over its grid (token tiles, slots + 1, rank blocks * SPLIT_K). CHAINED as in
+    `_shrink_kernel` (a dependent's wait is for the whole grid, the programs that sum the partials included), but
+    each program asks for its first block of A before it waits: the GEMM the shrink pairs with streams its weight
+    once it launches, and A's reads then queue behind it."""
+    split_shrink_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+        tl.num_programs(1),
+        tl.num_programs(2),
+        x_ptr,
+        a_ptr,
+        part_ptr,
+        y_ptr,
+        slot_ptr,
+        count_ptr,
+        T,
+        K,
+        R,
+        K_PER_SPLIT,
+        stride_xt,
+        stride_xk,
+        stride_as,
+        stride_ar,
+        stride_ak,
+        stride_yt,
+        stride_yr,
+        SPLIT_K,
+        PRECISION,
+        BLOCK_T,
+        BLOCK_K,
+        BLOCK_R,
+        CHAINED,
+        CHAINED,
+    )
 
 
 SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for `lora_shrink` (2048 / 256 at bf16)
@@ -193,18 +273,17 @@ def launch_shrink(
     splits the K loop over up to that many programs (linear case, one program per slot)."""
     tokens, k = x.shape
     num_slots, num_experts, rank, _ = a.shape
+    block_t, block_r, block_k = _shrink_blocks(x, rank)
+    splits = min(split_k, triton.cdiv(k, block_k))
+    if splits > 1 and experts is None and split_shrinkable(tokens, num_slots, rank):
+        y, grid, args, consts = split_shrink_operands(x, a[:, 0], slots, splits, "lora_shrink")
+        _split_shrink_kernel[grid](*args, **consts, **chain_launch(x, chained))
+        return y
     y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
     if tokens == 0 or rank == 0:
         return y
-    block_t, block_r = pow2(tokens, 16, 32), pow2(rank, 16, 64)
-    block_k = pow2(k, 16, 256 if x.element_size() <= 2 else 128)
-    chain = chain_launch(x, chained)
     slot_loop = tokens > SLOT_LOOP_MIN_TOKENS
     grid = (triton.cdiv(tokens, block_t), 1 if slot_loop else num_slots + 1, triton.cdiv(rank, block_r))
-    split_k = min(split_k, triton.cdiv(k, block_k))
-    splittable = experts is None and not slot_loop and math.prod(grid) <= SPLIT_COUNTS
-    if split_k > 1 and splittable:
-        return _split_shrink(x, a, slots, y, grid, split_k, block_t, block_k, block_r, chain)
     _shrink_kernel[grid](
         x,
         a,
@@ -225,49 +304,42 @@ def launch_shrink(
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=block_r,
-        **chain,
+        **chain_launch(x, chained),
     )
     return y
 
 
-def _split_shrink(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    slots: torch.Tensor,
-    y: torch.Tensor,
-    grid: tuple[int, int, int],
-    split_k: int,
-    block_t: int,
-    block_k: int,
-    block_r: int,
-    chain: dict,
-) -> torch.Tensor:
+def _shrink_blocks(x: torch.Tensor, rank: int) -> tuple[int, int, int]:
+    """The shrinks' token, rank and K blocks for x [T, K]."""
     tokens, k = x.shape
-    rank = a.shape[2]
+    return pow2(tokens, 16, 32), pow2(rank, 16, 64), pow2(k, 16, 256 if x.element_size() <= 2 else 128)
+
+
+def split_shrinkable(tokens: int, num_slots: int, rank: int) -> bool:
+    """Whether a shrink of `tokens` over `num_slots` slots of `rank` may split its K loop: each slot has its own
+    programs (up to SLOT_LOOP_MIN_TOKENS tokens) and the counts serve its groups."""
+    groups = triton.cdiv(tokens, pow2(tokens, 16, 32)) * (num_slots + 1) * triton.cdiv(rank, pow2(rank, 16, 64))
+    return 0 < tokens <= SLOT_LOOP_MIN_TOKENS and rank > 0 and groups <= SPLIT_COUNTS
+
+
+def split_shrink_operands(
+    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, split_k: int, counts: str
+) -> tuple[torch.Tensor, tuple[int, int, int], list, dict]:
+    """The split shrink of x [T, K] over A [S, R, K] (`split_shrinkable`) in up to `split_k` K ranges, its counts
+    `split_counts(counts)`: y [T, R] (written by the launch), the grid (token tiles, slots + 1, rank blocks *
+    splits), and `split_shrink_program`'s arguments after the program ids and constexprs, for `_split_shrink_kernel`
+    and a kernel that runs the shrink in programs of its own (the MoE layer's head, `triton_route_dispatch`);
+    `split_k` at most K / the K block."""
+    (tokens, k), (num_slots, rank, _) = x.shape, a.shape
+    block_t, block_r, block_k = _shrink_blocks(x, rank)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no split left without a K range
+    y = torch.empty((tokens, rank), dtype=x.dtype, device=x.device)
     partials = torch.empty((split_k, tokens, rank), dtype=torch.float32, device=x.device)
-    _split_shrink_kernel[(grid[0], grid[1], grid[2] * split_k)](
-        x,
-        a,
-        partials,
-        y,
-        slots,
-        split_counts("lora_shrink", x.device),
-        tokens,
-        k,
-        rank,
-        k_per_split,
-        *x.stride(),
-        a.stride(0),
-        a.stride(2),
-        a.stride(3),
-        *y.stride(),
-        SPLIT_K=split_k,
-        PRECISION=dot_precision(x.dtype),
-        BLOCK_T=block_t,
-        BLOCK_K=block_k,
-        BLOCK_R=block_r,
-        **chain,
-    )
-    return y
+    grid = (triton.cdiv(tokens, block_t), num_slots + 1, triton.cdiv(rank, block_r) * split_k)
+    args = [
+        x, a, partials, y, slots, split_counts(counts, x.device), tokens, k, rank, k_per_split, *x.stride(),
+        *a.stride(), *y.stride(),
+    ]  # fmt: skip
+    consts = dict(SPLIT_K=split_k, PRECISION=dot_precision(x.dtype), BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=block_r)
+    return y, grid, args, consts

@@ -287,7 +287,7 @@ class DecodeForward:
         after the layer, unless the combine has a down LoRA to add."""
         m = self.model
         experts = lora.experts.get(layer) if lora is not None else None
-        few = few_tokens(x)  # then the gate/up shrink runs beside the gate/up GEMM, in `few_experts`
+        few = few_tokens(x)  # then the MoE head computes the gate/up shrink
         side = m.lora_stream if experts is not None and not few else None
         shrunk = None
         if side is not None:
@@ -295,10 +295,10 @@ class DecodeForward:
                 shrunk = m.expert_shrink(x, slots, experts)
         elif not few:
             shrunk = m.expert_shrink(x, slots, experts)
-        index, rows = m.route_and_dispatch(x, layer, slots)
+        index, rows, head_shrunk = m.route_and_dispatch(x, layer, slots, experts if few else None)
         routing.append(index[:, : m.config.num_experts_per_tok])
         if few:
-            down, down_lora = m.few_experts(x, layer, rows, slots, experts)
+            down, down_lora = m.few_experts(x, layer, rows, slots, experts, head_shrunk)
         else:
             down, down_lora = self._many_experts(x, layer, rows, shrunk, experts, side)
         if self.combine_in_sconv and down_lora is None and down.dtype == x.dtype:

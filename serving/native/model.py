@@ -682,14 +682,18 @@ class InklingModel:
         k, n = cfg.num_experts_per_tok, cfg.n_shared_experts
         return gate_route(x, *self.router(layer), k, n, cfg.route_scale)
 
-    def route_and_dispatch(self, x: torch.Tensor, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, Dispatch]:
-        """Each token's experts [T, k + n] (as `route` picks them) and their rows grouped by expert, with the tokens'
-        LoRA `slots`; on CUDA at decode sizes the gate GEMM, the routing and the dispatch are one Triton kernel
+    def route_and_dispatch(
+        self, x: torch.Tensor, layer: int, slots: torch.Tensor, experts: ExpertLora | None = None
+    ) -> tuple[torch.Tensor, Dispatch, torch.Tensor | None]:
+        """Each token's experts [T, k + n] (as `route` picks them), their rows grouped by expert, with the tokens'
+        LoRA `slots`, and where `experts` is given the tokens' gate/up LoRA shrink (`expert_shrink`); on CUDA at
+        decode sizes the gate GEMM, the routing, the dispatch and the shrink are one Triton kernel
         (`kernels.gate_route_dispatch`)."""
         cfg = self.config
         k, n = cfg.num_experts_per_tok, cfg.n_shared_experts
-        index, _, rows = gate_route_dispatch(x, *self.router(layer), k, n, cfg.route_scale, slots)
-        return index, Dispatch(*rows)
+        a = None if experts is None else experts.gate_up.a
+        index, _, rows, shrunk = gate_route_dispatch(x, *self.router(layer), k, n, cfg.route_scale, slots, a)
+        return index, Dispatch(*rows), shrunk
 
     def routing_table(self, ids: list[torch.Tensor], rows: int) -> torch.Tensor:
         """The routed ids [rows, top_k] of each MoE layer (as `forward` appends them) as one [rows, layers, top_k]."""
@@ -702,18 +706,26 @@ class InklingModel:
     ) -> torch.Tensor:
         """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`."""
         experts = lora.experts.get(layer) if lora is not None else None
-        index, rows = self.route_and_dispatch(x, layer, slots)  # rows grouped by expert
+        few = few_tokens(x)  # then the head computes the experts' gate/up shrink
+        index, rows, shrunk = self.route_and_dispatch(x, layer, slots, experts if few else None)
         routing.append(index[:, : self.config.num_experts_per_tok])
-        down, down_lora = self.run_experts(x, layer, slots, rows, experts)
+        down, down_lora = self.run_experts(x, layer, slots, rows, experts, shrunk)
         return rows.combine(down, x.shape[0], x.dtype, down_lora)
 
     def run_experts(
-        self, x: torch.Tensor, layer: int, slots: torch.Tensor, rows: Dispatch, experts: ExpertLora | None
+        self,
+        x: torch.Tensor,
+        layer: int,
+        slots: torch.Tensor,
+        rows: Dispatch,
+        experts: ExpertLora | None,
+        shrunk: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RowExpand | None]:
         """The down outputs [M, H] of the dispatched `rows` of tokens x [T, H], each through its expert, in the rows'
-        order, and their down LoRA where the combine is to add it (`down_lora`; None: none, or added already)."""
+        order, and their down LoRA where the combine is to add it (`down_lora`; None: none, or added already).
+        `shrunk`: the tokens' gate/up shrink where `route_and_dispatch` computed it (decode sizes)."""
         if few_tokens(x):
-            return self.few_experts(x, layer, rows, slots, experts)
+            return self.few_experts(x, layer, rows, slots, experts, shrunk)
         bounds = None if self.grouped_mm else rows.ends.tolist()
 
         def gemm(inputs: torch.Tensor, weight: torch.Tensor, gather: bool) -> torch.Tensor:
@@ -744,19 +756,25 @@ class InklingModel:
         return down, self.down_lora(act, rows, experts)
 
     def few_experts(
-        self, x: torch.Tensor, layer: int, rows: Dispatch, slots: torch.Tensor, experts: ExpertLora | None
+        self,
+        x: torch.Tensor,
+        layer: int,
+        rows: Dispatch,
+        slots: torch.Tensor,
+        experts: ExpertLora | None,
+        shrunk: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RowExpand | None]:
-        """`run_experts` at decode sizes (`few_tokens`) of tokens x with LoRA `slots`: three kernels without
-        adapters, the experts' GEMMs and silu * up, and one more with them, the gate/up shrink, which runs beside
-        the gate/up GEMM; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
-        holds each row's activations)."""
+        """`run_experts` at decode sizes (`few_tokens`) of tokens x with LoRA `slots`: three kernels, the experts'
+        GEMMs and silu * up; each expand rides in its GEMM's epilogue and the down LoRA's shrink in silu * up (which
+        holds each row's activations). The gate/up shrink is `shrunk` (the MoE head's), else one more kernel, which
+        runs beside the gate/up GEMM (`TokenShrink`)."""
         tokens, every_token_from = x.shape[0], self.config.n_routed_experts  # the shared experts' ids follow the routed
         p = f"model.layers.{layer}.mlp.all_experts"
         gate_up_w, down_w = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
         gate_up_expand = down_expand = None
         if experts is not None:
             buf = experts.gate_up
-            shrink = TokenShrink(buf.a, slots)
+            shrink = TokenShrink(buf.a, slots) if shrunk is None else shrunk
             gate_up_expand = RowExpand(shrink, buf.b, rows.slots, rows.experts, buf.scalings, experts.groups)
         gate_up = expert_matmul(x, gate_up_w, rows.ends, rows.tokens, tokens, gate_up_expand, every_token_from)
         if experts is None:

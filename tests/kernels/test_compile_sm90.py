@@ -82,6 +82,7 @@ def run_compile_cases() -> None:
         if tokens <= 128:  # decode: the gate GEMM, the routing and the dispatch in one kernel
             gate = torch.zeros(ROUTED + SHARED, H, **bf)
             triton_route_dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, token_slots)
+            triton_route_dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, token_slots, a_in)
         ids, norm = torch.zeros(tokens, dtype=torch.long), torch.ones(H, **bf)
         triton_embed.embed_norms(ids, torch.zeros(VOCAB, H, **bf), norm, norm, 1e-6)  # a step's first op, its last
         triton_greedy.logits_greedy(torch.zeros(tokens, VOCAB, **bf))
@@ -125,9 +126,10 @@ def run_chain_cases() -> None:
     input before the wait would read the previous kernel's output while it is being written.
 
     A LoRA pair's shrink waits before it lets its GEMM launch, so the GEMM may read x before its own wait (every
-    kernel before the shrink has finished); the GEMM waits for y after its K loop and lets the next kernel launch
-    only then. The decode attention reads before its wait (cache entries of earlier steps) and so does the MoE
-    layer's head (its slice of the router's gate), but both write after it."""
+    kernel before the shrink has finished; the split shrink reads the slots and A before its wait); the GEMM waits
+    for y after its K loop and lets the next kernel launch only then. The decode attention reads before its wait
+    (cache entries of earlier steps) and so does the MoE layer's head (its slice of the router's gate; with the
+    experts' gate/up shrink, the tokens' slots and a block of the adapters' A), but both write after it."""
     compiled = sm90.compile_only()
     sm90.decode_chain()
 
@@ -136,8 +138,11 @@ def run_chain_cases() -> None:
         first = min(i for i in (ptx.find(access) for access in ACCESSES) if i > -1)
         return ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"), first
 
-    shrinks = {"_split_shrink_kernel", "_shrink_kernel"}
-    # read before their waits what no kernel of the step writes: cache entries of earlier steps, the router's gate
+    shrinks = {"_shrink_kernel"}
+    # the split shrink reads the tokens' slots and a block of A before its wait, and lets its GEMM launch after it
+    early_shrinks = {"_split_shrink_kernel"}
+    # read before their waits what no kernel of the step writes: cache entries of earlier steps, the router's gate,
+    # the tokens' slots and the adapters' A
     early_readers = {"_decode_attention_kernel", "_gate_route_dispatch_kernel"}
     chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
@@ -155,6 +160,11 @@ def run_chain_cases() -> None:
         trigger, wait, first = order(kernel)
         if name in shrinks:
             assert -1 < wait < min(trigger, first), f"{name}: wait at {wait}, trigger at {trigger}, first at {first}"
+        elif name in early_shrinks:
+            ptx = kernel.asm["ptx"]
+            write = min(i for i in (ptx.find(access) for access in WRITES) if i > -1)
+            order_seen = f"{name}: load {first}, wait {wait}, trigger {trigger}, write {write}"
+            assert -1 < first < wait < trigger < write, order_seen
         elif name in early_readers:
             ptx = kernel.asm["ptx"]
             write = min(i for i in (ptx.find(access) for access in WRITES) if i > -1)

@@ -101,7 +101,8 @@ def exact_gate_inputs(tokens: int, hidden: int, experts: int, seed: int) -> tupl
 def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shape: str, hidden: int) -> None:
     """Twice (the second launch finds its split count reset): the kernel's routing equals the router kernel's on the
     exact logits (indices bitwise, weights to rounding); its dispatch equals the stable argsort's of its own
-    routing."""
+    routing. The second launch also runs the experts' gate/up shrink over 4 slots of rank 24 (a rank block part
+    masked) in its own programs: y equals each token's exact x @ A[slot]^T (zeros for slot -1)."""
     from inkwell.kernels.triton_route_dispatch import gate_route_dispatch
     from inkwell.kernels.triton_router import shared_sink_route
 
@@ -113,7 +114,16 @@ def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shap
         slots = torch.randint(-1, 4, (tokens,), generator=gen)
         x, gate, correction, scale = (t.to(device=device, dtype=dtype) for t in (x, gate, correction, torch.ones(1)))
         slots = slots.to(device)
-        index, weights, rows = gate_route_dispatch(x, gate, correction, scale, k, shared, ROUTE_SCALE, slots)
+        lora_a = None
+        if seed != tokens:
+            lora_a = ((torch.randn(4, 24, hidden, generator=gen) * 16).round().clamp(-127, 127) / 64).to(device, dtype)
+        index, weights, rows, y = gate_route_dispatch(x, gate, correction, scale, k, shared, ROUTE_SCALE, slots, lora_a)
+        if lora_a is None:
+            assert y is None
+        else:  # every product and sum exact in fp32
+            want_y = torch.einsum("th,trh->tr", x.double(), lora_a.double()[slots.clamp(min=0)])
+            want_y = torch.where((slots >= 0)[:, None], want_y, 0.0).to(dtype)
+            assert torch.equal(y, want_y), "the head's gate/up shrink differs from x @ A[slot]^T"
         logits = (x.double() @ gate.double().T).to(dtype)
         want_index, want_weights = shared_sink_route(logits, correction, scale, k, shared, ROUTE_SCALE)
         assert torch.equal(index, want_index), "routed experts differ from the router kernel's on the same logits"
