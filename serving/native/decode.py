@@ -19,9 +19,9 @@ obey it):
     MoE layer's head (the router's gate GEMM, the routing and the dispatch: `kernels.triton_route_dispatch`), its
     combine, silu * up and expert GEMMs (`kernels.triton_moe`), rounding where the torch ops round (668 launches a
     step for inkling-small with the torch ops, 239 with the first of these kernels); with adapters the experts'
-    LoRA adds one launch per MoE layer (the gate/up shrink, beside the gate/up GEMM), its expands riding in the
-    GEMMs' epilogues. The combine runs inside the ShortConv step after the MoE layer (`Uncombined`), summing as
-    the combine kernel of the eager forward sums, so the two round alike.
+    LoRA adds no launch: the gate/up shrink runs in programs of the MoE head, the down shrink in silu * up, the
+    expands in the GEMMs' epilogues. The combine runs inside the ShortConv step after the MoE layer
+    (`Uncombined`), summing as the combine kernel of the eager forward sums, so the two round alike.
 Past `few_tokens`, with the model's `lora_stream` set, the experts' gate/up LoRA shrink (it reads only the layer's
 input) runs on the side stream while the router and the gate/up GEMM run.
 """
