@@ -20,6 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.split_counts import split_counts
 from inkwell.kernels.triton_lora.common import dot_precision, pow2, require
+from inkwell.kernels.triton_lora.dense import lora_shrink
 from inkwell.kernels.triton_lora.shrink import (
     SHRINK_SPLIT_K,
     split_shrink_operands,
@@ -143,7 +144,8 @@ def gate_route_dispatch(
     """`dispatch.gate_route_dispatch` in one launch: tokens x [T, H] (T >= 1, every row in one tile), gate [E + n, H]
     of x's dtype, bias [E], one global scale, the tokens' LoRA slots [T], and the experts' gate/up LoRA A [S, R, H]
     or None. Returns index and weights [T, k + n], the seven outputs of `moe_dispatch` over E + n experts, and the
-    tokens' shrink x @ A[slot]^T [T, R] (`lora_shrink`) where `lora_a` is given, computed by programs of its own."""
+    tokens' shrink x @ A[slot]^T [T, R] (`lora_shrink`) where `lora_a` is given, computed by programs of its own, or
+    by a shrink launch after the kernel where its groups are more than the split counts serve (`split_shrinkable`)."""
     (tokens, k), experts = x.shape, gate.shape[0]
     routed = experts - n_shared
     require(
@@ -171,7 +173,8 @@ def gate_route_dispatch(
     split_k = triton.cdiv(k, block_k)
     partials = torch.empty(split_k, tokens, experts, dtype=torch.float32, device=device)
     block_t, block_e = pow2(tokens), triton.next_power_of_2(routed)
-    y, shrink_programs, shrink, shrink_consts = _shrink_operands(x, lora_a, slots)
+    own_shrink = lora_a is not None and split_shrinkable(tokens, lora_a.shape[0], lora_a.shape[-2])
+    y, shrink_programs, shrink, shrink_consts = _shrink_operands(x, lora_a if own_shrink else None, slots)
     _gate_route_dispatch_kernel[(split_k + shrink_programs,)](
         x, gate, partials, split_counts("gate_route_dispatch", device), bias, global_scale, slots,
         index, weights, order, row_tokens, row_experts, row_weights, row_slots, ends, places,
@@ -182,22 +185,21 @@ def gate_route_dispatch(
         num_warps=min(16, max(4, block_t * block_e // 128)),  # at most 4 scores a lane in the routing
         **shrink_consts, **chain_launch(x),
     )  # fmt: skip
+    if lora_a is not None and not own_shrink:
+        y = lora_shrink(x, lora_a, slots)
     return index, weights, (order, row_tokens, row_experts, row_weights, row_slots, ends, places), y
 
 
 def _shrink_operands(
     x: torch.Tensor, lora_a: torch.Tensor | None, slots: torch.Tensor
 ) -> tuple[torch.Tensor | None, int, list, dict]:
-    """The shrink's y, its programs, its `s_*` arguments and constexprs (SHRINK off: placeholders of the right kinds,
-    compiled out)."""
+    """The shrink's y, its programs, its `s_*` arguments and constexprs for `lora_a` whose groups the split counts
+    serve (`split_shrinkable`); SHRINK off (no `lora_a`): placeholders of the right kinds, compiled out."""
     if lora_a is None:
         return None, 0, [x] * 6 + [0] * 13, dict(SHRINK=False, s_SPLIT_K=1, s_PRECISION="ieee", s_BLOCK_T=16,
                                                   s_BLOCK_K=16, s_BLOCK_R=16)  # fmt: skip
-    (tokens, k), (num_slots, rank, depth) = x.shape, lora_a.shape
-    require(
-        lora_a.dim() == 3 and depth == k and split_shrinkable(tokens, num_slots, rank),
-        f"the head's shrink needs lora_a [S, R, H={k}] whose groups the split counts serve; got {list(lora_a.shape)}",
-    )
+    k, depth = x.shape[1], lora_a.shape[-1]
+    require(lora_a.dim() == 3 and depth == k, f"the head's shrink needs lora_a [S, R, H={k}], got {list(lora_a.shape)}")
     y, grid, args, consts = split_shrink_operands(x, lora_a, slots, SHRINK_SPLIT_K, "gate_route_dispatch_shrink")
     tiles, slot_programs, r_splits = grid
     consts = {f"s_{name}": value for name, value in consts.items()}

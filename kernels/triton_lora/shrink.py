@@ -13,7 +13,15 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from inkwell.kernels.split_counts import SPLIT_COUNTS, split_counts
-from inkwell.kernels.triton_lora.common import SENTINEL, SLOT_LOOP_MIN_TOKENS, dot_precision, pow2, row_keys, row_slots
+from inkwell.kernels.triton_lora.common import (
+    SENTINEL,
+    SLOT_LOOP_MIN_TOKENS,
+    dot_precision,
+    pow2,
+    require,
+    row_keys,
+    row_slots,
+)
 from inkwell.kernels.triton_pdl import chain_launch, wait_then_trigger
 
 
@@ -331,6 +339,11 @@ def split_shrink_operands(
     and a kernel that runs the shrink in programs of its own (the MoE layer's head, `triton_route_dispatch`);
     `split_k` at most K / the K block."""
     (tokens, k), (num_slots, rank, _) = x.shape, a.shape
+    require(
+        split_shrinkable(tokens, num_slots, rank),
+        f"a split shrink takes up to {SLOT_LOOP_MIN_TOKENS} tokens and groups that the split counts serve "
+        f"(`split_shrinkable`); {tokens} tokens over {num_slots} slots of rank {rank} need the unsplit shrink",
+    )
     block_t, block_r, block_k = _shrink_blocks(x, rank)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no split left without a K range

@@ -138,11 +138,33 @@ def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shap
             assert got.dtype == want.dtype and torch.equal(got.cpu(), want), f"dispatch {name} differs"
 
 
+def check_head_shrink_past_the_split_counts(device: str, dtype: torch.dtype) -> None:
+    """A shrink the split counts cannot serve (`split_shrinkable`: here more tokens than its per-slot programs take):
+    the head leaves it to a shrink launch of its own after it, and y is still each token's exact x @ A[slot]^T."""
+    from inkwell.kernels.triton_lora.common import SLOT_LOOP_MIN_TOKENS
+    from inkwell.kernels.triton_route_dispatch import gate_route_dispatch
+
+    routed, k, shared = SHAPES["small"]
+    tokens, hidden, rank = SLOT_LOOP_MIN_TOKENS + 1, 64, 16
+    x, gate = exact_gate_inputs(tokens, hidden, routed + shared, 0)
+    gen = torch.Generator().manual_seed(0)
+    lora_a = (torch.randn(4, rank, hidden, generator=gen) * 16).round().clamp(-127, 127) / 64
+    slots = torch.randint(-1, 4, (tokens,), generator=gen)
+    want_y = torch.einsum("th,trh->tr", x.double(), lora_a.double()[slots.clamp(min=0)])
+    want_y = torch.where((slots >= 0)[:, None], want_y, 0.0).to(dtype)
+    x, gate, lora_a, correction, scale = (
+        t.to(device, dtype) for t in (x, gate, lora_a, torch.zeros(routed), torch.ones(1))
+    )
+    *_, y = gate_route_dispatch(x, gate, correction, scale, k, shared, ROUTE_SCALE, slots.to(device), lora_a)
+    assert torch.equal(y.cpu(), want_y), "the shrink past the split counts differs from x @ A[slot]^T"
+
+
 def run_interpreted_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for tokens in (1, 5, 37):  # K = 300: ten programs of 32 columns, the last one short
         check_gate_route_dispatch("cpu", torch.float32, tokens, "small", 300)
     check_gate_route_dispatch("cpu", torch.float16, 9, "odd", 300)
+    check_head_shrink_past_the_split_counts("cpu", torch.float32)
     for tokens in TOKENS:
         check_route("cpu", torch.float32, tokens, "small", "random")
     for shape in SHAPES:  # the interpreter rounds bf16 by truncation; fp16 as the GPU does
@@ -188,3 +210,11 @@ def test_gate_route_dispatch_on_gpu(dtype, shape, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     check_gate_route_dispatch("cuda", dtype, tokens, shape, 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_shrink_past_the_split_counts_on_gpu(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    check_head_shrink_past_the_split_counts("cuda", dtype)
