@@ -202,6 +202,8 @@ def run_interpreted_cases() -> None:
         check_expert_lora_epilogues("cpu", dtype, 40, 40, 48, 16)  # 64-row tiles holding rows of every slot
         check_combine_down("cpu", dtype, 21, 72, 8)  # two token tiles, a partial one; partial column tiles, rank < 16
         check_silu_mul_lora("cpu", dtype, 21, 40, 8)  # 4 row tiles, a partial one; a partial column tile, rank < 16
+    # rank 64: silu * up's shrink walks 128-column blocks of A, the last one partial
+    check_expert_lora_epilogues("cpu", torch.float32, 6, 40, 320, 64)
     print("interpreted cases passed")
 
 
