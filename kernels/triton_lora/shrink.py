@@ -196,65 +196,19 @@ def split_shrink_program(
 
 @triton.jit
 def _split_shrink_kernel(
-    x_ptr,
-    a_ptr,
-    part_ptr,
-    y_ptr,
-    slot_ptr,
-    count_ptr,
-    T,
-    K,
-    R,
-    K_PER_SPLIT,
-    stride_xt,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_yt,
-    stride_yr,
-    SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    CHAINED: tl.constexpr = False,
-):
+    x_ptr, a_ptr, part_ptr, y_ptr, slot_ptr, count_ptr, T, K, R, K_PER_SPLIT, stride_xt, stride_xk, stride_as,
+    stride_ar, stride_ak, stride_yt, stride_yr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHAINED: tl.constexpr = False,
+):  # fmt: skip
     """`split_shrink_program` over its grid (token tiles, slots + 1, rank blocks * SPLIT_K). CHAINED as in
     `_shrink_kernel` (a dependent's wait is for the whole grid, the programs that sum the partials included), but
     each program asks for its first block of A before it waits: the GEMM the shrink pairs with streams its weight
     once it launches, and A's reads then queue behind it."""
     split_shrink_program(
-        tl.program_id(0),
-        tl.program_id(1),
-        tl.program_id(2),
-        tl.num_programs(1),
-        tl.num_programs(2),
-        x_ptr,
-        a_ptr,
-        part_ptr,
-        y_ptr,
-        slot_ptr,
-        count_ptr,
-        T,
-        K,
-        R,
-        K_PER_SPLIT,
-        stride_xt,
-        stride_xk,
-        stride_as,
-        stride_ar,
-        stride_ak,
-        stride_yt,
-        stride_yr,
-        SPLIT_K,
-        PRECISION,
-        BLOCK_T,
-        BLOCK_K,
-        BLOCK_R,
-        CHAINED,
-        CHAINED,
-    )
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), tl.num_programs(2), x_ptr, a_ptr,
+        part_ptr, y_ptr, slot_ptr, count_ptr, T, K, R, K_PER_SPLIT, stride_xt, stride_xk, stride_as, stride_ar,
+        stride_ak, stride_yt, stride_yr, SPLIT_K, PRECISION, BLOCK_T, BLOCK_K, BLOCK_R, CHAINED, CHAINED,
+    )  # fmt: skip
 
 
 SHRINK_SPLIT_K = 8  # at most this many K ranges per slot for `lora_shrink` (2048 / 256 at bf16)
