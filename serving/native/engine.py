@@ -420,16 +420,19 @@ class Engine:
         graphs = self.graphs
         row_of = {r: i for i, r in enumerate(logit_rows)}
         if graphs is not None and len(ids) == len(chunks) == len(logit_rows):  # one token each, all scored
-            logits, greedy, table = graphs.decode(ids, seq_slots, starts, lora_slots)
+            logits, greedy, routes = graphs.decode(ids, seq_slots, starts, lora_slots)
+            table = routes() if records else None
         elif (
             graphs is not None
             and logit_rows == [c.last_row for c in chunks if c.yields]  # no prompt logprobs
             and graphs.extend_bucket(lengths) is not None
         ):
-            logits, greedy, table = graphs.extend(ids, seq_slots, starts, lengths, lora_slots)
+            logits, greedy, routes = graphs.extend(ids, seq_slots, starts, lengths, lora_slots)
             row_of = {c.last_row: i for i, c in enumerate(chunks) if c.yields}  # a logits row per chunk
+            table = None
             if records:
-                table = torch.cat([table[i, :length] for i, length in enumerate(lengths)])
+                chunk_places = routes()
+                table = torch.cat([chunk_places[i, :length] for i, length in enumerate(lengths)])
         else:
             device = self.device
             batch = ForwardBatch(

@@ -15,8 +15,9 @@ graph's output buffer stays alive.
 
 Each step also picks every row's greedy next token on the device (captured with the forward), so a
 step reads back a few token ids instead of the logits, and the next step can take its input tokens
-straight from this one's output without the host in between (`Engine` overlaps steps so). Every row's
-routed expert ids come out the same way (one small copy per step), for requests that record routing.
+straight from this one's output without the host in between (`Engine` overlaps steps so). Each MoE layer's routed
+expert ids stay in the graph's buffers; a step that records routing stacks them into one table after the replay
+(`Decoded.routing`), so the graph itself launches nothing for them.
 
 On the CPU (or with `graphs=False`) the same bucketed forward runs eagerly, which is how the CPU
 tests check everything but the capture itself.
@@ -69,13 +70,18 @@ def context_bucket(max_position: int, max_context: int) -> int:
 
 
 class Decoded(NamedTuple):
-    """A step's fp32 next-token logits [n, vocab], each row's greedy next token [n] and routed expert ids (long:
-    decode [n, MoE layers, top_k], prefill chunks [n, chunk places, MoE layers, top_k]), on the device; views of
-    the graph's output buffers, valid until the next step."""
+    """A step's fp32 next-token logits [n, vocab] and each row's greedy next token [n] on the device, views of the
+    graph's output buffers, valid until the next step; and `routing()`, its routed expert ids (long: decode [n, MoE
+    layers, top_k], prefill chunks [n, chunk places, MoE layers, top_k]) stacked from each MoE layer's buffer: one
+    launch, which only a step that records routing makes, before the next step."""
 
     logits: torch.Tensor
     greedy: torch.Tensor
-    routing: torch.Tensor
+    routing: Callable[[], torch.Tensor]
+
+
+# what a captured step leaves in its buffers: logits, greedy tokens, each MoE layer's routed ids
+StepOutputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
 
 
 class StepGraphs:
@@ -107,8 +113,8 @@ class StepGraphs:
         self.use_graphs = graphs and self.device.type == "cuda"
         self.decode_inputs = {b: DecodeInputs.empty(b, self.device) for b in self.buckets}
         self.extend_inputs: dict[tuple[int, int], ExtendInputs] = {}
-        self.decode_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
-        self.extend_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, Decoded]] = {}
+        self.decode_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        self.extend_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @classmethod
@@ -149,18 +155,19 @@ class StepGraphs:
         def padding() -> torch.Tensor:
             return torch.tensor([[0] * batch, [self.scratch] * batch, [0] * batch, [-1] * batch], dtype=torch.long)
 
-        def step() -> Decoded:
+        def step() -> StepOutputs:
             routing: list[torch.Tensor] = []
             logits, greedy = greedy_scores(self.decode_forward(inputs, context, use_lora, routing))
-            return Decoded(logits, greedy, self.decode_forward.model.routing_table(routing, batch))
+            return logits, greedy, routing
 
         def fill() -> None:
             inputs.packed.copy_(packed, non_blocking=True)  # pageable memory: staged before the call returns
             if on_device:
                 inputs.input_ids[:n].copy_(input_ids)
 
-        out = self._run(self.decode_graphs, key, inputs.packed, padding, fill, step)
-        return Decoded(out.logits[:n], out.greedy[:n], out.routing[:n])
+        logits, greedy, ids = self._run(self.decode_graphs, key, inputs.packed, padding, fill, step)
+        model = self.decode_forward.model
+        return Decoded(logits[:n], greedy[:n], lambda: model.routing_table(ids, batch)[:n])
 
     # ---- prefill chunks ------------------------------------------------------------------------------
 
@@ -196,11 +203,10 @@ class StepGraphs:
             inputs = self.extend_inputs[(batch, places)] = ExtendInputs.empty(batch, places, self.device)
         key = (batch, places, context, use_lora)
 
-        def step() -> Decoded:
+        def step() -> StepOutputs:
             routing: list[torch.Tensor] = []
             logits, greedy = greedy_scores(self.extend_forward(inputs, context, use_lora, routing))
-            table = self.extend_forward.model.routing_table(routing, batch * places)
-            return Decoded(logits, greedy, table.view(batch, places, *table.shape[1:]))
+            return logits, greedy, routing
 
         def fill() -> None:
             inputs.packed.copy_(packed, non_blocking=True)
@@ -208,20 +214,26 @@ class StepGraphs:
         def padding() -> torch.Tensor:
             return ExtendInputs.host([], [], batch, places, self.scratch)
 
-        out = self._run(self.extend_graphs, key, inputs.packed, padding, fill, step)
-        return Decoded(out.logits[:n], out.greedy[:n], out.routing[:n])
+        logits, greedy, ids = self._run(self.extend_graphs, key, inputs.packed, padding, fill, step)
+        model = self.extend_forward.model
+
+        def routing() -> torch.Tensor:
+            table = model.routing_table(ids, batch * places)
+            return table.view(batch, places, *table.shape[1:])[:n]
+
+        return Decoded(logits[:n], greedy[:n], routing)
 
     # ---- capture and replay --------------------------------------------------------------------------
 
     def _run[K](
         self,
-        graphs: dict[K, tuple[torch.cuda.CUDAGraph, Decoded]],
+        graphs: dict[K, tuple[torch.cuda.CUDAGraph, StepOutputs]],
         key: K,
         packed: torch.Tensor,
         padding: Callable[[], torch.Tensor],
         fill: Callable[[], None],
-        step: Callable[[], Decoded],
-    ) -> Decoded:
+        step: Callable[[], StepOutputs],
+    ) -> StepOutputs:
         """Run `step` over the inputs `fill` writes to `packed`: eagerly, or replayed from the graph under `key`,
         captured first (over `padding()` inputs) where there is none yet."""
         if not self.use_graphs:
@@ -235,8 +247,8 @@ class StepGraphs:
         return out
 
     def _capture(
-        self, packed: torch.Tensor, padding: Callable[[], torch.Tensor], step: Callable[[], Decoded]
-    ) -> tuple[torch.cuda.CUDAGraph, Decoded]:
+        self, packed: torch.Tensor, padding: Callable[[], torch.Tensor], step: Callable[[], StepOutputs]
+    ) -> tuple[torch.cuda.CUDAGraph, StepOutputs]:
         """Warm up on a side stream, then capture, both over padding inputs (scratch slot only)."""
         packed.copy_(padding())
         warm = torch.cuda.Stream(self.device)

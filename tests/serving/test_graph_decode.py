@@ -2,6 +2,7 @@
 forward on the CPU: same logits and same sequence state, with mixed adapters, base rows and padding rows,
 past the sliding window and the relative extent. The capture itself is tested in test_graph_gpu.py."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,7 +96,7 @@ def test_bucketed_decode_equals_eager_forward(tiny, grouped_mm):
         )
         assert got.shape == expected.shape
         assert greedy.tolist() == got.argmax(-1).tolist()
-        assert torch.equal(routing.sort(-1).values, model.routing_table(recorded, len(live)).sort(-1).values)
+        assert torch.equal(routing().sort(-1).values, model.routing_table(recorded, len(live)).sort(-1).values)
         worst = max(worst, (got - expected).abs().max().item())
         for row, i in enumerate(live):
             tokens[i] = int(expected[row].argmax())
@@ -176,7 +177,8 @@ def test_prefill_chunks_equal_eager_forward(tiny):
         )
         assert got.shape == expected.shape
         assert greedy.tolist() == got.argmax(-1).tolist()
-        real = torch.cat([routing[i, :n] for i, (_, n) in enumerate(step)])
+        table = routing()
+        real = torch.cat([table[i, :n] for i, (_, n) in enumerate(step)])
         assert torch.equal(real.sort(-1).values, model.routing_table(recorded, len(ids)).sort(-1).values)
         worst = max(worst, (got - expected).abs().max().item())
         for seq, n in step:
@@ -203,12 +205,14 @@ def test_prefill_chunks_equal_eager_forward(tiny):
         assert not pool.keys[layer][untouched].any() and not pool.conv[layer][0][untouched].any()
 
 
-def test_engine_decode_steps_go_through_the_decode_graphs(tiny_model_dir, tiny_adapters):
-    """The engine's pure decode steps through the bucketed decode forward give the eager engine's tokens and logprobs,
-    while other requests prefill in between (those steps stay eager)."""
+@pytest.mark.parametrize("extend_tokens", [0, 256])
+def test_engine_decode_steps_go_through_the_decode_graphs(tiny_model_dir, tiny_adapters, extend_tokens):
+    """The engine's pure decode steps through the bucketed decode forward give the eager engine's tokens, logprobs
+    and routing traces (stacked from the step's per-layer buffers), while other requests prefill in between: eagerly,
+    or with `extend_tokens` through the bucketed prefill forward, whose routing comes out the same way."""
     config = EngineConfig(max_loras_per_batch=5, max_lora_rank=16, max_seqs=7, max_batch_tokens=24)
     plain, bucketed = Engine(tiny_model_dir, config), Engine(tiny_model_dir, config)
-    graphs = StepGraphs(bucketed.model, bucketed.state, bucketed.lora, config.max_seqs)
+    graphs = StepGraphs(bucketed.model, bucketed.state, bucketed.lora, config.max_seqs, extend_tokens=extend_tokens)
     sizes: list[int] = []
     decode = graphs.decode
     graphs.decode = lambda *rows: sizes.append(len(rows[0])) or decode(*rows)
@@ -216,7 +220,7 @@ def test_engine_decode_steps_go_through_the_decode_graphs(tiny_model_dir, tiny_a
     for engine in (plain, bucketed):
         for i, adapter in enumerate(tiny_adapters):
             engine.load_adapter(f"a{i}", adapter)
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2, return_routing=True)
     requests = [
         Request(f"r{i}", [1, *range(9 + i, 20 + 3 * i)], params, None if i == 5 else f"a{i % 5}") for i in range(6)
     ]
@@ -227,6 +231,7 @@ def test_engine_decode_steps_go_through_the_decode_graphs(tiny_model_dir, tiny_a
         assert b.token_ids == a.token_ids
         diff = torch.tensor([x.logprob for x in a.logprobs]) - torch.tensor([x.logprob for x in b.logprobs])
         assert diff.abs().max().item() < 1e-5
+        assert len(b.routing) == len(b.token_ids) and (np.sort(b.routing, -1) == np.sort(a.routing, -1)).all()
 
 
 def test_prefill_grouped_expert_gemms_equal_one_gemm_per_expert(tiny):
