@@ -287,7 +287,7 @@ class DecodeForward:
         after the layer, unless the combine has a down LoRA to add."""
         m = self.model
         experts = lora.experts.get(layer) if lora is not None else None
-        few = few_tokens(x)  # then the MoE head computes the gate/up shrink
+        few = few_tokens(x)  # then the MoE head computes the gate/up shrink (`route_and_dispatch`)
         side = m.lora_stream if experts is not None and not few else None
         shrunk = None
         if side is not None:
@@ -295,7 +295,7 @@ class DecodeForward:
                 shrunk = m.expert_shrink(x, slots, experts)
         elif not few:
             shrunk = m.expert_shrink(x, slots, experts)
-        index, rows, head_shrunk = m.route_and_dispatch(x, layer, slots, experts if few else None)
+        index, rows, head_shrunk = m.route_and_dispatch(x, layer, slots, experts)
         routing.append(index[:, : m.config.num_experts_per_tok])
         if few:
             down, down_lora = m.few_experts(x, layer, rows, slots, experts, head_shrunk)

@@ -686,12 +686,12 @@ class InklingModel:
         self, x: torch.Tensor, layer: int, slots: torch.Tensor, experts: ExpertLora | None = None
     ) -> tuple[torch.Tensor, Dispatch, torch.Tensor | None]:
         """Each token's experts [T, k + n] (as `route` picks them), their rows grouped by expert, with the tokens'
-        LoRA `slots`, and where `experts` is given the tokens' gate/up LoRA shrink (`expert_shrink`); on CUDA at
-        decode sizes the gate GEMM, the routing, the dispatch and the shrink are one Triton kernel
-        (`kernels.gate_route_dispatch`)."""
+        LoRA `slots`, and at decode sizes (`few_tokens`), where `experts` is given, the tokens' gate/up LoRA shrink
+        (`expert_shrink`; else None); on CUDA at decode sizes the gate GEMM, the routing, the dispatch and the shrink
+        are one Triton kernel (`kernels.gate_route_dispatch`)."""
         cfg = self.config
         k, n = cfg.num_experts_per_tok, cfg.n_shared_experts
-        a = None if experts is None else experts.gate_up.a
+        a = experts.gate_up.a if experts is not None and few_tokens(x) else None
         index, _, rows, shrunk = gate_route_dispatch(x, *self.router(layer), k, n, cfg.route_scale, slots, a)
         return index, Dispatch(*rows), shrunk
 
@@ -706,8 +706,7 @@ class InklingModel:
     ) -> torch.Tensor:
         """Routed and shared experts on their dispatched rows; the routed ids [T, top_k] are appended to `routing`."""
         experts = lora.experts.get(layer) if lora is not None else None
-        few = few_tokens(x)  # then the head computes the experts' gate/up shrink
-        index, rows, shrunk = self.route_and_dispatch(x, layer, slots, experts if few else None)
+        index, rows, shrunk = self.route_and_dispatch(x, layer, slots, experts)
         routing.append(index[:, : self.config.num_experts_per_tok])
         down, down_lora = self.run_experts(x, layer, slots, rows, experts, shrunk)
         return rows.combine(down, x.shape[0], x.dtype, down_lora)
