@@ -98,6 +98,17 @@ def exact_gate_inputs(tokens: int, hidden: int, experts: int, seed: int) -> tupl
     return x, gate
 
 
+def exact_lora_a(slots: int, rank: int, hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """A [slots, rank, hidden] of multiples of 1/64 below 2: with exact_gate_inputs' x, x @ A^T is exact in fp32."""
+    return (torch.randn(slots, rank, hidden, generator=gen) * 16).round().clamp(-127, 127) / 64
+
+
+def exact_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Each token's x @ A[slot]^T in float64 on the CPU, zeros for slot -1."""
+    x, lora_a, slots = x.cpu().double(), lora_a.cpu().double(), slots.cpu()
+    return torch.where((slots >= 0)[:, None], torch.einsum("th,trh->tr", x, lora_a[slots.clamp(min=0)]), 0.0)
+
+
 def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shape: str, hidden: int) -> None:
     """Twice (the second launch finds its split count reset): the kernel's routing equals the router kernel's on the
     exact logits (indices bitwise, weights to rounding); its dispatch equals the stable argsort's of its own
@@ -114,16 +125,13 @@ def check_gate_route_dispatch(device: str, dtype: torch.dtype, tokens: int, shap
         slots = torch.randint(-1, 4, (tokens,), generator=gen)
         x, gate, correction, scale = (t.to(device=device, dtype=dtype) for t in (x, gate, correction, torch.ones(1)))
         slots = slots.to(device)
-        lora_a = None
-        if seed != tokens:
-            lora_a = ((torch.randn(4, 24, hidden, generator=gen) * 16).round().clamp(-127, 127) / 64).to(device, dtype)
+        lora_a = None if seed == tokens else exact_lora_a(4, 24, hidden, gen).to(device, dtype)
         index, weights, rows, y = gate_route_dispatch(x, gate, correction, scale, k, shared, ROUTE_SCALE, slots, lora_a)
         if lora_a is None:
             assert y is None
         else:  # every product and sum exact in fp32
-            want_y = torch.einsum("th,trh->tr", x.double(), lora_a.double()[slots.clamp(min=0)])
-            want_y = torch.where((slots >= 0)[:, None], want_y, 0.0).to(dtype)
-            assert torch.equal(y, want_y), "the head's gate/up shrink differs from x @ A[slot]^T"
+            want_y = exact_shrink(x, lora_a, slots).to(dtype)
+            assert torch.equal(y.cpu(), want_y), "the head's gate/up shrink differs from x @ A[slot]^T"
         logits = (x.double() @ gate.double().T).to(dtype)
         want_index, want_weights = shared_sink_route(logits, correction, scale, k, shared, ROUTE_SCALE)
         assert torch.equal(index, want_index), "routed experts differ from the router kernel's on the same logits"
@@ -148,10 +156,8 @@ def check_head_shrink_past_the_split_counts(device: str, dtype: torch.dtype) -> 
     tokens, hidden, rank = SLOT_LOOP_MIN_TOKENS + 1, 64, 16
     x, gate = exact_gate_inputs(tokens, hidden, routed + shared, 0)
     gen = torch.Generator().manual_seed(0)
-    lora_a = (torch.randn(4, rank, hidden, generator=gen) * 16).round().clamp(-127, 127) / 64
-    slots = torch.randint(-1, 4, (tokens,), generator=gen)
-    want_y = torch.einsum("th,trh->tr", x.double(), lora_a.double()[slots.clamp(min=0)])
-    want_y = torch.where((slots >= 0)[:, None], want_y, 0.0).to(dtype)
+    lora_a, slots = exact_lora_a(4, rank, hidden, gen), torch.randint(-1, 4, (tokens,), generator=gen)
+    want_y = exact_shrink(x, lora_a, slots).to(dtype)
     x, gate, lora_a, correction, scale = (
         t.to(device, dtype) for t in (x, gate, lora_a, torch.zeros(routed), torch.ones(1))
     )
