@@ -110,12 +110,15 @@ def decode_chain(rows: int = 8) -> None:
     gate, bias, scale = torch.zeros(experts, H, **bf), torch.zeros(ROUTED, **bf), torch.ones(1, **bf)
     dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, slots)
     a_gate_up = torch.zeros(S, 2 * 2 * R, H, **bf)  # with the experts' gate/up LoRA shrink in programs of its own
-    dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, slots, a_gate_up)
+    *_, y_head = dispatch.gate_route_dispatch(x, gate, bias, scale, TOP_K, SHARED, 2.5, slots, a_gate_up)
     # apart, as an expert-parallel rank runs them: the gate GEMM, the routing, the dispatch
     index, weights = shared_sink_route(dispatch.linear(x, gate), bias, scale, TOP_K, SHARED, 2.5)
     _, row_tokens, row_experts, row_w, row_slots, ends, places = triton_moe.moe_dispatch(index, weights, slots, experts)
     gate_up = triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, None, ROUTED)
     triton_moe.silu_mul(gate_up)
+    gate_up_b = torch.zeros(S, 2, experts, F, R, **bf)
+    head_in = RowExpand(y_head, gate_up_b, row_slots, row_experts, torch.ones(S, 4), groups)  # the head's shrink
+    gate_up = triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, head_in, ROUTED)
     act, y = triton_moe.silu_mul_shrink(gate_up, torch.zeros(S, experts, R, F, **bf), row_slots, row_experts, groups)
     down_b = torch.zeros(S, 2, H, R, **bf)
     down = RowExpand(y, down_b, row_slots, row_experts, torch.ones(S, 2), groups)
@@ -134,7 +137,6 @@ def decode_chain(rows: int = 8) -> None:
     a_head, b_head = torch.zeros(S, R, H, **bf), torch.zeros(S, VOCAB, R, **bf)
     dense.lora_shrink_expand(wide, a_head, b_head, torch.zeros(128, dtype=torch.long), torch.ones(S), head_out)
     gate_up_shrink = TokenShrink(a_gate_up, slots)
-    gate_up_b = torch.zeros(S, 2, experts, F, R, **bf)
     shrink_in = RowExpand(gate_up_shrink, gate_up_b, row_slots, row_experts, torch.ones(S, 4), groups)
     triton_moe.expert_matmul(x, torch.zeros(experts, 2 * F, H, **bf), ends, row_tokens, rows, shrink_in, ROUTED)
 

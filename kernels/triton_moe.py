@@ -422,17 +422,22 @@ def _expert_matmul_kernel(
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
     whose row counts it reads) first; the first program of each column block of an expert that every token routes
-    to (ids from `every_from`: the shared experts) asks L2 for its weight block before it waits (PREFETCH_W)."""
+    to (ids from `every_from`: the shared experts) asks L2 for its weight block before it waits (PREFETCH_W). With
+    EXPAND it lets the next kernel launch only after its wait, so that kernel (silu * up with the down shrink, after
+    the gate/up GEMM) may read the dispatch's rows before its own wait."""
     n_block = tl.program_id(0)
     m_block = tl.program_id(1)
     e = tl.program_id(2)
     if CHAINED:
-        gdc_launch_dependents()
+        if not EXPAND:
+            gdc_launch_dependents()
         if PREFETCH_W:
             first_of_block = (m_block == 0) & (e >= every_from)  # the shared experts always have rows
             if first_of_block:
                 prefetch_rows_l2(w_ptr + e.to(tl.int64) * stride_we, n_block * BLOCK_N, N, K, stride_wn, BLOCK_N)
         gdc_wait()
+        if EXPAND:  # the kernel after it may read before its own wait what the kernels before this one wrote
+            gdc_launch_dependents()
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
     end = tl.load(ends_ptr + e).to(tl.int64)
     first_row = start + m_block * BLOCK_M
@@ -579,19 +584,31 @@ def _silu_mul_kernel(
     PRECISE: tl.constexpr, SHRINK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, CHAINED: tl.constexpr,
 ):  # fmt: skip
     """Row m's silu(gate) * up over its column blocks (the grid's second axis strides them); with SHRINK (one
-    program per row) also y[m] = act[m] @ A[slot, expert]^T, summed in fp32 over the rounded act, then rounded."""
-    chain_start(CHAINED)
+    program per row) also y[m] = act[m] @ A[slot, expert]^T, summed in fp32 over the rounded act, then rounded.
+
+    CHAINED with SHRINK: the program reads the row's slot and expert and its first block of A before its wait, a
+    round trip off the chain; the gate/up GEMM before it (`expert_matmul` with its expand) lets it launch only after
+    its own wait, so the dispatch that wrote the rows has finished."""
+    if SHRINK and CHAINED:
+        gdc_launch_dependents()
+    else:
+        chain_start(CHAINED)
     m = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     rr = tl.arange(0, BLOCK_R)
     y = tl.zeros([BLOCK_R], tl.float32)
     covered = False
-    a_row = a_ptr
+    a_ptrs = a_ptr + rr[:, None] * stride_ar
+    at = tl.zeros([BLOCK_R, BLOCK], a_ptr.dtype.element_ty)  # without SHRINK, never read
     if SHRINK:
         slot = tl.load(slot_ptr + m)
         local = tl.load(expert_ptr + m).to(tl.int32) - first
         covered = (slot >= 0) & (local >= 0) & (local < count)
-        a_row = a_ptr + slot.to(tl.int64) * stride_as + local.to(tl.int64) * stride_ae
+        a_ptrs += slot.to(tl.int64) * stride_as + local.to(tl.int64) * stride_ae
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # the first column block
+        at = tl.load(a_ptrs + c[None, :], mask=covered & (rr < R)[:, None] & (c < F)[None, :], other=0.0)
+        if CHAINED:
+            gdc_wait()
     for c0 in range(tl.program_id(1) * BLOCK, F, tl.num_programs(1) * BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         in_c = c < F
@@ -600,9 +617,9 @@ def _silu_mul_kernel(
         act = _silu_times_up(gate, up, dtype, PRECISE)
         tl.store(out_ptr + m * stride_om + c, act, mask=in_c)
         if covered:  # False, a constant, without SHRINK
-            a_ptrs = a_row + rr[:, None] * stride_ar + c[None, :]
-            at = tl.load(a_ptrs, mask=(rr < R)[:, None] & in_c[None, :], other=0.0)
             y += tl.sum(at.to(tl.float32) * act.to(tl.float32)[None, :], axis=1)
+            c_next = c + tl.num_programs(1) * BLOCK  # the next block's A, one block ahead
+            at = tl.load(a_ptrs + c_next[None, :], mask=(rr < R)[:, None] & (c_next < F)[None, :], other=0.0)
     if SHRINK:
         tl.store(y_ptr + m * stride_ym + rr, y.to(dtype), mask=rr < R)
 

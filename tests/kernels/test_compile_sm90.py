@@ -129,7 +129,9 @@ def run_chain_cases() -> None:
     kernel before the shrink has finished; the split shrink reads the slots and A before its wait); the GEMM waits
     for y after its K loop and lets the next kernel launch only then. The decode attention reads before its wait
     (cache entries of earlier steps) and so does the MoE layer's head (its slice of the router's gate; with the
-    experts' gate/up shrink, the tokens' slots and a block of the adapters' A), but both write after it."""
+    experts' gate/up shrink, the tokens' slots and a block of the adapters' A), but both write after it. An
+    experts' GEMM with its expand lets the next kernel launch only after its wait, and silu * up with the down
+    shrink, after the gate/up one, reads its row's slot and expert and a block of A before its own wait."""
     compiled = sm90.compile_only()
     sm90.decode_chain()
 
@@ -144,7 +146,7 @@ def run_chain_cases() -> None:
     # read before their waits what no kernel of the step writes: cache entries of earlier steps, the router's gate,
     # the tokens' slots and the adapters' A
     early_readers = {"_decode_attention_kernel", "_gate_route_dispatch_kernel"}
-    chained = [(name, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
+    chained = [(name, kwargs, kernel) for name, kwargs, kernel in compiled if kwargs.get("CHAINED")]
     want = {"_short_conv_step_kernel", "_decode_prologue_kernel", "_decode_attention_kernel", "_linear_kernel"}
     want |= {
         "_gate_route_dispatch_kernel",
@@ -155,21 +157,33 @@ def run_chain_cases() -> None:
         "_combine_kernel",
     }
     want |= {"_combine_down_kernel", "_split_shrink_kernel", "_expand_kernel"}
-    assert want <= {name for name, _ in chained}, f"not compiled chained: {sorted(want - {n for n, _ in chained})}"
-    for name, kernel in chained:
+    compiled_chained = {name for name, _, _ in chained}
+    assert want <= compiled_chained, f"not compiled chained: {sorted(want - compiled_chained)}"
+
+    def late_trigger(name: str, kwargs: dict) -> bool:  # an experts' GEMM with its expand
+        return name == "_expert_matmul_kernel" and kwargs["EXPAND"]
+
+    def early_rows(name: str, kwargs: dict) -> bool:  # silu * up with the down shrink
+        return name == "_silu_mul_kernel" and kwargs["SHRINK"]
+
+    for kind in (late_trigger, early_rows):
+        assert any(kind(name, kwargs) for name, kwargs, _ in chained), f"nothing chained is {kind.__name__}"
+    for name, kwargs, kernel in chained:
         trigger, wait, first = order(kernel)
-        if name in shrinks:
+        if late_trigger(name, kwargs):
+            assert -1 < wait < trigger < first, f"{name}: wait at {wait}, trigger at {trigger}, first at {first}"
+        elif name in early_readers or early_rows(name, kwargs):
+            ptx = kernel.asm["ptx"]
+            write = min(i for i in (ptx.find(access) for access in WRITES) if i > -1)
+            order_seen = f"{name}: trigger {trigger}, load {first}, wait {wait}, write {write}"
+            assert -1 < trigger < first < wait < write, order_seen
+        elif name in shrinks:
             assert -1 < wait < min(trigger, first), f"{name}: wait at {wait}, trigger at {trigger}, first at {first}"
         elif name in early_shrinks:
             ptx = kernel.asm["ptx"]
             write = min(i for i in (ptx.find(access) for access in WRITES) if i > -1)
             order_seen = f"{name}: load {first}, wait {wait}, trigger {trigger}, write {write}"
             assert -1 < first < wait < trigger < write, order_seen
-        elif name in early_readers:
-            ptx = kernel.asm["ptx"]
-            write = min(i for i in (ptx.find(access) for access in WRITES) if i > -1)
-            order_seen = f"{name}: trigger {trigger}, load {first}, wait {wait}, write {write}"
-            assert -1 < trigger < first < wait < write, order_seen
         else:
             assert -1 < trigger < wait < first, f"{name}: trigger at {trigger}, wait at {wait}, first at {first}"
     pairs = [(n, k) for n, kwargs, k in compiled if kwargs.get("WAIT_FOR_SHRINK") or kwargs.get("WAIT_FOR_Y")]
