@@ -131,9 +131,9 @@ class EngineConfig:
     # 8,192 places about 30 ms on the GPU, so up to here a graph wins even over the padding; every step of the
     # service's 256-token budget (16 sequences x 256 places at most) replays one.
     graph_prefill_tokens: int = 8192
-    # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: up to 64 tokens decode
-    # projections take one launch each (lora_linear), and past them the shrink beside cuBLAS lost to the chained pair
-    # on one stream (H100, 128 sequences, 1 adapter: 0.987x decode; docs/benchmarks.md)
+    # CUDA only: LoRA work beside the base GEMMs on a second stream. Off by default: decode projections take one
+    # launch each (lora_linear; narrow ones up to 128 tokens), and where they did not the shrink beside cuBLAS lost to
+    # the chained pair on one stream (H100, 128 sequences, 1 adapter: 0.987x decode; docs/benchmarks.md)
     lora_side_stream: bool = False
     # Queue the next decode step before reading this one's tokens on the host (see `native.Engine.step`).
     overlap_decode: bool = True

@@ -149,7 +149,8 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """out[:, tile] = x @ W[tile]^T, with HAS_LORA plus each token's (sliced) LoRA expand of y as the tile's epilogue.
+    """out[rows, cols] = x[rows] @ W[cols]^T for a tile of BLOCK_T tokens (program_id(1)) and BLOCK_N columns
+    (program_id(0)), with HAS_LORA plus each token's (sliced) LoRA expand of y as the tile's epilogue.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch, asks L2 for its rows of W (PREFETCH_W: W's rows
     contiguous) while the kernel before it still runs, then waits for that kernel before reading x. The LoRA pair
@@ -160,7 +161,7 @@ def _linear_kernel(
     it. Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per
     token, not one per column.
     """
-    rt = tl.arange(0, BLOCK_T)
+    rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
     n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -417,12 +418,12 @@ def _launch_linear(
     out: torch.Tensor,
     lora: tuple | None,
 ) -> torch.Tensor:
-    """`_linear_kernel` over every token in one tile; `lora` = (y, B, slots, scalings, slice offsets) or None. On
-    CUDA the GEMM alone is chained into the step; with the LoRA it launches beside the chained shrink that writes y."""
+    """`_linear_kernel` over token tiles of up to 64 (`token_block`) and 32-column tiles; `lora` = (y, B, slots,
+    scalings, slice offsets) or None. On CUDA the GEMM alone is chained into the step; with the LoRA it launches
+    beside the chained shrink that writes y."""
     (tokens, k), n = x.shape, weight.shape[0]
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     block_t = token_block(tokens)
-    require(tokens <= block_t, f"the decode GEMM holds every token in one tile of {block_t}, got {tokens}")
     block_n = 32
     if lora is None:  # the LoRA operands are compiled out (HAS_LORA): any tensors of the right rank stand in
         y, lora_b, token_slots, scalings = out, weight[:, :, None], out, out
@@ -432,7 +433,7 @@ def _launch_linear(
         rank = lora_b.shape[2]
         parts, o1, o2, o3 = parse_slices(slice_offsets, n)
         ss, sp = scale_strides(scalings, lora_b.shape[0], parts)
-    _linear_kernel[(triton.cdiv(n, block_n),)](
+    _linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(tokens, block_t))](
         x,
         weight,
         y,

@@ -51,6 +51,9 @@ def run_interpreted_cases() -> None:
         check_projection(**dev, dtype=dtype, tokens=6, num_slots=2, rank=40, k=40, offsets=(0, 64, 96))
         check_plain_linear(**dev, dtype=dtype, tokens=5, k=300, n=40)  # the decode GEMM alone: K and N tails
         check_plain_linear(**dev, dtype=dtype, tokens=33, k=40, n=18)
+        # past 64 tokens the one-GEMM projection runs two token tiles, the second one partial
+        check_projection(**dev, dtype=dtype, tokens=100, num_slots=3, rank=16, k=40, offsets=(0, 32, 64, 96, 150))
+        check_plain_linear(**dev, dtype=dtype, tokens=100, k=40, n=40)
         for covered in ("both", "routed", "shared"):
             check_experts(
                 **expert_dev, dtype=dtype, rows=37, num_slots=3, experts=5, rank=8, k=24, n=40, covered=covered

@@ -58,7 +58,7 @@ def test_linear_ops_match_torch(dtype, tokens, num_slots, used, rank):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,n", [(1, 18), (8, 18), (32, 18), (64, 64), (8, 3328), (64, 4096)])
+@pytest.mark.parametrize("tokens,n", [(1, 18), (8, 18), (32, 18), (64, 64), (8, 3328), (64, 4096), (100, 2048)])
 def test_decode_gemm_matches_torch(dtype, tokens, n):
     """The decode GEMM chained into the step, at the router's gate and at projection widths."""
     from inkwell.kernels.triton_lora import dense
@@ -66,7 +66,7 @@ def test_decode_gemm_matches_torch(dtype, tokens, n):
     check_plain_linear(dense, "cuda", dtype, tokens, k=2048, n=n)
 
 
-@pytest.mark.parametrize("tokens,n", [(8, 18), (65, 18), (8, 3328)])
+@pytest.mark.parametrize("tokens,n", [(8, 18), (129, 18), (8, 3328)])
 def test_linear_matches_torch(tokens, n):
     """`linear` as the engine calls it: the chained GEMM for the gate at decode sizes, cuBLAS elsewhere."""
     check_plain_linear(dispatch, "cuda", torch.bfloat16, tokens, k=2048, n=n)
@@ -98,11 +98,13 @@ def test_expand_walk_matches_torch(tokens, offsets):
         (64, 4, 16, (0, 2048)),
         (64, 5, 16, GATE_UP),
         (20, 5, 32, (0, 32000)),
+        (100, 9, 16, QKVR),
+        (128, 5, 16, (0, 2048)),
     ],
 )
 def test_projection_matches_torch(dtype, tokens, num_slots, rank, offsets):
-    """Base GEMM and LoRA in one launch (past 32 tokens for narrow projections only): 1-16 adapters (the last slot
-    empty), ranks 8-64, an lm_head's N."""
+    """Base GEMM and LoRA in one launch (past 32 tokens for narrow projections only, in 64-token tiles past 64):
+    1-16 adapters (the last slot empty), ranks 8-64, an lm_head's N."""
     check_projection(dispatch, "cuda", dtype, tokens, num_slots, rank, k=2048, offsets=offsets)
 
 
