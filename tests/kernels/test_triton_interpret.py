@@ -53,6 +53,7 @@ def run_interpreted_cases() -> None:
         check_plain_linear(**dev, dtype=dtype, tokens=33, k=40, n=18)
         # past 64 tokens the one-GEMM projection runs two token tiles, the second one partial
         check_projection(**dev, dtype=dtype, tokens=100, num_slots=3, rank=16, k=40, offsets=(0, 32, 64, 96, 150))
+        check_projection(**dev, dtype=dtype, tokens=90, num_slots=4, rank=8, k=40, offsets=(0, 20, 36, 52, 60))
         check_plain_linear(**dev, dtype=dtype, tokens=100, k=40, n=40)
         for covered in ("both", "routed", "shared"):
             check_experts(
