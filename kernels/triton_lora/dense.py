@@ -424,9 +424,6 @@ def _launch_linear(
     (tokens, k), n = x.shape, weight.shape[0]
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     block_t = token_block(tokens)
-    # several token tiles (65-128 tokens): the LoRA epilogue gathers B a narrow rank block at a time, not all of it
-    # before the K loop, and the K loop keeps 2 stages, so that two programs share an SM and the tiles run in one wave
-    lean = tokens > block_t
     block_n = 32
     if lora is None:  # the LoRA operands are compiled out (HAS_LORA): any tensors of the right rank stand in
         y, lora_b, token_slots, scalings = out, weight[:, :, None], out, out
@@ -466,9 +463,9 @@ def _launch_linear(
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
-        PREFETCH_B=0 < rank <= 16 and not lean,  # a larger block of B would not fit in registers beside the K loop
-        BLOCK_R=4 if lean else 16,
-        num_stages=4 if x.element_size() <= 2 and not lean else 2,
+        PREFETCH_B=0 < rank <= 16,  # a larger block of B would not fit in registers beside the K loop
+        BLOCK_R=16,
+        num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
         **(chain_launch(x) if lora is None else pair_launch(x)),
     )
