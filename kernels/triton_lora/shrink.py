@@ -271,16 +271,22 @@ def launch_shrink(
     return y
 
 
+def _token_rank_blocks(tokens: int, rank: int) -> tuple[int, int]:
+    """The shrinks' token and rank blocks."""
+    return pow2(tokens, 16, 32), pow2(rank, 16, 64)
+
+
 def _shrink_blocks(x: torch.Tensor, rank: int) -> tuple[int, int, int]:
     """The shrinks' token, rank and K blocks for x [T, K]."""
     tokens, k = x.shape
-    return pow2(tokens, 16, 32), pow2(rank, 16, 64), pow2(k, 16, 256 if x.element_size() <= 2 else 128)
+    return *_token_rank_blocks(tokens, rank), pow2(k, 16, 256 if x.element_size() <= 2 else 128)
 
 
 def split_shrinkable(tokens: int, num_slots: int, rank: int) -> bool:
     """Whether a shrink of `tokens` over `num_slots` slots of `rank` may split its K loop: each slot has its own
     programs (up to SLOT_LOOP_MIN_TOKENS tokens) and the counts serve its groups."""
-    groups = triton.cdiv(tokens, pow2(tokens, 16, 32)) * (num_slots + 1) * triton.cdiv(rank, pow2(rank, 16, 64))
+    block_t, block_r = _token_rank_blocks(tokens, rank)
+    groups = triton.cdiv(tokens, block_t) * (num_slots + 1) * triton.cdiv(rank, block_r)
     return 0 < tokens <= SLOT_LOOP_MIN_TOKENS and rank > 0 and groups <= SPLIT_COUNTS
 
 
