@@ -418,13 +418,16 @@ def _launch_linear(
     out: torch.Tensor,
     lora: tuple | None,
 ) -> torch.Tensor:
-    """`_linear_kernel` over token tiles of up to 64 (`token_block`) and 32-column tiles; `lora` = (y, B, slots,
+    """`_linear_kernel` over token tiles of up to 64 (`token_block`) and 32- or 64-column tiles; `lora` = (y, B, slots,
     scalings, slice offsets) or None. On CUDA the GEMM alone is chained into the step; with the LoRA it launches
     beside the chained shrink that writes y."""
     (tokens, k), n = x.shape, weight.shape[0]
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
     block_t = token_block(tokens)
-    block_n = 32
+    # several token tiles (65-128 tokens): each program reads its tile's rows of x whole from L2, so 64-column tiles
+    # halve those reads, and the epilogue gathers B in rank blocks of 8 to keep its [T, N, R] block the same size
+    wide = tokens > block_t
+    block_n, block_r = (64, 8) if wide else (32, 16)
     if lora is None:  # the LoRA operands are compiled out (HAS_LORA): any tensors of the right rank stand in
         y, lora_b, token_slots, scalings = out, weight[:, :, None], out, out
         rank, (o1, o2, o3), (ss, sp) = 0, (n, n, n), (0, 0)
@@ -462,9 +465,9 @@ def _launch_linear(
         PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
         BLOCK_N=block_n,
-        BLOCK_K=pow2(k, 16, 256 if x.element_size() <= 2 else 64),
-        PREFETCH_B=0 < rank <= 16,  # a larger block of B would not fit in registers beside the K loop
-        BLOCK_R=16,
+        BLOCK_K=pow2(k, 16, (128 if wide else 256) if x.element_size() <= 2 else 64),
+        PREFETCH_B=0 < rank <= block_r,  # a larger block of B would not fit in registers beside the K loop
+        BLOCK_R=block_r,
         num_stages=4 if x.element_size() <= 2 else 2,
         num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
         **(chain_launch(x) if lora is None else pair_launch(x)),

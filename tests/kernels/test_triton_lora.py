@@ -100,11 +100,12 @@ def test_expand_walk_matches_torch(tokens, offsets):
         (20, 5, 32, (0, 32000)),
         (100, 9, 16, QKVR),
         (128, 5, 16, (0, 2048)),
+        (96, 4, 8, QKVR),
     ],
 )
 def test_projection_matches_torch(dtype, tokens, num_slots, rank, offsets):
-    """Base GEMM and LoRA in one launch (past 32 tokens for narrow projections only, in 64-token tiles past 64):
-    1-16 adapters (the last slot empty), ranks 8-64, an lm_head's N."""
+    """Base GEMM and LoRA in one launch (past 32 tokens for narrow projections only, in 64-token by 64-column tiles
+    past 64): 1-16 adapters (the last slot empty), ranks 8-64, an lm_head's N."""
     check_projection(dispatch, "cuda", dtype, tokens, num_slots, rank, k=2048, offsets=offsets)
 
 
