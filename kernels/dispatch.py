@@ -20,8 +20,8 @@ from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
 # of at most FUSED_MAX_N columns (attention's) stay one GEMM up to FUSED_NARROW_MAX_TOKENS: at 64 tokens it beat
 # cuBLAS and the LoRA after it (qkvr 11.8-14.6 µs against 18.3-18.7), where wider ones lost (lm_head 75-81 against
 # 50-62). At 128 tokens, in two 64-token tiles, o took 11.1-13.5 µs against 14.6-15.6 and q/k/v/r 18.6-21.8 against
-# 17.4-24.2 (H100, 1-8 adapters), and 128-sequence decode gained 1.6% / 3.1% with 1 / 8 adapters; 64-column tiles
-# there (32 before) gained another 2.0% with 1 and with 8 (one A/B round).
+# 17.4-24.2 (H100, 1-8 adapters), and 128-sequence decode gained 1.6% / 3.1% with 1 / 8 adapters; q/k/v/r's 64-column
+# tiles there (13.1-18.7 µs against 18.3-21.6 in 32-column ones) another 0.6% / 2.0% (medians of three A/B rounds).
 FUSED_MAX_TOKENS, FUSED_NARROW_MAX_TOKENS, FUSED_MAX_N = 32, 128, 4096
 # At decode sizes an output of at most CHAINED_GEMM_MAX_N columns (the router's gate) is one Triton GEMM chained into
 # the step (`triton_pdl`), where cuBLAS runs a split-K GEMM and its reduction, two launches for a 74 KB weight. Wider

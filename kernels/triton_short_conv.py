@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inkwell.kernels.triton_lora.common import processors
 from inkwell.kernels.triton_moe import combine_row
 from inkwell.kernels.triton_pdl import chain_launch, chain_start
 
@@ -412,14 +413,13 @@ def short_conv_chunks(
         norm_weight is None or norm_weight.shape != (channels,) or residual.shape != x.shape or residual.stride(2) != 1
     ):
         raise ValueError("a residual needs norm_weight [C] and the shape of x, with unit column stride")
-    processors = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     block_l, block_c, iters, warps = chunk_launch(
         batch,
         length,
         channels,
         norm,
         x.element_size(),
-        processors,
+        processors(x),
         block_tokens,
         block_channels,
         token_blocks,

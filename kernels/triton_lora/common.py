@@ -130,6 +130,12 @@ def token_block(tokens: int) -> int:
     return pow2(tokens, 16, 64)
 
 
+def processors(t: torch.Tensor) -> int:
+    """The streaming multiprocessors of t's GPU, which a launch of more programs runs in several waves; 1 for a CPU
+    tensor (Triton's interpreter), where every tile shape is a choice of the tests'."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 1
+
+
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
