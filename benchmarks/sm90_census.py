@@ -5,8 +5,9 @@ such a kernel: the router moved into the ShortConv step compiled to 59 barriers 
 slower (docs/benchmarks.md, "The router inside the ShortConv step").
 
 In this process Triton's active driver is a stand-in that names sm_90 as the target, every launch compiles without
-running, and CPU tensors report themselves as CUDA, so the launchers choose what they choose on the GPU; the process
-can run nothing on a GPU afterwards. tests/kernels/test_compile_sm90.py compiles the same launches in a child process.
+running, and CPU tensors report themselves as CUDA (on a device of 132 multiprocessors), so the launchers choose what
+they choose on the GPU; the process can run nothing on a GPU afterwards. tests/kernels/test_compile_sm90.py compiles
+the same launches in a child process.
 
 Run: python benchmarks/sm90_census.py [--rows 8] [--out census.json]
 """
@@ -25,8 +26,9 @@ VOCAB = 32000  # inkling-small's vocabulary: the LM head's columns
 
 
 def compile_only() -> list[tuple[str, dict, object]]:
-    """Make every Triton launch in this process compile for sm_90 without running, and CPU tensors report themselves
-    as CUDA; returns the list that each launch appends (kernel name, its keyword arguments, the compiled kernel) to."""
+    """Make every Triton launch in this process compile for sm_90 without running, CPU tensors report themselves as
+    CUDA and the device its 132 multiprocessors; returns the list that each launch appends (kernel name, its keyword
+    arguments, the compiled kernel) to."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -51,9 +53,15 @@ def compile_only() -> list[tuple[str, dict, object]]:
         compiled.append((self.fn.__name__, kwargs, kernel))
         return kernel
 
+    class Properties:
+        """What the launchers read of the device: an H100 SXM's or an H200's multiprocessors."""
+
+        multi_processor_count = 132
+
     driver.set_active(CompileOnly())
     JITFunction.run = compile_launch
     torch.Tensor.is_cuda = property(lambda self: True)  # the launchers' branch for CUDA tensors
+    torch.cuda.get_device_properties = lambda device=None: Properties()
     return compiled
 
 

@@ -4,11 +4,12 @@ included) on a machine without a GPU.
 CI has no GPU, and Triton's interpreter runs a kernel's Python, not its compile: a kernel that does not compile
 (a dot below 16 rows, a type or layout error) would pass every CPU test and fail only on a device. Here, in a child
 process, Triton's active driver is a stand-in that names sm_90 as the target, every launch compiles without running
-(JITFunction.run with warmup), and CPU tensors report themselves as CUDA, so the launchers choose what they choose on
-the GPU (libdevice, programmatic dependent launch); each op is called at inkling-small's sizes, bf16, rank 16, 8
-slots, at decode and prefill sizes, so each program shape its launcher picks is compiled. Every kernel of the
-modules must compile at least once: a new kernel needs a call here. The kernels chained into the decode step
-(programmatic dependent launch) are compiled too, and their PTX read for the order the chain needs.
+(JITFunction.run with warmup), and CPU tensors report themselves as CUDA on a device of 132 multiprocessors, so the
+launchers choose what they choose on the GPU (libdevice, programmatic dependent launch, tiles by the wave); each op
+is called at inkling-small's sizes, bf16, rank 16, 8 slots, at decode and prefill sizes, so each program shape its
+launcher picks is compiled. Every kernel of the modules must compile at least once: a new kernel needs a call here.
+The kernels chained into the decode step (programmatic dependent launch) are compiled too, and their PTX read for the
+order the chain needs.
 """
 
 import importlib.util
@@ -86,6 +87,9 @@ def run_compile_cases() -> None:
         ids, norm = torch.zeros(tokens, dtype=torch.long), torch.ones(H, **bf)
         triton_embed.embed_norms(ids, torch.zeros(VOCAB, H, **bf), norm, norm, 1e-6)  # a step's first op, its last
         triton_greedy.logits_greedy(torch.zeros(tokens, VOCAB, **bf))
+    # past one token tile q/k/v/r's one GEMM takes 64-column tiles (more 32-column ones than the device's 132 SMs)
+    x, token_slots = torch.zeros(128, H, **bf), torch.zeros(128, dtype=torch.long)
+    dense.lora_linear(x, torch.zeros(qkvr[-1], H, **bf), a, b, token_slots, torch.ones(S, 4), qkvr)
     kernels = {
         name
         for module in (
