@@ -55,7 +55,7 @@ def run_interpreted_cases() -> None:
         check_projection(**dev, dtype=dtype, tokens=100, num_slots=3, rank=16, k=40, offsets=(0, 32, 64, 96, 150))
         check_projection(**dev, dtype=dtype, tokens=90, num_slots=4, rank=8, k=40, offsets=(0, 20, 36, 52, 60))
         check_plain_linear(**dev, dtype=dtype, tokens=100, k=40, n=40)
-        # slices on the 64-column tiles' edges past 64 tokens, a rank past one rank block of B
+        # slices on the 64-column tiles' edges past 64 tokens (the interpreter counts one SM), rank past one B block
         check_projection(**dev, dtype=dtype, tokens=80, num_slots=3, rank=12, k=40, offsets=(0, 64, 128, 150))
         for covered in ("both", "routed", "shared"):
             check_experts(

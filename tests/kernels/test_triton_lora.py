@@ -104,8 +104,9 @@ def test_expand_walk_matches_torch(tokens, offsets):
     ],
 )
 def test_projection_matches_torch(dtype, tokens, num_slots, rank, offsets):
-    """Base GEMM and LoRA in one launch (past 32 tokens for narrow projections only, in 64-token by 64-column tiles
-    past 64): 1-16 adapters (the last slot empty), ranks 8-64, an lm_head's N."""
+    """Base GEMM and LoRA in one launch (past 32 tokens for narrow projections only; past 64 in 64-token tiles, 64
+    columns wide where 32-column ones would outnumber the SMs: q/k/v/r, not o): 1-16 adapters (the last slot empty),
+    ranks 8-64, an lm_head's N."""
     check_projection(dispatch, "cuda", dtype, tokens, num_slots, rank, k=2048, offsets=offsets)
 
 
