@@ -136,12 +136,6 @@ def processors(t: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 1
 
 
-def describable(t: torch.Tensor) -> bool:
-    """Whether TMA can stream t: its last dim contiguous, its start and its other strides 16-byte aligned."""
-    aligned = all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
-    return t.stride(-1) == 1 and aligned and t.data_ptr() % 16 == 0
-
-
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
