@@ -25,7 +25,7 @@ from bench_expert_matmul import rows_of
 from bench_lora_kernels import SETS, time_graph, write_rows
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from inkwell.kernels import expert_matmul
+from inkwell.kernels import expert_matmul, triton_moe
 from inkwell.kernels.triton_lora import dense
 from inkwell.models.presets import preset_config
 
@@ -56,9 +56,7 @@ def _expert_swap_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     n_block, m_block, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-    end = tl.load(ends_ptr + e).to(tl.int64)
-    first_row = start + m_block * BLOCK_M
+    first_row, end = triton_moe.expert_row_block(ends_ptr, e, m_block, BLOCK_M)
     if first_row >= end:
         return
     r = first_row + tl.arange(0, BLOCK_M)

@@ -348,6 +348,15 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
 
 
 @triton.jit
+def expert_row_block(ends_ptr, e, m_block, BLOCK_M: tl.constexpr):
+    """The first dispatched row of block m_block of expert e's rows (ends: each expert's end in the dispatch's row
+    order) and the expert's end: a program whose first row is not below the end has no rows."""
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+    end = tl.load(ends_ptr + e).to(tl.int64)
+    return start + m_block * BLOCK_M, end
+
+
+@triton.jit
 def _delta_operands(
     e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, R, num_slots, part_cols, first, count, split, groups,
     stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, LATE_Y: tl.constexpr,
@@ -438,9 +447,7 @@ def _expert_matmul_kernel(
         gdc_wait()
         if EXPAND:  # the kernel after it may read before its own wait what the kernels before this one wrote
             gdc_launch_dependents()
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-    end = tl.load(ends_ptr + e).to(tl.int64)
-    first_row = start + m_block * BLOCK_M
+    first_row, end = expert_row_block(ends_ptr, e, m_block, BLOCK_M)
     if first_row >= end:
         return
     r = first_row + tl.arange(0, BLOCK_M)
