@@ -11,6 +11,7 @@ No LoRA in the candidates: they say what the GEMM can reach, not what a LoRA epi
 "The decode GEMMs with the weight on the tensor cores' M side"). Every figure is µs per call from CUDA-graph
 replays over SETS weight sets (`bench_lora_kernels.time_graph`), so weights come from HBM; each candidate's output is
 checked against main's (its largest difference printed).
+Each tile compiles once per token count (~200 compiles for the four defaults, a few minutes).
 Run: python benchmarks/bench_swap_ab.py [--tokens 8 32 64 128] [--out swap_ab.json]
 """
 
@@ -30,7 +31,8 @@ from inkwell.kernels.triton_lora import dense
 from inkwell.models.presets import preset_config
 
 PROJECTIONS = {"qkvr": (3328, (0, 2048, 2560, 3072, 3328)), "o": (2048, None)}  # columns, slices; K = 2,048
-TILES = list(itertools.product((64, 128), (64, 128, 256), (3, 4, 6)))  # (BLOCK_N, BLOCK_K, stages)
+# (BLOCK_N, BLOCK_K, stages): every best tile of the H200 sweep had 4-6 stages
+TILES = list(itertools.product((64, 128), (64, 128, 256), (4, 6)))
 SHARED_MEMORY = 220_000  # bytes a tile's pipeline may take of the SM's 227 KB
 
 
