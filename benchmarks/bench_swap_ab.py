@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inkwell.kernels import expert_matmul, triton_moe
 from inkwell.kernels.triton_lora import dense
+from inkwell.kernels.triton_lora.common import pow2
 from inkwell.models.presets import preset_config
 
 PROJECTIONS = {"qkvr": (3328, (0, 2048, 2560, 3072, 3328)), "o": (2048, None)}  # columns, slices; K = 2,048
@@ -101,7 +102,7 @@ def dense_row(name: str, tokens: int, gen: torch.Generator) -> dict:
             lambda i, s=slots: dense.lora_linear(x, ws[i], a, b, s, ones, offsets)
         )
     want = x @ ws[0].T
-    block_t = min(128, max(16, triton.next_power_of_2(tokens)))
+    block_t = pow2(tokens, 16, 128)
     row["swap"] = {}
     for block_n, block_k, stages in TILES:
         if (block_n + block_t) * block_k * 2 * stages > SHARED_MEMORY:
@@ -136,7 +137,7 @@ def expert_row(name: str, tokens: int, gen: torch.Generator) -> dict:
     row = dict(gemm=name, tokens=tokens, rows=int(ends[-1]))
     row["main"] = time_graph(lambda i: expert_matmul(inp, ws[i], ends, tok, tokens))
     out = torch.empty_like(want)
-    block_m = min(64, max(16, triton.next_power_of_2(tokens)))  # `expert_matmul`'s row tile
+    block_m = triton_moe.expert_row_tile(tokens)
     row["swap"] = {}
     for block_n, block_k, stages in TILES:
         if block_k > k or (block_n + block_m) * block_k * 2 * stages > SHARED_MEMORY:

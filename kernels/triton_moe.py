@@ -347,6 +347,11 @@ def expert_tiles(depth: int, max_rows: int) -> dict:
     return WIDE_TILES if depth <= 1024 or max_rows >= 64 else DEEP_TILES
 
 
+def expert_row_tile(max_rows: int) -> int:
+    """expert_matmul's rows per program (BLOCK_M) for up to `max_rows` rows per expert: 16 to 64."""
+    return pow2(max_rows, 16, 64)
+
+
 @triton.jit
 def expert_row_block(ends_ptr, e, m_block, BLOCK_M: tl.constexpr):
     """The first dispatched row of block m_block of expert e's rows (ends: each expert's end in the dispatch's row
@@ -564,7 +569,7 @@ def expert_matmul(
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
-    block_m = min(64, max(16, triton.next_power_of_2(max_rows)))
+    block_m = expert_row_tile(max_rows)
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
