@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inkwell.kernels.torch_ops import ExpertGroups, RowExpand, TokenShrink
 from inkwell.kernels.triton_lora.common import (
@@ -332,23 +331,20 @@ def moe_combine(
     return result
 
 
-# expert_matmul's tiles (BLOCK_N the widest column tile, the MMA's M side: an expand's parts may take a half or less
-# of it), from benchmarks/bench_expert_matmul.py on the H100 (2026-12-07): 64 weight rows x 64 of K, but 128 x 128 for
-# the deep, few-row gate/up of decode (23.3 against 23.8 µs at 8 tokens; the H200's sweep picked it too). At 64-128
-# tokens 64 x 64 is 1.1x the others for both GEMMs. A 4-byte dtype (the tests' float32) halves BLOCK_K, so a stage
-# takes the same shared memory. The sweep sets `tile_override`.
-DEEP_TILES = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-TILES = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+# expert_matmul's tiles (BLOCK_N the widest column tile: an expand's parts may take a half or less of it), from
+# benchmarks/bench_expert_matmul.py on the H200 (2026-12-03): 128 x 64 columns x K where a program has little K to
+# stream or many rows (inkling-small's down GEMM 1.08-1.17x at 8-128 tokens, its gate/up 1.26x at 128), 64 x 128
+# for the deep, few-row gate/up of decode (0.96-0.99x with the wider tile). The sweep sets `tile_override`.
+WIDE_TILES = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+DEEP_TILES = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 tile_override: dict | None = None
 
 
-def expert_tiles(depth: int, max_rows: int, element_size: int = 2) -> dict:
-    """expert_matmul's tiles for weights of K = `depth` (of `element_size` bytes) and up to `max_rows` rows per
-    expert."""
+def expert_tiles(depth: int, max_rows: int) -> dict:
+    """expert_matmul's tiles for weights of K = `depth` and up to `max_rows` rows per expert."""
     if tile_override is not None:
         return tile_override
-    tiles = DEEP_TILES if depth > 1024 and max_rows < 64 else TILES
-    return tiles | {"BLOCK_K": tiles["BLOCK_K"] * 2 // element_size}
+    return WIDE_TILES if depth <= 1024 or max_rows >= 64 else DEEP_TILES
 
 
 def expert_row_tile(max_rows: int) -> int:
@@ -374,24 +370,23 @@ def _delta_operands(
     """What `_slot_deltas` needs of columns n (one part, starting at n0) of expert e's tile, loaded before the GEMM's K
     loop so the loads fly beside it: the rows' slots, their y rows (with LATE_Y, y being written beside this kernel:
     y's pointers, for a load after the wait for it), the block of B of the tile's least slot, and B's pointers at that
-    slot. The tile is one expert's, so a slot's B for it is one [BLOCK_N, R] block. Both come transposed (y as [R,
-    BLOCK_M]), as the GEMM's product is."""
+    slot. The tile is one expert's, so a slot's B for it is one [R, BLOCK_N] block."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
     block = part * groups + (local >= split).to(tl.int32)
     which = local if PER_EXPERT else (local >= split).to(tl.int32)
     j = tl.arange(0, BLOCK_R)
-    y_ptrs = y_ptr + src[None, :] * stride_ym + block * stride_yb + j[:, None]
-    y_mask = (slots >= 0)[None, :] & (j < R)[:, None]
+    y_ptrs = y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :]
+    y_mask = (slots >= 0)[:, None] & (j < R)[None, :]
     y = y_ptrs
     if not LATE_Y:
         y = tl.load(y_ptrs, mask=y_mask, other=0.0)
     b_block = (
         b_ptr + part * stride_bp + which.to(tl.int64) * stride_be
-        + (n - part * part_cols)[:, None] * stride_bn + j[None, :] * stride_br
+        + (n - part * part_cols)[None, :] * stride_bn + j[:, None] * stride_br
     )  # fmt: skip
-    b_mask = (j < R)[None, :] & in_n[:, None]
+    b_mask = (j < R)[:, None] & in_n[None, :]
     least = tl.min(tl.where(slots >= 0, slots, num_slots), 0)  # num_slots: the tile holds no slot
     b_block += least.to(tl.int64) * stride_bs
     b_least = tl.load(b_block, mask=b_mask & (least < num_slots), other=0.0)
@@ -403,29 +398,29 @@ def _slot_deltas(
     slots, block, y, y_mask, least, b_least, b_block, b_mask, scale_ptr, stride_bs, stride_ss, stride_sb,
     LATE_Y: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Each row's scaled LoRA delta, transposed as the GEMM's product is: [BLOCK_N, BLOCK_M] (fp32) from
-    `_delta_operands`' (with LATE_Y, y loaded here): one [BLOCK_N, R] x [R, BLOCK_M] dot per slot, the tile's least
-    slot's (its B loaded before the K loop) ahead of a loop over the rest up to its greatest (B's load masked off for
-    a slot between them that no row holds), so a tile of one adapter's rows does one dot however many slots the pool
-    has. Each row gets its own slot's product only, so the rows' scalings apply once, after the loop."""
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) from `_delta_operands`' (with LATE_Y, y loaded here):
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot, the tile's least slot's (its B loaded before the K loop) ahead of
+    a loop over the rest up to its greatest (B's load masked off for a slot between them that no row holds), so a
+    tile of one adapter's rows does one dot however many slots the pool has. Each row gets its own slot's product
+    only, so the rows' scalings apply once, after the loop."""
     if LATE_Y:
         y = tl.load(y, mask=y_mask, other=0.0)
-    y_least = tl.where((slots == least)[None, :], y, tl.zeros_like(y))
-    delta = tl.dot(b_least, y_least, input_precision="ieee" if IEEE else None)
+    y_least = tl.where((slots == least)[:, None], y, tl.zeros_like(y))
+    delta = tl.dot(y_least, b_least, input_precision="ieee" if IEEE else None)
     for slot in range(least + 1, tl.max(slots, 0) + 1):  # the tile's other slots, up to its greatest
         b_block += stride_bs
         rows_of_slot = slots == slot
         held = tl.max(rows_of_slot.to(tl.int32), 0) > 0
         b = tl.load(b_block, mask=b_mask & held, other=0.0)
-        y_slot = tl.where(rows_of_slot[None, :], y, tl.zeros_like(y))
-        delta = tl.dot(b, y_slot, delta, input_precision="ieee" if IEEE else None)
+        y_slot = tl.where(rows_of_slot[:, None], y, tl.zeros_like(y))
+        delta = tl.dot(y_slot, b, delta, input_precision="ieee" if IEEE else None)
     scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=slots >= 0, other=0.0).to(tl.float32)
-    return delta * scale[None, :]
+    return delta * scale[:, None]
 
 
 @triton.jit
 def _expert_matmul_kernel(
-    x_ptr, w_ptr, w_desc, ends_ptr, tokens_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om, every_from,
+    x_ptr, w_ptr, ends_ptr, tokens_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om, every_from,
     y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols, first, count, split, groups, stride_ym, stride_yb,
     stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
@@ -433,12 +428,9 @@ def _expert_matmul_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
-    the expert's rows return at once. The product is computed transposed (swap-AB), W x^T: the weight block, streamed
-    by TMA (`w_desc`, the weight's [E x N, K] view), is the MMA's M side (64 or 128 rows) and the few rows of decode
-    its N side, where a row-major tile would pad them to the MMA's 64. With EXPAND, each row's LoRA delta
-    (`torch_ops.RowExpand`) is added to the output rounded, itself rounded first, as `plus_delta` adds it after a
-    GEMM: after the K loop, one dot per slot (`_slot_deltas`, in the product's transposed shape), the rows' y and the
-    least slot's B loaded before the loop (`_delta_operands`). With WAIT_FOR_Y
+    the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per slot
+    (`_slot_deltas`), the rows' y and the least slot's B loaded before the loop (`_delta_operands`). With WAIT_FOR_Y
     (y is being written by the chained shrink launched before this one, which waited for the kernels before it) y is
     read after the loop and the wait, which is when the next kernel may launch.
 
@@ -475,12 +467,14 @@ def _expert_matmul_kernel(
             WAIT_FOR_Y, PER_EXPERT, BLOCK_R,
         )  # fmt: skip
     k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + src[None, :] * stride_xm + k[:, None]
-    w_row = e * N + n_block * BLOCK_N  # in the weight's [E x N, K] view: rows past the expert's are masked at the store
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # the output's transpose: the weight's rows on the MMA's M side
+    a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x_t = tl.load(x_ptrs + k0, mask=((k0 + k) < K)[:, None] & in_r[None, :], other=0.0)
-        acc = tl.dot(w_desc.load([w_row, k0]), x_t, acc, input_precision="ieee" if IEEE else None)
+        in_k = (k0 + k) < K
+        a = tl.load(a_ptrs + k0, mask=in_r[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=in_n[:, None] & in_k[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else None)
     dtype = out_ptr.dtype.element_ty
     out = acc.to(dtype)
     if WAIT_FOR_Y:  # the shrink launched before this GEMM, which ran beside its K loop
@@ -491,7 +485,7 @@ def _expert_matmul_kernel(
             WAIT_FOR_Y, IEEE, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         out = (out.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(out_ptr + r[None, :] * stride_om + n[:, None], out, mask=in_r[None, :] & in_n[:, None])
+    tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
 
 
 def _expand_operands(expand: RowExpand, y_rows: int, rows: int, width: int) -> tuple[int, int, int, int, tuple, int]:
@@ -553,18 +547,11 @@ def expert_matmul(
     into L2 before it waits."""
     experts, width, depth = weight.shape
     rows = tokens.shape[0] if tokens is not None else x.shape[0]
-    if x.shape[-1] != depth or x.stride(-1) != 1 or not weight.is_contiguous() or ends.shape != (experts,):
+    if x.shape[-1] != depth or x.stride(-1) != 1 or weight.stride(-1) != 1 or ends.shape != (experts,):
         raise ValueError(
-            f"expert_matmul needs x [., K] with unit stride along K, a contiguous weight [E, N, K] and ends [E]; got "
-            f"x {list(x.shape)} (strides {x.stride()}), weight {list(weight.shape)} (strides {weight.stride()}), "
-            f"ends {list(ends.shape)}"
+            f"expert_matmul needs x [., K] and weight [E, N, K] with unit stride along K, ends [E]; got x "
+            f"{list(x.shape)} (strides {x.stride()}), weight {list(weight.shape)}, ends {list(ends.shape)}"
         )
-    size = weight.element_size()
-    require(
-        depth * size % 16 == 0,
-        f"expert_matmul streams the weight by TMA, whose rows must be multiples of 16 bytes: K = {depth} of "
-        f"{weight.dtype} is {depth * size} bytes; pad K to a multiple of {16 // size}",
-    )
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -572,7 +559,7 @@ def expert_matmul(
     if expand is not None and isinstance(expand.y, TokenShrink):
         wait = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
         expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, chained=True))
-    tiles = expert_tiles(depth, max_rows, weight.element_size())
+    tiles = expert_tiles(depth, max_rows)
     if expand is None:
         lora = [ends] * 4 + [0] * 16
         consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
@@ -584,10 +571,9 @@ def expert_matmul(
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
     block_m = expert_row_tile(max_rows)
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
-    w_desc = TensorDescriptor.from_tensor(weight.view(experts * width, depth), [consts["BLOCK_N"], tiles["BLOCK_K"]])
     _expert_matmul_kernel[grid](
-        x, weight, w_desc, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0),
-        weight.stride(0), weight.stride(1), out.stride(0), experts if every_token_from is None else every_token_from,
+        x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
+        weight.stride(1), out.stride(0), experts if every_token_from is None else every_token_from,
         *lora, GATHER=tokens is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_K=tiles["BLOCK_K"], num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         **consts, **launch,

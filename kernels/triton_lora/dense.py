@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from inkwell.kernels.dispatch import FUSED_MAX_N, FUSED_MAX_TOKENS, fused_linear
 from inkwell.kernels.torch_ops import check_token_slots
@@ -20,6 +19,7 @@ from inkwell.kernels.triton_lora.common import (
     lora_dot,
     parse_slices,
     pow2,
+    processors,
     require,
     scale_strides,
     slice_of,
@@ -111,24 +111,56 @@ def _fused_kernel(
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, w_desc, y_ptr, b_ptr, out_ptr, slot_ptr, scale_ptr, T, K, N, R, o1, o2, o3, stride_xt, stride_xk,
-    stride_wn, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on, stride_ss, stride_sp,
-    HAS_LORA: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, WAIT_FOR_SHRINK: tl.constexpr,
-    ONE_SLICE_PER_TILE: tl.constexpr, PREFETCH_B: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    slot_ptr,
+    scale_ptr,
+    T,
+    K,
+    N,
+    R,
+    o1,
+    o2,
+    o3,
+    stride_xt,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    stride_ss,
+    stride_sp,
+    HAS_LORA: tl.constexpr,
+    CHAINED: tl.constexpr,
+    PREFETCH_W: tl.constexpr,
+    WAIT_FOR_SHRINK: tl.constexpr,
+    ONE_SLICE_PER_TILE: tl.constexpr,
+    PREFETCH_B: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """out[rows, cols] = x[rows] @ W[cols]^T for a tile of BLOCK_T tokens (program_id(1)) and BLOCK_N columns
-    (program_id(0)), with HAS_LORA plus each token's (sliced) LoRA expand of y as the tile's epilogue. The product
-    is computed transposed (swap-AB), W x^T: the weight's BLOCK_N rows, streamed by TMA (`w_desc`), are the MMA's M
-    side (64 a warp group) and the few tokens of decode its N side, where a token-major tile would pad them to 64.
+    (program_id(0)), with HAS_LORA plus each token's (sliced) LoRA expand of y as the tile's epilogue.
 
-    CHAINED (`triton_pdl`): the program lets the next kernel launch, asks L2 for its rows of W (PREFETCH_W) while the
-    kernel before it still runs, then waits for that kernel before reading x. The LoRA pair instead launches once the
-    chained shrink that writes y has waited (WAIT_FOR_SHRINK): x is written by then, the K loop runs while the shrink
-    does, and the epilogue waits for y, after which the next kernel may launch. Each token gathers its own slot's B,
-    so one program serves every adapter in the batch. The slots and scalings, and up to rank BLOCK_R the tile's B
-    rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind it. Where every slice starts
-    on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per token, not one per column.
+    CHAINED (`triton_pdl`): the program lets the next kernel launch, asks L2 for its rows of W (PREFETCH_W: W's rows
+    contiguous) while the kernel before it still runs, then waits for that kernel before reading x. The LoRA pair
+    instead launches once the chained shrink that writes y has waited (WAIT_FOR_SHRINK): x is written by then, the K
+    loop runs while the shrink does, and the epilogue waits for y, after which the next kernel may launch. Each
+    token gathers its own slot's B, so one program serves every adapter in the batch. The slots and scalings, and up
+    to rank BLOCK_R the tile's B rows too (PREFETCH_B), are loaded before the K loop, so their latency hides behind
+    it. Where every slice starts on a tile boundary (ONE_SLICE_PER_TILE) the tile reads one rank block of y per
+    token, not one per column.
     """
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = rt < T
@@ -140,48 +172,52 @@ def _linear_kernel(
         if PREFETCH_W:
             prefetch_rows_l2(w_ptr, n0, N, K, stride_wn, BLOCK_N)
         gdc_wait()
-    if HAS_LORA:  # every operand [columns, tokens(, rank)], as the transposed product
+    if HAS_LORA:
         slots = tl.load(slot_ptr + rt, mask=in_t, other=-1)
-        adapted = in_n[:, None] & (slots >= 0)[None, :]
+        adapted = (slots >= 0)[:, None] & in_n[None, :]
         if ONE_SLICE_PER_TILE:
             part = slice_of(n0, o1, o2, o3)
-            scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[None, :]
-            y_rows = y_ptr + rt * stride_yt + (part * R) * stride_yr  # [BLOCK_T]
+            scale = tl.load(scale_ptr + slots * stride_ss + part * stride_sp, mask=slots >= 0, other=0.0)[:, None]
+            y_rows = y_ptr + rt[:, None] * stride_yt + (part * R) * stride_yr  # [BLOCK_T, 1]
         else:
             part = slice_of(rn, o1, o2, o3)
-            scale = tl.load(scale_ptr + slots[None, :] * stride_ss + part[:, None] * stride_sp, mask=adapted, other=0.0)
-            y_rows = y_ptr + rt[None, :, None] * stride_yt + (part * R)[:, None, None] * stride_yr  # [N, T, 1]
-        b_rows = b_ptr + slots.to(tl.int64)[None, :, None] * stride_bs + rn[:, None, None] * stride_bn
+            scale = tl.load(scale_ptr + slots[:, None] * stride_ss + part[None, :] * stride_sp, mask=adapted, other=0.0)
+            y_rows = y_ptr + rt[:, None, None] * stride_yt + (part * R)[None, :, None] * stride_yr  # [T, N, 1]
+        b_rows = b_ptr + slots.to(tl.int64)[:, None, None] * stride_bs + rn[None, :, None] * stride_bn
         if PREFETCH_B:  # R <= BLOCK_R: the tile's whole B gather is in flight while the K loop runs
             rr = tl.arange(0, BLOCK_R)
             in_b = adapted[:, :, None] & (rr < R)[None, None, :]
             b_early = tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
-    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
+        in_k = rk < K
         xt = tl.load(
-            x_ptr + rt[None, :] * stride_xt + rk[:, None] * stride_xk, mask=in_t[None, :] & (rk < K)[:, None], other=0.0
+            x_ptr + rt[:, None] * stride_xt + rk[None, :] * stride_xk, mask=in_t[:, None] & in_k[None, :], other=0.0
         )
-        acc = tl.dot(w_desc.load([n0, k0]), xt, acc, input_precision=PRECISION)
+        wt = tl.load(
+            w_ptr + rn[None, :] * stride_wn + rk[:, None] * stride_wk, mask=in_n[None, :] & in_k[:, None], other=0.0
+        )
+        acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
     # as F.linear then the in-place expand: the base rounded, the delta rounded, their sum rounded
     out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_LORA:
         if WAIT_FOR_SHRINK:
             wait_then_trigger()  # triggering before the K loop instead made the step slower
-        delta = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):  # y[t, rank block p(n)] . B[slot_t, n]
             rr = r0 + tl.arange(0, BLOCK_R)
             in_b = adapted[:, :, None] & (rr < R)[None, None, :]
             bt = b_early if PREFETCH_B else tl.load(b_rows + rr[None, None, :] * stride_br, mask=in_b, other=0.0)
             if ONE_SLICE_PER_TILE:  # one rank block per token, broadcast over the tile's columns
                 in_y = (slots >= 0)[:, None] & (rr < R)[None, :]
-                yt = tl.load(y_rows[:, None] + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[None]
+                yt = tl.load(y_rows + rr[None, :] * stride_yr, mask=in_y, other=0.0).to(tl.float32)[:, None, :]
             else:
                 yt = tl.load(y_rows + rr[None, None, :] * stride_yr, mask=in_b, other=0.0).to(tl.float32)
             delta += tl.sum(yt * bt.to(tl.float32), axis=2)
         out += (delta * scale.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    out_ptrs = out_ptr + rt[None, :] * stride_ot + rn[:, None] * stride_on
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_n[:, None] & in_t[None, :])
+    out_ptrs = out_ptr + rt[:, None] * stride_ot + rn[None, :] * stride_on
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_n[None, :])
 
 
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> None:
@@ -354,7 +390,7 @@ def lora_linear(
     rank = lora_b.shape[2]
     one_dtype = len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) == 1
     # rank 0 too: with no shrink launched, the GEMM's programmatic launch would pair with an unrelated kernel
-    if not fused_linear(tokens, n) or not one_dtype or rank == 0 or not rows_prefetchable(weight):
+    if not fused_linear(tokens, n) or not one_dtype or rank == 0:
         out = torch.nn.functional.linear(x, weight)
         return lora_shrink_expand(x, lora_a, lora_b, token_slots, scalings, out, slice_offsets)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
@@ -371,8 +407,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     require(x.dim() == 2 and weight.dim() == 2, "linear needs x [T,K] and weight [N,K]")
     require(weight.shape[1] == x.shape[1], f"weight's K={weight.shape[1]} differs from x's K={x.shape[1]}")
     require(x.dtype == weight.dtype, f"linear needs x and weight of one dtype, got {x.dtype} and {weight.dtype}")
-    if not rows_prefetchable(weight):  # TMA streams the weight's rows: F.linear for any other layout
-        return torch.nn.functional.linear(x, weight)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or weight.shape[0] == 0:
         return out
@@ -385,15 +419,19 @@ def _launch_linear(
     out: torch.Tensor,
     lora: tuple | None,
 ) -> torch.Tensor:
-    """`_linear_kernel` over token tiles of up to 64 (`token_block`) and 64 weight rows (the MMA's M side); `lora` =
-    (y, B, slots, scalings, slice offsets) or None. On CUDA the GEMM alone is chained into the step; with the LoRA it
-    launches beside the chained shrink that writes y. The weight must be TMA's (`rows_prefetchable`)."""
+    """`_linear_kernel` over token tiles of up to 64 (`token_block`) and 32- or 64-column tiles; `lora` = (y, B, slots,
+    scalings, slice offsets) or None. On CUDA the GEMM alone is chained into the step; with the LoRA it launches
+    beside the chained shrink that writes y."""
     (tokens, k), n = x.shape, weight.shape[0]
     pdl = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
-    block_t, block_n = token_block(tokens), 64
-    # the epilogue's [64, T, R] gather of B: rank blocks of 8 past 16 tokens keep it in registers
-    block_r = 16 if block_t <= 16 else 8
-    block_k = pow2(k, 16, (256 if block_t <= 16 else 128) if x.element_size() <= 2 else 64)
+    block_t = token_block(tokens)
+    # Each program reads its token tile's rows of x whole from L2. Where 32-column tiles would take more than one wave
+    # (several token tiles: q/k/v/r's 208 programs at 65-128 tokens), 64-column tiles halve those reads and the
+    # programs, and the epilogue gathers B in rank blocks of 8 to keep its [T, N, R] block the same size; o's 128
+    # programs fit one wave and keep 32 columns (H100, 128 tokens: 10.6 µs with 1 adapter against 11.5 at 64).
+    token_tiles = triton.cdiv(tokens, block_t)
+    wide = token_tiles > 1 and token_tiles * triton.cdiv(n, 32) > processors(x)
+    block_n, block_r = (64, 8) if wide else (32, 16)
     if lora is None:  # the LoRA operands are compiled out (HAS_LORA): any tensors of the right rank stand in
         y, lora_b, token_slots, scalings = out, weight[:, :, None], out, out
         rank, (o1, o2, o3), (ss, sp) = 0, (n, n, n), (0, 0)
@@ -403,21 +441,39 @@ def _launch_linear(
         parts, o1, o2, o3 = parse_slices(slice_offsets, n)
         ss, sp = scale_strides(scalings, lora_b.shape[0], parts)
     _linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(tokens, block_t))](
-        x, weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), y, lora_b, out, token_slots, scalings,
-        tokens, k, n, rank, o1, o2, o3, *x.stride(), weight.stride(0), *y.stride(), *lora_b.stride(), *out.stride(),
-        ss, sp,
+        x,
+        weight,
+        y,
+        lora_b,
+        out,
+        token_slots,
+        scalings,
+        tokens,
+        k,
+        n,
+        rank,
+        o1,
+        o2,
+        o3,
+        *x.stride(),
+        *weight.stride(),
+        *y.stride(),
+        *lora_b.stride(),
+        *out.stride(),
+        ss,
+        sp,
         HAS_LORA=lora is not None,
-        PREFETCH_W=pdl and lora is None,
+        PREFETCH_W=pdl and lora is None and rows_prefetchable(weight),
         WAIT_FOR_SHRINK=pdl and lora is not None,
         ONE_SLICE_PER_TILE=all(start % block_n == 0 for start in (o1, o2, o3) if start < n),
         PRECISION=dot_precision(x.dtype),
         BLOCK_T=block_t,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=pow2(k, 16, (128 if wide else 256) if x.element_size() <= 2 else 64),
         PREFETCH_B=0 < rank <= block_r,  # a larger block of B would not fit in registers beside the K loop
         BLOCK_R=block_r,
         num_stages=4 if x.element_size() <= 2 else 2,
-        num_warps=8 if block_t > 32 else 4,
+        num_warps=8 if block_t > 32 else 4,  # ptxas, sm_90a, 64 tokens: 4 warps spill ~3.9 KB a thread, 8 warps 856 B
         **(chain_launch(x) if lora is None else pair_launch(x)),
-    )  # fmt: skip
+    )
     return out

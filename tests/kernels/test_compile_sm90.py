@@ -119,9 +119,8 @@ def test_moe_router_and_lora_kernels_compile_for_sm90():
     COMPILE.check()
 
 
-# the PTX of a global memory access (cp.async.bulk.tensor: a TMA copy); the L2 prefetch (cp.async.bulk.prefetch) is a
-# hint a chained kernel may issue
-ACCESSES = ("ld.global", "st.global", "atom.global", "red.global", "cp.async.cg", "cp.async.ca", "cp.async.bulk.tensor")
+# the PTX of a global memory access; the L2 prefetch (cp.async.bulk.prefetch) is a hint a chained kernel may issue
+ACCESSES = ("ld.global", "st.global", "atom.global", "red.global", "cp.async.cg", "cp.async.ca")
 WRITES = ("st.global", "atom.global", "red.global")
 
 
