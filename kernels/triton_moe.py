@@ -364,70 +364,56 @@ def expert_row_block(ends_ptr, e, m_block, BLOCK_M: tl.constexpr):
 @triton.jit
 def _delta_operands(
     e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, R, num_slots, part_cols, first, count, split, groups,
-    stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, PER_EXPERT: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+    stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, LATE_Y: tl.constexpr,
+    PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """What `_slot_deltas` needs of columns n (one part, starting at n0) of expert e's tile, loaded before the GEMM's K
-    loop so the loads fly beside it: the rows' slots, the first slot of the chunk of CHUNK slots that holds the tile's
-    least slot, which of y's chunk block are the rows' own (`_chunk_rows`), the rows' y and the tile's B at slot 0
-    (row and column pointers, kept narrow across the loop) and that chunk's B. y itself is read after the loop: it
-    is small, may be written beside this kernel (WAIT_FOR_Y), and its block held across the loop spilled. The tile is
-    one expert's, so a slot's B for it is one [R, BLOCK_N] block."""
+    loop so the loads fly beside it: the rows' slots, their y rows (with LATE_Y, y being written beside this kernel:
+    y's pointers, for a load after the wait for it), the block of B of the tile's least slot, and B's pointers at that
+    slot. The tile is one expert's, so a slot's B for it is one [R, BLOCK_N] block."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
     block = part * groups + (local >= split).to(tl.int32)
     which = local if PER_EXPERT else (local >= split).to(tl.int32)
-    y_rows = y_ptr + src * stride_ym + block * stride_yb
-    b_cols = b_ptr + part * stride_bp + which.to(tl.int64) * stride_be + (n - part * part_cols) * stride_bn
+    j = tl.arange(0, BLOCK_R)
+    y_ptrs = y_ptr + src[:, None] * stride_ym + block * stride_yb + j[None, :]
+    y_mask = (slots >= 0)[:, None] & (j < R)[None, :]
+    y = y_ptrs
+    if not LATE_Y:
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    b_block = (
+        b_ptr + part * stride_bp + which.to(tl.int64) * stride_be
+        + (n - part * part_cols)[None, :] * stride_bn + j[:, None] * stride_br
+    )  # fmt: skip
+    b_mask = (j < R)[:, None] & in_n[None, :]
     least = tl.min(tl.where(slots >= 0, slots, num_slots), 0)  # num_slots: the tile holds no slot
-    chunk0 = least // CHUNK * CHUNK
-    mine = _chunk_rows(slots, chunk0, R, CHUNK, BLOCK_R)
-    b = _chunk_b(b_cols, chunk0, mine, in_n, stride_bs, stride_br, CHUNK, BLOCK_R)
-    return slots, block, chunk0, mine, y_rows, b_cols, b
-
-
-@triton.jit
-def _chunk_rows(slots, chunk0, R, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Which (row, column) of y's block [BLOCK_M, CHUNK x BLOCK_R] for one dot over slots chunk0 .. chunk0 + CHUNK - 1
-    (the slots' rank blocks side by side) is a row's own: its slot's block, up to rank R."""
-    c = tl.arange(0, CHUNK * BLOCK_R)
-    return (slots[:, None] == (chunk0 + c // BLOCK_R)[None, :]) & ((c % BLOCK_R) < R)[None, :]
-
-
-@triton.jit
-def _chunk_y(y_rows, mine, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y [BLOCK_M, CHUNK x BLOCK_R] of a chunk (`_chunk_rows`): each row's y in its slot's block, zeros elsewhere."""
-    c = tl.arange(0, CHUNK * BLOCK_R)
-    return tl.load(y_rows[:, None] + (c % BLOCK_R)[None, :], mask=mine, other=0.0)
-
-
-@triton.jit
-def _chunk_b(b_cols, chunk0, mine, in_n, stride_bs, stride_br, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """B [CHUNK x BLOCK_R, BLOCK_N] of a chunk (`_chunk_rows`), the slots' blocks stacked, every load in flight at
-    once; a slot that no row of the tile holds is masked off (no bytes, zeros)."""
-    c = tl.arange(0, CHUNK * BLOCK_R)
-    held = tl.max(mine.to(tl.int32), 0) > 0
-    rows = (chunk0 + c // BLOCK_R).to(tl.int64) * stride_bs + (c % BLOCK_R) * stride_br
-    return tl.load(b_cols[None, :] + rows[:, None], mask=held[:, None] & in_n[None, :], other=0.0)
+    b_block += least.to(tl.int64) * stride_bs
+    b_least = tl.load(b_block, mask=b_mask & (least < num_slots), other=0.0)
+    return slots, block, y, y_mask, least, b_least, b_block, b_mask
 
 
 @triton.jit
 def _slot_deltas(
-    slots, block, chunk0, mine, y_rows, b_cols, b, in_n, R, scale_ptr, stride_bs, stride_br, stride_ss, stride_sb,
-    IEEE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+    slots, block, y, y_mask, least, b_least, b_block, b_mask, scale_ptr, stride_bs, stride_ss, stride_sb,
+    LATE_Y: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) from `_delta_operands`' and the rows' y:
-    one [BLOCK_M, CHUNK x R] x [CHUNK x R, BLOCK_N] dot per chunk of slots, each row's y in its slot's rank block and
-    zeros elsewhere, the chunk of the tile's least slot first (its B loaded before the K loop), then any further
-    chunk up to the tile's greatest slot (pools of more than CHUNK slots): a tile's slots cost one dot and no serial
-    loads where they fit one chunk. Each row gets its own slot's product only, so the rows' scalings apply once,
-    after the loop."""
-    delta = tl.dot(_chunk_y(y_rows, mine, CHUNK, BLOCK_R), b, input_precision="ieee" if IEEE else None)
-    for c0 in range(chunk0 + CHUNK, tl.max(slots, 0) + 1, CHUNK):
-        mine = _chunk_rows(slots, c0, R, CHUNK, BLOCK_R)
-        b = _chunk_b(b_cols, c0, mine, in_n, stride_bs, stride_br, CHUNK, BLOCK_R)
-        delta = tl.dot(_chunk_y(y_rows, mine, CHUNK, BLOCK_R), b, delta, input_precision="ieee" if IEEE else None)
+    """Each row's scaled LoRA delta [BLOCK_M, BLOCK_N] (fp32) from `_delta_operands`' (with LATE_Y, y loaded here):
+    one [BLOCK_M, R] x [R, BLOCK_N] dot per slot, the tile's least slot's (its B loaded before the K loop) ahead of
+    a loop over the rest up to its greatest (B's load masked off for a slot between them that no row holds), so a
+    tile of one adapter's rows does one dot however many slots the pool has. Each row gets its own slot's product
+    only, so the rows' scalings apply once, after the loop."""
+    if LATE_Y:
+        y = tl.load(y, mask=y_mask, other=0.0)
+    y_least = tl.where((slots == least)[:, None], y, tl.zeros_like(y))
+    delta = tl.dot(y_least, b_least, input_precision="ieee" if IEEE else None)
+    for slot in range(least + 1, tl.max(slots, 0) + 1):  # the tile's other slots, up to its greatest
+        b_block += stride_bs
+        rows_of_slot = slots == slot
+        held = tl.max(rows_of_slot.to(tl.int32), 0) > 0
+        b = tl.load(b_block, mask=b_mask & held, other=0.0)
+        y_slot = tl.where(rows_of_slot[:, None], y, tl.zeros_like(y))
+        delta = tl.dot(y_slot, b, delta, input_precision="ieee" if IEEE else None)
     scale = tl.load(scale_ptr + slots * stride_ss + block * stride_sb, mask=slots >= 0, other=0.0).to(tl.float32)
     return delta * scale[:, None]
 
@@ -439,14 +425,14 @@ def _expert_matmul_kernel(
     stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
     WAIT_FOR_Y: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
-    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per chunk of
-    CHUNK slots (`_slot_deltas`), the B of the least slot's chunk loaded before the loop (`_delta_operands`) and y
-    after it. With WAIT_FOR_Y (y is being written by the chained shrink launched before this one, which waited for
-    the kernels before it) y is read after the wait, which is when the next kernel may launch.
+    output rounded, itself rounded first, as `plus_delta` adds it after a GEMM: after the K loop, one dot per slot
+    (`_slot_deltas`), the rows' y and the least slot's B loaded before the loop (`_delta_operands`). With WAIT_FOR_Y
+    (y is being written by the chained shrink launched before this one, which waited for the kernels before it) y is
+    read after the loop and the wait, which is when the next kernel may launch.
 
     CHAINED (`triton_pdl`): the program lets the next kernel launch and waits for the one before it (the dispatch,
     whose row counts it reads) first; the first program of each column block of an expert that every token routes
@@ -475,10 +461,10 @@ def _expert_matmul_kernel(
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < N
     if EXPAND:  # y is written before this kernel unless the shrink beside it writes it (WAIT_FOR_Y)
-        slots, block, chunk0, mine, y_rows, b_cols, b = _delta_operands(
+        slots, block, y, y_mask, least, b_least, b_block, b_mask = _delta_operands(
             e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, R, num_slots, part_cols, first,
             count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
-            PER_EXPERT, CHUNK, BLOCK_R,
+            WAIT_FOR_Y, PER_EXPERT, BLOCK_R,
         )  # fmt: skip
     k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
@@ -495,16 +481,11 @@ def _expert_matmul_kernel(
         wait_then_trigger()  # triggering before the K loop instead made the step slower
     if EXPAND:  # a row without LoRA adds an exact 0
         delta = _slot_deltas(
-            slots, block, chunk0, mine, y_rows, b_cols, b, in_n, R, scale_ptr, stride_bs, stride_br, stride_ss,
-            stride_sb, IEEE, CHUNK, BLOCK_R,
+            slots, block, y, y_mask, least, b_least, b_block, b_mask, scale_ptr, stride_bs, stride_ss, stride_sb,
+            WAIT_FOR_Y, IEEE, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         out = (out.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
     tl.store(out_ptr + r[:, None] * stride_om + n[None, :], out, mask=in_r[:, None] & in_n)
-
-
-# rows x rank columns of one chunk's y in the experts' LoRA epilogue ([BLOCK_M, CHUNK x BLOCK_R]): 4 slots of rank
-# 16 for 16-row tiles, 1 for 64-row ones, where more spill (`benchmarks/sm90_census.py`, sm_90a)
-SLOT_CHUNK_ELEMENTS = 1024
 
 
 def _expand_operands(expand: RowExpand, y_rows: int, rows: int, width: int) -> tuple[int, int, int, int, tuple, int]:
@@ -532,12 +513,9 @@ def _expand_operands(expand: RowExpand, y_rows: int, rows: int, width: int) -> t
     return num_slots, parts, part_cols, rank, b_strides, block_stride
 
 
-def _expand_args(
-    expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int, block_m: int
-) -> tuple[list, dict]:
+def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, widest: int) -> tuple[list, dict]:
     """The kernel's LoRA arguments for `expand` (checked against x [., K] and the output [rows, width]) and its
-    constexprs, with a column tile that does not straddle two parts (gate | up) and the slots of a chunk for tiles
-    of `block_m` rows."""
+    constexprs, with a column tile that does not straddle two parts (gate | up)."""
     y, groups = expand.y, expand.groups
     num_slots, parts, part_cols, rank, b_strides, block_stride = _expand_operands(expand, x.shape[0], rows, width)
     sizes = (widest >> halving for halving in range(widest.bit_length()))
@@ -548,10 +526,7 @@ def _expand_args(
         y, expand.b, expand.slots, expand.scalings, rank, num_slots, part_cols, groups.first, groups.count,
         local_split(groups), groups.groups, y.stride(0), block_stride, *b_strides, stride_ss, stride_sb,
     ]  # fmt: skip
-    block_r = pow2(rank, 16)
-    chunk = min(pow2(num_slots), max(1, SLOT_CHUNK_ELEMENTS // (block_m * block_r)))
-    consts = dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=block_r, BLOCK_N=block_n, CHUNK=chunk)
-    return args, consts
+    return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=pow2(rank, 16), BLOCK_N=block_n)
 
 
 def expert_matmul(
@@ -584,16 +559,17 @@ def expert_matmul(
     if expand is not None and isinstance(expand.y, TokenShrink):
         wait = x.is_cuda  # CPU tensors: Triton's interpreter (tests), which has no programmatic launch
         expand = replace(expand, y=lora_shrink(x, expand.y.a, expand.y.token_slots, chained=True))
-    tiles, block_m = expert_tiles(depth, max_rows), expert_row_tile(max_rows)
+    tiles = expert_tiles(depth, max_rows)
     if expand is None:
         lora = [ends] * 4 + [0] * 16
-        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"], CHUNK=1)
+        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
     else:
-        lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"], block_m)
+        lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
     consts["WAIT_FOR_Y"] = wait
     # chained on CUDA, unless paired with the shrink launched just before it (WAIT_FOR_Y)
     launch = pair_launch(x) if wait else chain_launch(x)
     consts["PREFETCH_W"] = launch["CHAINED"] and every_token_from is not None and rows_prefetchable(weight)
+    block_m = expert_row_tile(max_rows)
     grid = (triton.cdiv(width, consts["BLOCK_N"]), triton.cdiv(max_rows, block_m), experts)
     _expert_matmul_kernel[grid](
         x, weight, ends, tokens if tokens is not None else ends, out, width, depth, x.stride(0), weight.stride(0),
