@@ -5,8 +5,10 @@ over its tile shapes, against the grouped GEMM (`torch._grouped_mm`) on the same
 Every figure is µs per call from CUDA-graph replays (bench_lora_kernels.time_graph, cycling over SETS weight sets so
 the weights come from HBM), median of replays; GB/s counts the weights of the experts that have rows (each read
 once); ratios are against the first tile row, and the tile the kernel picks for the shape (`triton_moe.expert_tiles`)
-is starred. Each tile's largest difference from the output of the kernel's own pick is printed.
-Run: python benchmarks/bench_expert_matmul.py [--tokens 8 32 128] [--out expert_matmul.json]
+is starred. Each tile's largest difference from the output of the kernel's own pick is printed. `--adapters 1 8`
+also times both GEMMs at the kernel's own tiles with their LoRA epilogue (rank 16, token i on slot i mod n), the
+expand's B cycling over SETS sets.
+Run: python benchmarks/bench_expert_matmul.py [--tokens 8 32 128] [--adapters 1 8] [--out expert_matmul.json]
 """
 
 import argparse
@@ -17,7 +19,10 @@ from bench_lora_kernels import SETS, time_graph
 from bench_moe_rows import expert_index
 
 from inkwell.kernels import expert_matmul, moe_dispatch, triton_moe
+from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
 from inkwell.models.presets import preset_config
+
+RANK = 16
 
 TILES = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (64, 128, 4, 4),
@@ -32,22 +37,51 @@ TILES = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 ]
 
 
-def rows_of(tokens: int, cfg, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+def rows_of(tokens: int, cfg, gen: torch.Generator, adapters: int = 0) -> tuple[torch.Tensor, torch.Tensor, int, tuple]:
     """The dispatched rows' tokens and expert ends of `tokens` tokens, each on top-k random routed experts and the
-    shared ones; and how many experts have rows."""
+    shared ones; how many experts have rows; and the rows' (slots, expert ids), token i on adapter slot i mod
+    `adapters` (none with 0)."""
     routed, shared, top_k = cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok
     index = expert_index(tokens, gen, routed, shared, top_k).cuda()
     weights = torch.ones(index.shape, dtype=torch.bfloat16, device="cuda")
-    slots = torch.full((tokens,), -1, dtype=torch.long, device="cuda")
-    _, row_tokens, experts, _, _, ends, _ = moe_dispatch(index, weights, slots, routed + shared)
-    return row_tokens, ends, int(experts.unique().numel())
+    token_slots = torch.arange(tokens, device="cuda") % adapters if adapters else torch.full((tokens,), -1)
+    _, row_tokens, experts, _, row_slots, ends, _ = moe_dispatch(index, weights, token_slots.cuda(), routed + shared)
+    return row_tokens, ends, int(experts.unique().numel()), (row_slots, experts)
+
+
+def lora_rows(tokens: int, adapters: int, gen: torch.Generator) -> list[dict]:
+    """expert_matmul with each GEMM's LoRA in its epilogue (`RowExpand`, rank 16, 8 slots, the routed and the shared
+    experts in two groups, y as the MoE head and silu * up leave it), at the kernel's own tiles."""
+    cfg = preset_config("inkling-small")
+    routed, count = cfg.n_routed_experts, cfg.n_routed_experts + cfg.n_shared_experts
+    hidden, ffn, dev = cfg.hidden_size, cfg.moe_intermediate_size, dict(device="cuda", dtype=torch.bfloat16)
+    row_tokens, ends, _, rows = rows_of(tokens, cfg, gen, adapters)
+    groups, slots = ExpertGroups(0, count, split=routed), 8
+    x = torch.randn(tokens, hidden, generator=gen).to(**dev)
+    act = torch.randn(row_tokens.shape[0], ffn, generator=gen).to(**dev)
+    gate_up = (torch.randn(count, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(**dev)
+    down = (torch.randn(count, hidden, ffn, generator=gen) / ffn**0.5).to(**dev)
+    y_in = torch.randn(tokens, 2 * groups.groups * RANK, generator=gen).to(**dev)
+    y_down = torch.randn(row_tokens.shape[0], RANK, generator=gen).to(**dev)
+    s_in, s_down = torch.rand(slots, 2 * groups.groups).cuda() + 0.5, torch.rand(slots, groups.groups).cuda() + 0.5
+    b_in = [torch.randn(slots, 2, count, ffn, RANK, generator=gen).to(**dev) / 4 for _ in range(SETS)]
+    b_down = [torch.randn(slots, groups.groups, hidden, RANK, generator=gen).to(**dev) / 4 for _ in range(SETS)]
+    cases = {
+        "gate_up": lambda i: expert_matmul(
+            x, gate_up, ends, row_tokens, tokens, RowExpand(y_in, b_in[i], *rows, s_in, groups), routed
+        ),
+        "down": lambda i: expert_matmul(
+            act, down, ends, None, tokens, RowExpand(y_down, b_down[i], *rows, s_down, groups), routed
+        ),
+    }
+    return [dict(tokens=tokens, gemm=name, adapters=adapters, us=time_graph(call)) for name, call in cases.items()]
 
 
 def bench(tokens: int, gen: torch.Generator) -> list[dict]:
     cfg = preset_config("inkling-small")
     count, hidden, ffn = cfg.n_routed_experts + cfg.n_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
     dev = dict(device="cuda", dtype=torch.bfloat16)
-    row_tokens, ends, reached = rows_of(tokens, cfg, gen)
+    row_tokens, ends, reached, _ = rows_of(tokens, cfg, gen)
     x = torch.randn(tokens, hidden, generator=gen).to(**dev)
     act = torch.randn(row_tokens.shape[0], ffn, generator=gen).to(**dev)
     gate_up = [(torch.randn(count, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(**dev) for _ in range(SETS)]
@@ -79,10 +113,12 @@ def bench(tokens: int, gen: torch.Generator) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--adapters", type=int, nargs="*", default=[], help="also time the GEMMs with their LoRA")
     ap.add_argument("--out", type=argparse.FileType("w"))
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = [row for tokens in args.tokens for row in bench(tokens, gen)]
+    lora = [row for tokens in args.tokens for n in args.adapters for row in lora_rows(tokens, n, gen)]
     print(f"{torch.cuda.get_device_name()}, inkling-small experts, bf16, µs per call (CUDA graphs)\n")
     print("| tokens | GEMM | BLOCK_N, BLOCK_K, warps, stages | µs | GB/s | grouped GEMM µs | vs first | max diff |")
     print("|---|---|---|---|---|---|---|---|")
@@ -94,8 +130,12 @@ def main() -> None:
             f"| {r['tokens']} | {r['gemm']} | {tile} | {r['us']:.1f} | {r['gb_s']:.0f} | "
             f"{r['grouped_us']:.1f} | {ratio:.2f}x | {r['max_diff']:.3g} |"
         )
+    if lora:
+        print("\n| tokens | GEMM | adapters | µs with the LoRA epilogue |\n|---|---|---|---|")
+        for r in lora:
+            print(f"| {r['tokens']} | {r['gemm']} | {r['adapters']} | {r['us']:.1f} |")
     if args.out:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, args.out, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "lora": lora}, args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def expert_row(name: str, tokens: int, gen: torch.Generator) -> dict:
     cfg = preset_config("inkling-small")
     count, hidden, ffn = cfg.n_routed_experts + cfg.n_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
     dev = dict(device="cuda", dtype=torch.bfloat16)
-    row_tokens, ends, _ = rows_of(tokens, cfg, gen)
+    row_tokens, ends, _, _ = rows_of(tokens, cfg, gen)
     if name == "gate_up":
         inp, tok, (n, k) = torch.randn(tokens, hidden, generator=gen).to(**dev), row_tokens, (2 * ffn, hidden)
     else:
