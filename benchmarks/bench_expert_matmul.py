@@ -16,13 +16,11 @@ import json
 
 import torch
 from bench_lora_kernels import SETS, time_graph
-from bench_moe_rows import expert_index
+from bench_moe_rows import GROUPS, RANK, SLOTS, expert_index
 
 from inkwell.kernels import expert_matmul, moe_dispatch, triton_moe
-from inkwell.kernels.torch_ops import ExpertGroups, RowExpand
+from inkwell.kernels.torch_ops import RowExpand
 from inkwell.models.presets import preset_config
-
-RANK = 16
 
 TILES = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (64, 128, 4, 4),
@@ -44,19 +42,19 @@ def rows_of(tokens: int, cfg, gen: torch.Generator, adapters: int = 0) -> tuple[
     routed, shared, top_k = cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok
     index = expert_index(tokens, gen, routed, shared, top_k).cuda()
     weights = torch.ones(index.shape, dtype=torch.bfloat16, device="cuda")
-    token_slots = torch.arange(tokens, device="cuda") % adapters if adapters else torch.full((tokens,), -1)
+    token_slots = torch.arange(tokens) % adapters if adapters else torch.full((tokens,), -1)
     _, row_tokens, experts, _, row_slots, ends, _ = moe_dispatch(index, weights, token_slots.cuda(), routed + shared)
     return row_tokens, ends, int(experts.unique().numel()), (row_slots, experts)
 
 
 def lora_rows(tokens: int, adapters: int, gen: torch.Generator) -> list[dict]:
-    """expert_matmul with each GEMM's LoRA in its epilogue (`RowExpand`, rank 16, 8 slots, the routed and the shared
-    experts in two groups, y as the MoE head and silu * up leave it), at the kernel's own tiles."""
+    """expert_matmul with each GEMM's LoRA in its epilogue (`RowExpand` at bench_moe_rows' rank, slots and groups:
+    the routed and the shared experts in two; y as the MoE head and silu * up leave it), at the kernel's own tiles."""
     cfg = preset_config("inkling-small")
     routed, count = cfg.n_routed_experts, cfg.n_routed_experts + cfg.n_shared_experts
     hidden, ffn, dev = cfg.hidden_size, cfg.moe_intermediate_size, dict(device="cuda", dtype=torch.bfloat16)
     row_tokens, ends, _, rows = rows_of(tokens, cfg, gen, adapters)
-    groups, slots = ExpertGroups(0, count, split=routed), 8
+    groups, slots = GROUPS, SLOTS
     x = torch.randn(tokens, hidden, generator=gen).to(**dev)
     act = torch.randn(row_tokens.shape[0], ffn, generator=gen).to(**dev)
     gate_up = (torch.randn(count, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(**dev)
