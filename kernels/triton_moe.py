@@ -38,7 +38,6 @@ from inkwell.kernels.triton_pdl import (
     chain_start,
     pair_launch,
     prefetch_rows_l2,
-    prefetch_runs_l2,
     rows_prefetchable,
     wait_then_trigger,
 )
@@ -366,15 +365,12 @@ def expert_row_block(ends_ptr, e, m_block, BLOCK_M: tl.constexpr):
 def _delta_operands(
     e, r, in_r, src, n, in_n, n0, y_ptr, b_ptr, slot_ptr, R, num_slots, part_cols, first, count, split, groups,
     stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br, LATE_Y: tl.constexpr,
-    PER_EXPERT: tl.constexpr, PREFETCH_B: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """What `_slot_deltas` needs of columns n (one part, starting at n0) of expert e's tile, loaded before the GEMM's K
     loop so the loads fly beside it: the rows' slots, their y rows (with LATE_Y, y being written beside this kernel:
     y's pointers, for a load after the wait for it), the block of B of the tile's least slot, and B's pointers at that
-    slot. The tile is one expert's, so a slot's B for it is one [R, BLOCK_N] block. PREFETCH_B (B's [N, R] rows one
-    run of bytes, `rows_prefetchable`): the blocks of the tile's other slots are asked into L2, so the loop over them
-    after the K loop waits on L2, not on memory, once per slot."""
+    slot. The tile is one expert's, so a slot's B for it is one [R, BLOCK_N] block."""
     local = e - first
     slots = tl.load(slot_ptr + r, mask=in_r & (local >= 0) & (local < count), other=-1)
     part = n0 // part_cols
@@ -392,13 +388,6 @@ def _delta_operands(
     )  # fmt: skip
     b_mask = (j < R)[:, None] & in_n[None, :]
     least = tl.min(tl.where(slots >= 0, slots, num_slots), 0)  # num_slots: the tile holds no slot
-    if PREFETCH_B:  # SLOTS: the pool's slot count to a power of 2
-        s = tl.arange(0, SLOTS)
-        others = (tl.max((slots[:, None] == s[None, :]).to(tl.int32), 0) > 0) & (s != least)
-        col0 = n0 - part * part_cols
-        run = tl.minimum(part_cols - col0, BLOCK_N) * R * (b_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        tile_b = b_ptr + part * stride_bp + which.to(tl.int64) * stride_be + col0 * stride_bn
-        prefetch_runs_l2(tile_b + s.to(tl.int64) * stride_bs, tl.where(others, run, 0))
     b_block += least.to(tl.int64) * stride_bs
     b_least = tl.load(b_block, mask=b_mask & (least < num_slots), other=0.0)
     return slots, block, y, y_mask, least, b_least, b_block, b_mask
@@ -435,8 +424,8 @@ def _expert_matmul_kernel(
     y_ptr, b_ptr, slot_ptr, scale_ptr, R, num_slots, part_cols, first, count, split, groups, stride_ym, stride_yb,
     stride_bs, stride_bp, stride_be, stride_bn, stride_br, stride_ss, stride_sb,
     GATHER: tl.constexpr, IEEE: tl.constexpr, EXPAND: tl.constexpr, PER_EXPERT: tl.constexpr,
-    WAIT_FOR_Y: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, PREFETCH_B: tl.constexpr,
-    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    WAIT_FOR_Y: tl.constexpr, CHAINED: tl.constexpr, PREFETCH_W: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Expert e's rows m_block*BLOCK_M .. (of its own) times its weight's columns n_block*BLOCK_N ..: programs past
     the expert's rows return at once. With EXPAND, each row's LoRA delta (`torch_ops.RowExpand`) is added to the
@@ -475,7 +464,7 @@ def _expert_matmul_kernel(
         slots, block, y, y_mask, least, b_least, b_block, b_mask = _delta_operands(
             e, r, in_r, src, n, in_n, n_block * BLOCK_N, y_ptr, b_ptr, slot_ptr, R, num_slots, part_cols, first,
             count, split, groups, stride_ym, stride_yb, stride_bs, stride_bp, stride_be, stride_bn, stride_br,
-            WAIT_FOR_Y, PER_EXPERT, PREFETCH_B, SLOTS, BLOCK_N, BLOCK_R,
+            WAIT_FOR_Y, PER_EXPERT, BLOCK_R,
         )  # fmt: skip
     k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src[:, None] * stride_xm + k[None, :]
@@ -537,12 +526,7 @@ def _expand_args(expand: RowExpand, x: torch.Tensor, rows: int, width: int, wide
         y, expand.b, expand.slots, expand.scalings, rank, num_slots, part_cols, groups.first, groups.count,
         local_split(groups), groups.groups, y.stride(0), block_stride, *b_strides, stride_ss, stride_sb,
     ]  # fmt: skip
-    b = expand.b
-    # the tile's other slots' B into L2 (CUDA only: Triton's interpreter has no inline assembly)
-    aligned = all(step * b.element_size() % 16 == 0 for step in b.stride()[:-1])  # every block's run starts aligned
-    prefetch_b = x.is_cuda and rows_prefetchable(b) and aligned
-    consts = dict(EXPAND=True, PER_EXPERT=expand.per_expert, PREFETCH_B=prefetch_b, SLOTS=pow2(num_slots, 2))
-    return args, dict(consts, BLOCK_R=pow2(rank, 16), BLOCK_N=block_n)
+    return args, dict(EXPAND=True, PER_EXPERT=expand.per_expert, BLOCK_R=pow2(rank, 16), BLOCK_N=block_n)
 
 
 def expert_matmul(
@@ -578,7 +562,7 @@ def expert_matmul(
     tiles = expert_tiles(depth, max_rows)
     if expand is None:
         lora = [ends] * 4 + [0] * 16
-        consts = dict(EXPAND=False, PER_EXPERT=False, PREFETCH_B=False, SLOTS=1, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
+        consts = dict(EXPAND=False, PER_EXPERT=False, BLOCK_R=16, BLOCK_N=tiles["BLOCK_N"])
     else:
         lora, consts = _expand_args(expand, x, rows, width, tiles["BLOCK_N"])
     consts["WAIT_FOR_Y"] = wait

@@ -66,17 +66,11 @@ def prefetch_l2(base, nbytes, CHUNKS: tl.constexpr):
     with nothing to wait for, so the program goes on at once."""
     chunk = tl.cdiv(tl.cdiv(nbytes, CHUNKS), 16) * 16
     start = tl.arange(0, CHUNKS) * chunk
-    prefetch_runs_l2(base.to(tl.pointer_type(tl.int8)) + start, tl.maximum(tl.minimum(chunk, nbytes - start), 0))
-
-
-@triton.jit
-def prefetch_runs_l2(starts, sizes):
-    """Ask L2 for each run of `sizes` bytes (multiples of 16; 0: none) from `starts` (16-byte aligned), elementwise
-    bulk prefetches: hints on sm_90 with nothing to wait for."""
+    size = tl.maximum(tl.minimum(chunk, nbytes - start), 0)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r",
-        [starts.to(tl.pointer_type(tl.int8)), sizes],
+        [base.to(tl.pointer_type(tl.int8)) + start, size],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
