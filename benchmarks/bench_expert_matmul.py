@@ -16,10 +16,9 @@ import json
 
 import torch
 from bench_lora_kernels import SETS, time_graph
-from bench_moe_rows import GROUPS, RANK, SLOTS, expert_index
+from bench_moe_rows import expert_expands, expert_index
 
 from inkwell.kernels import expert_matmul, moe_dispatch, triton_moe
-from inkwell.kernels.torch_ops import RowExpand
 from inkwell.models.presets import preset_config
 
 TILES = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -48,29 +47,20 @@ def rows_of(tokens: int, cfg, gen: torch.Generator, adapters: int = 0) -> tuple[
 
 
 def lora_rows(tokens: int, adapters: int, gen: torch.Generator) -> list[dict]:
-    """expert_matmul with each GEMM's LoRA in its epilogue (`RowExpand` at bench_moe_rows' rank, slots and groups:
-    the routed and the shared experts in two; y as the MoE head and silu * up leave it), at the kernel's own tiles."""
+    """expert_matmul with each GEMM's LoRA in its epilogue (bench_moe_rows' `expert_expands`: its rank, slots and
+    groups), at the kernel's own tiles."""
     cfg = preset_config("inkling-small")
     routed, count = cfg.n_routed_experts, cfg.n_routed_experts + cfg.n_shared_experts
     hidden, ffn, dev = cfg.hidden_size, cfg.moe_intermediate_size, dict(device="cuda", dtype=torch.bfloat16)
-    row_tokens, ends, _, rows = rows_of(tokens, cfg, gen, adapters)
-    groups, slots = GROUPS, SLOTS
+    row_tokens, ends, _, (row_slots, experts) = rows_of(tokens, cfg, gen, adapters)
     x = torch.randn(tokens, hidden, generator=gen).to(**dev)
     act = torch.randn(row_tokens.shape[0], ffn, generator=gen).to(**dev)
     gate_up = (torch.randn(count, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(**dev)
     down = (torch.randn(count, hidden, ffn, generator=gen) / ffn**0.5).to(**dev)
-    y_in = torch.randn(tokens, 2 * groups.groups * RANK, generator=gen).to(**dev)
-    y_down = torch.randn(row_tokens.shape[0], RANK, generator=gen).to(**dev)
-    s_in, s_down = torch.rand(slots, 2 * groups.groups).cuda() + 0.5, torch.rand(slots, groups.groups).cuda() + 0.5
-    b_in = [torch.randn(slots, 2, count, ffn, RANK, generator=gen).to(**dev) / 4 for _ in range(SETS)]
-    b_down = [torch.randn(slots, groups.groups, hidden, RANK, generator=gen).to(**dev) / 4 for _ in range(SETS)]
+    gate_up_lora, down_lora = expert_expands(tokens, row_slots, experts, hidden, ffn)
     cases = {
-        "gate_up": lambda i: expert_matmul(
-            x, gate_up, ends, row_tokens, tokens, RowExpand(y_in, b_in[i], *rows, s_in, groups), routed
-        ),
-        "down": lambda i: expert_matmul(
-            act, down, ends, None, tokens, RowExpand(y_down, b_down[i], *rows, s_down, groups), routed
-        ),
+        "gate_up": lambda i: expert_matmul(x, gate_up, ends, row_tokens, tokens, gate_up_lora[i], routed),
+        "down": lambda i: expert_matmul(act, down, ends, None, tokens, down_lora[i], routed),
     }
     return [dict(tokens=tokens, gemm=name, adapters=adapters, us=time_graph(call)) for name, call in cases.items()]
 

@@ -32,6 +32,35 @@ def expert_index(tokens: int, gen: torch.Generator, routed: int, shared: int, to
     return torch.cat([picks, torch.arange(routed, routed + shared).expand(tokens, -1)], dim=1)
 
 
+def expert_expands(
+    tokens: int, row_slots: torch.Tensor, experts: torch.Tensor, hidden: int = HIDDEN, ffn: int = WIDTH
+) -> tuple[list[RowExpand], list[RowExpand]]:
+    """SETS gate/up and SETS down LoRA expands (`RowExpand`) of the dispatched rows of `tokens` tokens (the rows'
+    slots and experts) at RANK over SLOTS slots, the routed and the shared experts in two GROUPS; y as the MoE head
+    (gate/up, a row per token) and silu * up (down, a row per dispatched row) leave it. Each set has its own B (and
+    the down its own y and scalings), so cycling the sets reads B from HBM."""
+    bf16, rows = dict(device="cuda", dtype=torch.bfloat16), row_slots.numel()
+    y_in = torch.randn(tokens, 2 * GROUPS.groups * RANK, **bf16)
+    in_scalings = torch.rand(SLOTS, 2 * GROUPS.groups, device="cuda") + 0.5
+    gate_up = [
+        RowExpand(y_in, torch.randn(SLOTS, 2, GROUPS.count, ffn, RANK, **bf16) / 4, row_slots, experts, in_scalings,
+                  GROUPS)
+        for _ in range(SETS)
+    ]  # fmt: skip
+    down = [
+        RowExpand(
+            torch.randn(rows, RANK, **bf16),
+            torch.randn(SLOTS, GROUPS.groups, hidden, RANK, **bf16) / 4,
+            row_slots,
+            experts,
+            torch.rand(SLOTS, GROUPS.groups, device="cuda") + 0.5,
+            GROUPS,
+        )
+        for _ in range(SETS)
+    ]
+    return gate_up, down
+
+
 def bench(tokens: int, sweep: bool, gen: torch.Generator) -> dict:
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     index = expert_index(tokens, gen, ROUTED, SHARED, TOP_K).to("cuda")
@@ -42,25 +71,8 @@ def bench(tokens: int, sweep: bool, gen: torch.Generator) -> dict:
     )
     rows = row_tokens.numel()
     down = torch.randn(rows, HIDDEN, **bf16)
-    down_lora = [
-        RowExpand(
-            torch.randn(rows, RANK, **bf16),
-            torch.randn(SLOTS, GROUPS.groups, HIDDEN, RANK, **bf16) / 4,
-            row_slots,
-            experts,
-            torch.rand(SLOTS, GROUPS.groups, device="cuda") + 0.5,
-            GROUPS,
-        )
-        for _ in range(SETS)
-    ]
     gate_up = torch.randn(rows, 2 * WIDTH, **bf16)
-    y_in = torch.randn(tokens, 2 * GROUPS.groups * RANK, **bf16)
-    in_scalings = torch.rand(SLOTS, 2 * GROUPS.groups, device="cuda") + 0.5
-    gate_up_lora = [
-        RowExpand(y_in, torch.randn(SLOTS, 2, GROUPS.count, WIDTH, RANK, **bf16) / 4, row_slots, experts, in_scalings,
-                  GROUPS)
-        for _ in range(SETS)
-    ]  # fmt: skip
+    gate_up_lora, down_lora = expert_expands(tokens, row_slots, experts)
 
     def combine(lora: list[RowExpand] | None):
         return lambda i: triton_moe.moe_combine(
